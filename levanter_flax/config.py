@@ -1,0 +1,215 @@
+"""The config schema: defaults, validation, and conversion to plain typed objects.
+
+Config files in configs/ start from `default_config()` and change what they
+need. `to_run_config` is the edge: it checks every key and type and returns
+small frozen dataclasses, so no code below it touches a ConfigDict.
+"""
+import dataclasses
+import typing
+from typing import Any
+
+import ml_collections
+
+from levanter_flax.data import DataConfig
+from levanter_flax.errors import UserError
+from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax.optim import OptimizerConfig
+from levanter_flax.partitioning import ShardingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  batch_size: int
+  num_train_steps: int
+  log_every_steps: int
+  eval_every_steps: int
+  eval_batches: int
+  checkpoint_every_steps: int
+  keep_checkpoints: int
+  seed: int
+  device_mesh: tuple[tuple[str, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  model: GPT2Config
+  trainer: TrainerConfig
+  optimizer: OptimizerConfig
+  data: DataConfig
+  sharding: ShardingConfig
+
+
+def mesh(**axes: int) -> ml_collections.ConfigDict:
+  """An axis-name -> size mapping that keeps the order the axes were given in."""
+  return ml_collections.ConfigDict(axes, sort_keys=False)
+
+
+# Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
+# split by output column, attention-out and MLP-out by input row, so each block
+# needs one all-reduce per matmul pair; embeddings are split by vocabulary.
+# Anything unmatched (LayerNorms, position embeddings, row-split biases) is replicated.
+GPT2_PARTITION_RULES = (
+    (r"wte/embedding$", ("model", None)),
+    (r"attn/c_attn/kernel$", (None, "model")),
+    (r"attn/c_attn/bias$", ("model",)),
+    (r"attn/c_proj/kernel$", ("model", None)),
+    (r"mlp/c_fc/kernel$", (None, "model")),
+    (r"mlp/c_fc/bias$", ("model",)),
+    (r"mlp/c_proj/kernel$", ("model", None)),
+)
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """GPT-2 small (124M) on the built-in corpus; configs/ files start from this."""
+  config = ml_collections.ConfigDict()
+
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 50257  # GPT-2's; must cover the tokenizer's vocabulary.
+  config.model.seq_len = 1024
+  config.model.num_layers = 12
+  config.model.num_heads = 12
+  config.model.hidden_dim = 768
+  config.model.remat = False  # Recompute each block in the backward pass.
+  config.model.dtype = "float32"  # Compute dtype; parameters stay float32.
+  config.model.layer_norm_epsilon = 1e-5
+  config.model.initializer_range = 0.02
+
+  config.trainer = ml_collections.ConfigDict()
+  config.trainer.batch_size = 32  # Global, in sequences.
+  config.trainer.num_train_steps = 10_000
+  config.trainer.log_every_steps = 10
+  config.trainer.eval_every_steps = 500
+  config.trainer.eval_batches = 8
+  config.trainer.checkpoint_every_steps = 500
+  config.trainer.keep_checkpoints = 3
+  config.trainer.seed = 0
+  # Axis name -> size; -1 takes all remaining devices.
+  config.trainer.device_mesh = mesh(data=-1, model=1)
+
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
+  config.optimizer.warmup_steps = 200
+  config.optimizer.min_learning_rate_ratio = 0.1  # Final LR as a fraction of the peak.
+  config.optimizer.weight_decay = 0.1  # AdamW; never on biases or LayerNorm.
+  config.optimizer.max_grad_norm = 1.0  # Global-norm clipping; 0 turns it off.
+  config.optimizer.beta1 = 0.9
+  config.optimizer.beta2 = 0.95
+  config.optimizer.epsilon = 1e-8
+
+  config.data = ml_collections.ConfigDict()
+  config.data.cache_dir = ""  # Tokenized shards live here; "" is ~/.cache/levanter_flax.
+  config.data.corpus = "stdlib"  # The Python standard library's sources: offline text.
+  config.data.tokenizer = "byte"  # 256 bytes + EOS; nothing to download.
+  config.data.validation_fraction = 0.02  # Of documents, held out for eval.
+  config.data.num_train_shards = 8
+  config.data.shuffle_buffer_size = 1024  # Packed windows.
+
+  config.sharding = ml_collections.ConfigDict()
+  config.sharding.rules = GPT2_PARTITION_RULES
+  # Mesh axes as a name or comma-separated names ("data,model"); "" is none.
+  config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
+  config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.
+  config.sharding.optimizer_axis = ""  # ZeRO-1: also shard optimizer state.
+  config.sharding.strict = False  # Refuse parameters that no rule matches.
+  return config
+
+
+def _type_name(tp) -> str:
+  return getattr(tp, "__name__", str(tp))
+
+
+def _check_scalar(key: str, value: Any, tp) -> Any:
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+    raise UserError(f"config key {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+  return value
+
+
+def _axes(key: str, value: Any):
+  if value is None or value == "":
+    return None
+  if isinstance(value, str):
+    names = tuple(name.strip() for name in value.split(","))
+    return names[0] if len(names) == 1 else names
+  if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+    return tuple(value)
+  raise UserError(f"config key {key} must be a mesh axis name, names, or None; got {value!r}")
+
+
+def _device_mesh(key: str, value: Any) -> tuple[tuple[str, int], ...]:
+  items = list(value.items()) if hasattr(value, "items") else None
+  if not items or not all(isinstance(n, str) and isinstance(s, int) for n, s in items):
+    raise UserError(f"config key {key} must map axis names to sizes, e.g. data=-1, model=1; got {value!r}")
+  return tuple(items)
+
+
+def _rules(key: str, value: Any):
+  try:
+    rules = tuple((pattern, tuple(spec)) for pattern, spec in value)
+  except (TypeError, ValueError):
+    raise UserError(f"config key {key} must be a sequence of (regex, spec) pairs; got {value!r}") from None
+  for pattern, spec in rules:
+    if not isinstance(pattern, str):
+      raise UserError(f"config key {key}: regex {pattern!r} is not a string")
+    for entry in spec:
+      _axes(f"{key}[{pattern!r}]", entry)
+  return tuple((pattern, tuple(_axes(key, e) for e in spec)) for pattern, spec in rules)
+
+
+_CONVERTERS = {
+    "trainer.device_mesh": _device_mesh,
+    "sharding.rules": _rules,
+    "sharding.activation_axis": _axes,
+    "sharding.parameter_axis": _axes,
+    "sharding.optimizer_axis": _axes,
+}
+
+
+def _section(cls, config: ml_collections.ConfigDict, name: str):
+  section = config.get(name)
+  if not isinstance(section, ml_collections.ConfigDict):
+    raise UserError(f"config section config.{name} is missing")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  for key in section.keys():
+    if key not in fields:
+      raise UserError(f"unknown config key config.{name}.{key}")
+  hints = typing.get_type_hints(cls)
+  values = {}
+  for field in fields.values():
+    key = f"config.{name}.{field.name}"
+    if field.name not in section:
+      if field.default is dataclasses.MISSING:
+        raise UserError(f"config key {key} is missing")
+      continue
+    convert = _CONVERTERS.get(f"{name}.{field.name}")
+    value = section[field.name]
+    values[field.name] = convert(key, value) if convert else _check_scalar(key, value, hints[field.name])
+  return cls(**values)
+
+
+def _check_positive(run: RunConfig) -> None:
+  for section in ("model", "trainer"):
+    for field in dataclasses.fields(getattr(run, section)):
+      value = getattr(getattr(run, section), field.name)
+      if (isinstance(value, int) and not isinstance(value, bool) and field.name != "seed"
+          and value <= 0):
+        raise UserError(f"config key config.{section}.{field.name} must be positive, got {value}")
+
+
+def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
+  """Validates `config` and returns it as plain typed objects."""
+  sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+  for key in config.keys():
+    if key not in sections:
+      raise UserError(f"unknown config section config.{key}")
+  run = RunConfig(**{name: _section(cls, config, name) for name, cls in sections.items()})
+  _check_positive(run)
+  if run.model.hidden_dim % run.model.num_heads:
+    raise UserError(f"config.model.hidden_dim ({run.model.hidden_dim}) must be divisible by "
+                    f"config.model.num_heads ({run.model.num_heads})")
+  if run.model.dtype not in ("float32", "bfloat16", "float16"):
+    raise UserError(f"config.model.dtype must be float32, bfloat16 or float16; got {run.model.dtype!r}")
+  if not 0 < run.data.validation_fraction < 1:
+    raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
+  return run

@@ -1,0 +1,90 @@
+"""Command line: python -m levanter_flax.main --config=configs/gpt2_nano.py [--workdir=DIR].
+
+Every config field can be overridden, e.g. --config.trainer.batch_size=64.
+Bad input ends in one line on stderr naming the culprit, and exit status 1.
+"""
+import logging as std_logging
+import os
+import pathlib
+import re
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
+flags.mark_flag_as_required("config")
+
+
+def _fail(message: str) -> None:
+  print(f"levanter_flax: error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _config_path(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "?"
+
+
+def _describe_flag_error(error: Exception, argv: list[str]) -> str:
+  """One line for whatever config_flags raised while loading the file or an override."""
+  text = str(error.args[0] if error.args else error)
+  if isinstance(error, (AttributeError, KeyError)):
+    unknown = re.search(r"'(\w+)'", text)
+    overrides = [a for a in argv if unknown and a.startswith("--config.") and unknown.group(1) in a]
+    hint = re.search(r"Did you mean \"(\w+)\"", text)
+    culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
+    return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+  if isinstance(error, OSError) and "config file" in text:
+    reason = text.strip().splitlines()[-1].strip()
+    return f"cannot load config file {_config_path(argv)}: {reason}"
+  if isinstance(error, SyntaxError):
+    return f"config file {error.filename}, line {error.lineno}: {error.msg}"
+  first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+  return f"config {_config_path(argv)}: {first_line}"
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # Surfaces an error config_flags deferred while loading the file.
+  except flags.Error as e:
+    _fail(str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(_describe_flag_error(e, argv))
+  return rest
+
+
+def _quiet_library_logs() -> None:
+  """Drops orbax's per-save INFO chatter; its warnings and errors still show."""
+  noisy = os.sep + "orbax" + os.sep
+  logging.get_absl_logger().addFilter(
+      lambda record: record.levelno >= std_logging.WARNING or noisy not in record.pathname)
+
+
+def main(argv: list[str]) -> None:
+  _quiet_library_logs()
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / pathlib.Path(config_file).stem)
+  try:
+    run = to_run_config(_CONFIG.value)
+    from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
+    final = train.train_and_evaluate(run, workdir)
+  except UserError as e:
+    _fail(str(e))
+  logging.info("Finished in %s: %s", workdir, final)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,1 @@
+"""Flax Linen language models."""

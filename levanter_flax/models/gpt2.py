@@ -1,0 +1,101 @@
+"""GPT-2 in Flax Linen, laid out like OpenAI's so its weights map one to one.
+
+Learned positions, pre-LayerNorm blocks, tanh-approximated GELU, biases
+everywhere, tied input/output embeddings, and GPT-2's initialisation: N(0, 0.02)
+with the residual projections scaled by 1/sqrt(2 * num_layers). Parameter names
+follow the Hugging Face checkpoint (wte, wpe, h_<i>/attn/c_attn, ...), which is
+also what the partition rules match.
+"""
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+  vocab_size: int
+  seq_len: int
+  num_layers: int
+  num_heads: int
+  hidden_dim: int
+  remat: bool = False
+  dtype: str = "float32"
+  layer_norm_epsilon: float = 1e-5
+  initializer_range: float = 0.02
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_dim // self.num_heads
+
+
+def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> nn.Dense:
+  return nn.Dense(features, dtype=cfg.dtype, kernel_init=nn.initializers.normal(std),
+                  bias_init=nn.initializers.zeros, name=name)
+
+
+def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name)
+
+
+def _residual_std(cfg: GPT2Config) -> float:
+  # GPT-2 scales the layers that write into the residual stream so its
+  # variance does not grow with depth.
+  return cfg.initializer_range / math.sqrt(2 * cfg.num_layers)
+
+
+class CausalSelfAttention(nn.Module):
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    batch, length, _ = x.shape
+    qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
+    heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
+    q, k, v = heads[:, :, 0], heads[:, :, 1], heads[:, :, 2]
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = out.reshape(batch, length, cfg.hidden_dim)
+    return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
+
+
+class MLP(nn.Module):
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    x = _dense(4 * cfg.hidden_dim, cfg, "c_fc", cfg.initializer_range)(x)
+    x = nn.gelu(x, approximate=True)
+    return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(x)
+
+
+class Block(nn.Module):
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + CausalSelfAttention(self.config, name="attn")(_layer_norm(self.config, "ln_1")(x))
+    return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
+
+
+class GPT2LMHeadModel(nn.Module):
+  """Maps tokens [batch, length] to next-token logits [batch, length, vocab]."""
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    embed_init = nn.initializers.normal(cfg.initializer_range)
+    wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
+                   dtype=cfg.dtype, name="wte")
+    wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
+                   dtype=cfg.dtype, name="wpe")
+    x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None]
+    block = nn.remat(Block) if cfg.remat else Block
+    for i in range(cfg.num_layers):
+      x = block(cfg, name=f"h_{i}")(x)
+    x = _layer_norm(cfg, "ln_f")(x)
+    return wte.attend(x)

@@ -1,0 +1,170 @@
+"""Device mesh, regex partition rules and ZeRO axes -> NamedShardings.
+
+A rule is (regex, spec): the regex is matched against a parameter's
+'/'-joined Flax path (e.g. "h_3/attn/c_attn/kernel") and the first match wins.
+A spec gives each array dimension a mesh axis name, a tuple of names, or None.
+On top of the rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis`
+(ZeRO-1) shard each array along its largest evenly divisible dimension that no
+rule has claimed.
+"""
+import dataclasses
+import math
+import re
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import optax
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from levanter_flax.errors import UserError
+
+AxisNames = Union[None, str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+  rules: tuple[tuple[str, tuple[AxisNames, ...]], ...]
+  activation_axis: AxisNames
+  parameter_axis: AxisNames
+  optimizer_axis: AxisNames
+  strict: bool
+
+
+def make_mesh(device_mesh: Sequence[tuple[str, int]],
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """Builds the mesh from (axis, size) pairs; one size may be -1 for 'the rest'."""
+  devices = list(jax.devices() if devices is None else devices)
+  names = tuple(name for name, _ in device_mesh)
+  sizes = [size for _, size in device_mesh]
+  if sizes.count(-1) > 1:
+    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: only one axis may be -1")
+  if any(size == 0 or size < -1 for size in sizes):
+    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: sizes must be positive or -1")
+  known = math.prod(size for size in sizes if size != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise UserError(f"trainer.device_mesh {dict(device_mesh)}: {len(devices)} devices "
+                      f"are not divisible by the fixed axes' product {known}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: the sizes multiply to "
+                    f"{math.prod(sizes)} but there are {len(devices)} devices")
+  device_array = mesh_utils.create_device_mesh(sizes, devices)
+  return Mesh(device_array, names)
+
+
+def path_name(path) -> str:
+  """'/'-joined names of a pytree key path: ('params', 'h_0', 'ln_1', 'scale') -> 'h_0/ln_1/scale'."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+  if parts and parts[0] == "params":
+    parts = parts[1:]
+  return "/".join(parts)
+
+
+def _axes_of(entry: AxisNames) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+class Partitioner:
+  """Turns the mesh and the sharding config into shardings for state and batches."""
+
+  def __init__(self, mesh: Mesh, config: ShardingConfig):
+    self.mesh = mesh
+    self.config = config
+    for pattern, spec in config.rules:
+      for axis in (a for entry in spec for a in _axes_of(entry)):
+        self._check_axis(axis, f"config.sharding.rules entry {pattern!r}")
+    for key in ("activation_axis", "parameter_axis", "optimizer_axis"):
+      for axis in _axes_of(getattr(config, key)):
+        self._check_axis(axis, f"config.sharding.{key}")
+
+  def _check_axis(self, axis: str, where: str) -> None:
+    if axis not in self.mesh.shape:
+      raise UserError(f"{where} names mesh axis {axis!r}, but the mesh has only "
+                      f"{tuple(self.mesh.shape)} (trainer.device_mesh)")
+
+  def _axis_size(self, entry: AxisNames) -> int:
+    return math.prod(self.mesh.shape[a] for a in _axes_of(entry))
+
+  def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
+    for pattern, spec in self.config.rules:
+      if re.search(pattern, name):
+        if len(spec) != len(shape):
+          raise UserError(f"config.sharding.rules entry {pattern!r} gives {len(spec)} "
+                          f"dimensions to parameter {name} of shape {shape}")
+        return tuple(spec)
+    if self.config.strict:
+      raise UserError(f"parameter {name} {shape} matches no rule in config.sharding.rules "
+                      "(config.sharding.strict is set)")
+    return (None,) * len(shape)
+
+  def _with_zero_axis(self, spec: tuple[AxisNames, ...], shape, zero_axis: AxisNames):
+    """Adds zero_axis on the largest free dimension it divides; used axes are skipped."""
+    used = {a for entry in spec for a in _axes_of(entry)}
+    new_axes = tuple(a for a in _axes_of(zero_axis) if a not in used)
+    if not new_axes:
+      return spec
+    size = self._axis_size(new_axes)
+    free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % size == 0]
+    if not free:
+      return spec
+    dim = max(free, key=lambda d: shape[d])
+    spec = list(spec)
+    spec[dim] = new_axes[0] if len(new_axes) == 1 else new_axes
+    return tuple(spec)
+
+  def _checked(self, name: str, shape, spec) -> PartitionSpec:
+    for dim, entry in enumerate(spec):
+      size = self._axis_size(entry)
+      if shape[dim] % size:
+        raise UserError(f"parameter {name} {tuple(shape)}: dimension {dim} ({shape[dim]}) is "
+                        f"not divisible by mesh axis {entry!r} of size {size}")
+    return PartitionSpec(*spec)
+
+  def param_spec(self, name: str, shape) -> PartitionSpec:
+    spec = self.rule_spec(name, shape)
+    spec = self._with_zero_axis(spec, shape, self.config.parameter_axis)
+    return self._checked(name, shape, spec)
+
+  def optimizer_spec(self, name: str, shape) -> PartitionSpec:
+    spec = self.param_spec(name, shape)
+    spec = self._with_zero_axis(tuple(spec) + (None,) * (len(shape) - len(spec)), shape,
+                                self.config.optimizer_axis)
+    return self._checked(name, shape, spec)
+
+  def sharding(self, spec: PartitionSpec) -> NamedSharding:
+    return NamedSharding(self.mesh, spec)
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return self.sharding(PartitionSpec())
+
+  def param_shardings(self, abstract_params) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: self.sharding(self.param_spec(path_name(path), x.shape)), abstract_params)
+
+  def opt_state_shardings(self, optimizer: optax.GradientTransformation,
+                          abstract_opt_state, abstract_params) -> Any:
+    """Shards each optimizer leaf like its parameter; counts and scalars are replicated."""
+    names = jax.tree_util.tree_map_with_path(lambda path, _: path_name(path), abstract_params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda leaf, name: self.sharding(self.optimizer_spec(name, leaf.shape)),
+        abstract_opt_state, names,
+        transform_non_params=lambda _: self.replicated)
+
+  def batch_sharding(self) -> NamedSharding:
+    return self.sharding(PartitionSpec(self.config.activation_axis))
+
+  @property
+  def data_parallel_size(self) -> int:
+    return self._axis_size(self.config.activation_axis)
+

@@ -1,0 +1,30 @@
+"""levanter_flax: an LLM trainer for JAX on Flax Linen with explicit partition rules."""
+import setuptools
+
+setuptools.setup(
+    name="levanter_flax",
+    version="0.1.0",
+    description="LLM trainer for JAX built on Flax Linen with explicit partition rules.",
+    packages=setuptools.find_packages(include=["levanter_flax", "levanter_flax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10,<0.12",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12,<0.13",
+        "ml-collections>=1.1,<1.2",
+        "clu==0.0.12",
+        # The input pipeline only; see BUILD_NOTES.md for why it is the CPU build.
+        "tensorflow-cpu>=2.21,<2.22",
+        "tensorflow-datasets>=4.9,<4.10",
+        # clu's summary writer imports tensorboard without declaring it.
+        "tensorboard",
+        "absl-py",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "gpu": ["jax[cuda12]>=0.10,<0.12"],
+        "tpu": ["jax[tpu]>=0.10,<0.12"],
+    },
+)
