@@ -37,6 +37,8 @@ def _config_path(argv: list[str]) -> str:
 
 def _describe_flag_error(error: Exception, argv: list[str]) -> str:
   """One line for whatever config_flags raised while loading the file or an override."""
+  while error.args and isinstance(error.args[0], Exception):  # config_dict nests KeyErrors.
+    error = error.args[0]
   text = str(error.args[0] if error.args else error)
   if isinstance(error, (AttributeError, KeyError)):
     unknown = re.search(r"'(\w+)'", text)

@@ -40,7 +40,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                               opt_state=opt_state)
     metrics = {
         "train/loss": loss,
-        "train/grad_norm": optax.global_norm(grads),
+        "train/grad_norm": optax.tree.norm(grads),
         "train/learning_rate": schedule(state.step),
     }
     return new_state, metrics

@@ -64,11 +64,13 @@ def prepare(cfg: DataConfig) -> pathlib.Path:
   logging.info("Tokenizing corpus %r into %s", cfg.corpus, directory)
   tokenizer = get_tokenizer(cfg.tokenizer)
   dtype = tfrecord.token_dtype(tokenizer.vocab_size)
-  train, validation = [], []
+  train, validation, empty = [], [], 0
   for name, text in _documents(cfg.corpus):
     tokens = tokenizer.encode(text)
-    if len(tokens):
-      (validation if is_validation(name, cfg.validation_fraction) else train).append(tokens)
+    if not len(tokens):
+      empty += 1  # E.g. empty __init__.py files: nothing to learn, but counted.
+      continue
+    (validation if is_validation(name, cfg.validation_fraction) else train).append(tokens)
   if not train or not validation:
     raise UserError(f"corpus {cfg.corpus!r} gave {len(train)} training and {len(validation)} "
                     f"validation documents; adjust config.data.validation_fraction")
@@ -81,7 +83,8 @@ def prepare(cfg: DataConfig) -> pathlib.Path:
       "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                     "eos_id": tokenizer.eos_id},
       "token_dtype": dtype,
-      "sources": [{"corpus": cfg.corpus, "root": str(corpus.stdlib_root())}],
+      "sources": [{"corpus": cfg.corpus, "root": str(corpus.stdlib_root()),
+                   "empty_documents_skipped": empty}],
       "splits": {},
   }
   for split, shards in splits.items():

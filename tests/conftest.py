@@ -1,0 +1,62 @@
+"""Shared fixtures: 8 fake CPU devices, one prepared corpus, a tiny config."""
+import os
+
+# Must happen before jax is imported anywhere: multi-device code is tested on
+# 8 fake CPU devices, and subprocesses inherit the same environment.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import pathlib  # pylint: disable=g-import-not-at-top
+
+import pytest  # pylint: disable=g-import-not-at-top
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_config_file(name: str):
+  """get_config() of configs/<name>.py, loaded the way config_flags does."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> pathlib.Path:
+  """A cache dir with the built-in corpus tokenized once for the whole session."""
+  from levanter_flax.config import default_config, to_run_config
+  from levanter_flax.data import prepare
+  cache_dir = tmp_path_factory.mktemp("data_cache")
+  config = default_config()
+  config.data.cache_dir = str(cache_dir)
+  prepare.prepare(to_run_config(config).data)
+  return cache_dir
+
+
+@pytest.fixture
+def tiny_config(data_cache):
+  """gpt2_nano shrunk further so a step takes milliseconds on 8 fake devices."""
+  config = load_config_file("gpt2_nano")
+  config.model.seq_len = 64
+  config.model.num_layers = 2
+  config.model.hidden_dim = 64
+  config.trainer.batch_size = 8
+  config.trainer.num_train_steps = 10
+  config.trainer.log_every_steps = 1
+  config.trainer.eval_every_steps = 5
+  config.trainer.eval_batches = 2
+  config.trainer.checkpoint_every_steps = 5
+  config.optimizer.warmup_steps = 2
+  config.data.cache_dir = str(data_cache)
+  return config
+
+
+def read_metrics(workdir: pathlib.Path) -> list[dict]:
+  import json
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(workdir: pathlib.Path) -> dict[int, float]:
+  return {m["step"]: m["train/loss"] for m in read_metrics(workdir) if "train/loss" in m}

@@ -1,0 +1,79 @@
+"""Config files load and validate; bad keys and types are refused by name."""
+import re
+
+import ml_collections
+import pytest
+
+from conftest import REPO, load_config_file
+from levanter_flax.config import default_config, mesh, to_run_config
+from levanter_flax.errors import UserError
+
+CONFIG_NAMES = sorted(p.stem for p in (REPO / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_shipped_configs_validate(name):
+  run = to_run_config(load_config_file(name))
+  assert run.trainer.batch_size > 0
+
+
+def test_required_configs_exist():
+  assert {"gpt2_nano", "gpt2_small", "gpt2_small_fast", "gpt2_medium"} <= set(CONFIG_NAMES)
+
+
+def test_gpt2_small_shape():
+  model = to_run_config(load_config_file("gpt2_small")).model
+  assert (model.num_layers, model.num_heads, model.hidden_dim, model.seq_len) == (12, 12, 768, 1024)
+
+
+def test_device_mesh_keeps_axis_order():
+  config = default_config()
+  config.trainer.device_mesh = mesh(model=2, data=-1)
+  assert to_run_config(config).trainer.device_mesh == (("model", 2), ("data", -1))
+
+
+def test_axes_accept_names_and_comma_lists():
+  config = default_config()
+  config.sharding.parameter_axis = "data"
+  config.sharding.optimizer_axis = "data,model"
+  sharding = to_run_config(config).sharding
+  assert sharding.parameter_axis == "data"
+  assert sharding.optimizer_axis == ("data", "model")
+  assert sharding.activation_axis == "data"
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("trainer", "batch_sise", 8, "unknown config key config.trainer.batch_sise"),
+    ("model", "num_layers", 0, "config.model.num_layers must be positive"),
+    ("model", "num_heads", 5, "config.model.hidden_dim (768) must be divisible by config.model.num_heads (5)"),
+    ("model", "dtype", "float8", "config.model.dtype"),
+    ("data", "validation_fraction", 1.5, "config.data.validation_fraction"),
+])
+def test_bad_values_are_named(section, key, value, message):
+  config = default_config()
+  config[section] = ml_collections.ConfigDict(dict(config[section]))  # Untyped, as a file may build it.
+  config[section][key] = value
+  with pytest.raises(UserError, match=re.escape(message)):
+    to_run_config(config)
+
+
+def test_wrong_type_is_named():
+  config = default_config()
+  # A config file that builds its own ConfigDict is not type-checked by it.
+  config.trainer = ml_collections.ConfigDict({**config.trainer, "batch_size": "16"})
+  with pytest.raises(UserError, match="config key config.trainer.batch_size must be int, got str '16'"):
+    to_run_config(config)
+
+
+def test_unknown_section_is_named():
+  config = default_config()
+  config.trainr = ml_collections.ConfigDict()
+  with pytest.raises(UserError, match="unknown config section config.trainr"):
+    to_run_config(config)
+
+
+def test_bad_device_mesh_is_named():
+  config = default_config()
+  config.trainer.device_mesh = ml_collections.ConfigDict({"data": "four"})
+  with pytest.raises(UserError, match="config key config.trainer.device_mesh must map axis names to sizes"):
+    to_run_config(config)

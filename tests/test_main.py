@@ -1,0 +1,79 @@
+"""The command line as a user runs it: overrides reach the trainer, bad input is one line."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, read_metrics
+
+NANO = str(REPO / "configs" / "gpt2_nano.py")
+TINY = ["--config.model.seq_len=64", "--config.model.num_layers=1", "--config.model.hidden_dim=64",
+        "--config.trainer.log_every_steps=1", "--config.trainer.eval_batches=1"]
+
+
+def run_main(*args, cwd=REPO):
+  return subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith("levanter_flax: error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  for fragment in fragments:
+    assert fragment in errors[0]
+  assert "Traceback" not in result.stderr
+
+
+def test_overrides_reach_the_trainer(data_cache, tmp_path):
+  result = run_main(f"--config={NANO}", f"--workdir={tmp_path}", *TINY,
+                    "--config.trainer.num_train_steps=3", "--config.trainer.batch_size=8",
+                    f"--config.data.cache_dir={data_cache}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3]
+  assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["3"]
+  # The batch size override reaches the mesh check: 12 does not split over 8 devices.
+  result = run_main(f"--config={NANO}", f"--workdir={tmp_path / 'b'}", *TINY,
+                    "--config.trainer.batch_size=12", f"--config.data.cache_dir={data_cache}")
+  assert_one_line_error(result, "config.trainer.batch_size (12)")
+
+
+def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
+  result = run_main(f"--config={NANO}", *TINY, "--config.trainer.num_train_steps=1",
+                    "--config.trainer.batch_size=8", f"--config.data.cache_dir={data_cache}",
+                    cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (tmp_path / "runs" / "gpt2_nano" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--config.trainer.batch_sise=3"], ["unknown config key --config.trainer.batch_sise",
+                                         "did you mean 'batch_size'"]),
+    (["--config.trainer.batch_size=abc"], ["--config.trainer.batch_size=abc"]),
+    (["--config.trainr.batch_size=3"], ["unknown config key --config.trainr.batch_size"]),
+])
+def test_bad_overrides_are_one_line(args, fragments):
+  assert_one_line_error(run_main(f"--config={NANO}", *args), *fragments)
+
+
+def test_missing_config_file_is_one_line():
+  assert_one_line_error(run_main("--config=configs/nope.py"), "configs/nope.py", "No such file")
+
+
+def test_missing_config_flag_is_one_line():
+  assert_one_line_error(run_main(), "--config")
+
+
+def test_unwritable_workdir_is_one_line(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  assert_one_line_error(run_main(f"--config={NANO}", f"--workdir={blocker}/run"),
+                        f"cannot create workdir {blocker}/run")
+
+
+def test_unwritable_cache_dir_is_one_line(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  assert_one_line_error(run_main(f"--config={NANO}", f"--workdir={tmp_path}/run",
+                                 f"--config.data.cache_dir={blocker}"),
+                        f"cannot create dataset directory {blocker}/")
