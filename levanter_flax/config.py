@@ -110,6 +110,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
   config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.
   config.sharding.optimizer_axis = ""  # ZeRO-1: also shard optimizer state.
+  # Where activations' heads, MLP and vocab dimensions go; the rules' axis.
+  config.sharding.tensor_axis = "model"
   config.sharding.strict = False  # Refuse parameters that no rule matches.
   return config
 
@@ -163,6 +165,7 @@ _CONVERTERS = {
     "sharding.activation_axis": _axes,
     "sharding.parameter_axis": _axes,
     "sharding.optimizer_axis": _axes,
+    "sharding.tensor_axis": _axes,
 }
 
 

@@ -7,12 +7,15 @@ On top of the rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis`
 (ZeRO-1) shard each array along its largest evenly divisible dimension that no
 rule has claimed.
 """
+import contextlib
 import dataclasses
 import math
 import re
 from typing import Any, Optional, Sequence, Union
 
+import flax.linen as nn
 import jax
+import numpy as np
 import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -28,6 +31,7 @@ class ShardingConfig:
   activation_axis: AxisNames
   parameter_axis: AxisNames
   optimizer_axis: AxisNames
+  tensor_axis: AxisNames  # Where activations' heads, MLP and vocab dimensions go.
   strict: bool
 
 
@@ -82,7 +86,7 @@ class Partitioner:
     for pattern, spec in config.rules:
       for axis in (a for entry in spec for a in _axes_of(entry)):
         self._check_axis(axis, f"config.sharding.rules entry {pattern!r}")
-    for key in ("activation_axis", "parameter_axis", "optimizer_axis"):
+    for key in ("activation_axis", "parameter_axis", "optimizer_axis", "tensor_axis"):
       for axis in _axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
 
@@ -167,4 +171,46 @@ class Partitioner:
   @property
   def data_parallel_size(self) -> int:
     return self._axis_size(self.config.activation_axis)
+
+  def activation_context(self) -> contextlib.ExitStack:
+    """Within it, the model's logical activation constraints resolve on this mesh."""
+    tensor = self.config.tensor_axis
+    rules = (("batch", self.config.activation_axis), ("length", None), ("embed", None),
+             ("heads", tensor), ("mlp", tensor), ("vocab", tensor))
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(rules))
+    return stack
+
+
+def per_device_bytes(abstract_tree, shardings) -> int:
+  """Bytes that one device holds of a tree of arrays (or ShapeDtypeStructs)."""
+  return sum(math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)))
+
+
+def _bytes(n: float) -> str:
+  if n < 1024:
+    return f"{n} B"
+  for unit in ("KiB", "MiB", "GiB"):
+    n /= 1024
+    if n < 1024 or unit == "GiB":
+      return f"{n:.1f} {unit}"
+
+
+def layout_table(abstract_params, param_shardings, abstract_opt_state, opt_state_shardings) -> str:
+  """One row per parameter: shape, spec, per-device shape and bytes; then the per-device totals."""
+  rows = [("parameter", "shape", "spec", "per device", "bytes/device")]
+  leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
+  for (path, x), sharding in zip(leaves, jax.tree.leaves(param_shardings)):
+    shard = sharding.shard_shape(x.shape)
+    rows.append((path_name(path), str(tuple(x.shape)), str(tuple(sharding.spec)), str(shard),
+                 _bytes(math.prod(shard) * np.dtype(x.dtype).itemsize)))
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+  params = per_device_bytes(abstract_params, param_shardings)
+  opt_state = per_device_bytes(abstract_opt_state, opt_state_shardings)
+  lines.append(f"per device: params {_bytes(params)} + optimizer state {_bytes(opt_state)} "
+               f"= {_bytes(params + opt_state)}")
+  return "\n".join(lines)
 

@@ -1,4 +1,6 @@
 """The jitted train and eval steps: next-token loss, gradients, optimizer update."""
+import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax
@@ -6,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from levanter_flax import partitioning
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -53,11 +57,44 @@ def make_eval_step(model: nn.Module) -> Callable[[Any, Batch], Metrics]:
   return eval_step
 
 
-def jit_train_step(train_step, state_shardings, batch_sharding, replicated):
-  return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+@dataclasses.dataclass(frozen=True)
+class ShardedSteps:
+  """The train state's layout and the jitted functions that create and advance it."""
+  abstract_state: TrainState  # ShapeDtypeStructs.
+  state_shardings: TrainState  # NamedShardings.
+  batch_sharding: jax.sharding.NamedSharding
+  init: Callable[[jax.Array], TrainState]
+  train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+  eval_step: Callable[[Any, Batch], Metrics]
+
+  def layout_table(self) -> str:
+    return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
+                                     self.abstract_state.opt_state, self.state_shardings.opt_state)
 
 
-def jit_eval_step(eval_step, param_shardings, batch_sharding, replicated):
-  return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding),
-                 out_shardings=replicated)
+def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
+                        schedule: optax.Schedule, partitioner: partitioning.Partitioner,
+                        seq_len: int) -> ShardedSteps:
+  """Lays the state out with `partitioner` and jits init, train and eval with explicit shardings.
+
+  Call (and trace) the functions inside partitioner.activation_context().
+  """
+  init = functools.partial(init_state, model, optimizer, seq_len=seq_len)
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  shardings = TrainState(
+      step=partitioner.replicated,
+      params=partitioner.param_shardings(abstract.params),
+      opt_state=partitioner.opt_state_shardings(optimizer, abstract.opt_state, abstract.params))
+  batch = partitioner.batch_sharding()
+  replicated = partitioner.replicated
+  return ShardedSteps(
+      abstract_state=abstract,
+      state_shardings=shardings,
+      batch_sharding=batch,
+      init=jax.jit(init, out_shardings=shardings),
+      train_step=jax.jit(make_train_step(model, optimizer, schedule),
+                         in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
+                         donate_argnums=(0,)),
+      eval_step=jax.jit(make_eval_step(model), in_shardings=(shardings.params, batch),
+                        out_shardings=replicated),
+  )

@@ -1,5 +1,4 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
-import functools
 import os
 import pathlib
 
@@ -60,26 +59,28 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   model = GPT2LMHeadModel(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
-  init = functools.partial(step.init_state, model, optimizer, seq_len=run.model.seq_len)
-  rng = jax.random.key(trainer.seed)
-  abstract_state = jax.eval_shape(init, rng)
-  state_shardings = step.TrainState(
-      step=partitioner.replicated,
-      params=partitioner.param_shardings(abstract_state.params),
-      opt_state=partitioner.opt_state_shardings(optimizer, abstract_state.opt_state,
-                                                abstract_state.params))
-  num_params = sum(x.size for x in jax.tree.leaves(abstract_state.params))
+  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner, run.model.seq_len)
+  num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
+  logging.info("Parameter layout:\n%s", steps.layout_table())
 
   checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints)
-  if checkpointer.latest_step is not None:
-    logging.info("Resuming from checkpoint at step %d in %s", checkpointer.latest_step, workdir)
-    state = checkpointer.restore_latest(abstract_like(abstract_state, state_shardings))
-  else:
-    state = jax.jit(init, out_shardings=state_shardings)(rng)
-  start_step = int(state.step)
+  with partitioner.activation_context():
+    if checkpointer.latest_step is not None:
+      logging.info("Resuming from checkpoint at step %d in %s", checkpointer.latest_step, workdir)
+      state = checkpointer.restore_latest(abstract_like(steps.abstract_state, steps.state_shardings))
+    else:
+      state = steps.init(jax.random.key(trainer.seed))
+    final_metrics = _train_loop(run, workdir, steps, state, checkpointer, data_dir, manifest)
+  checkpointer.close()
+  return final_metrics
 
-  batch_sharding = partitioner.batch_sharding()
+
+def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
+                state: step.TrainState, checkpointer: Checkpointer, data_dir: pathlib.Path,
+                manifest: dict) -> dict[str, float]:
+  trainer = run.trainer
+  start_step = int(state.step)
   local_batch_size = trainer.batch_size // jax.process_count()
   data_args = dict(seq_len=run.model.seq_len, local_batch_size=local_batch_size,
                    process_index=jax.process_index(), process_count=jax.process_count())
@@ -87,15 +88,12 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
       loader.train_dataset(data_dir, manifest, seed=trainer.seed,
                            shuffle_buffer_size=run.data.shuffle_buffer_size,
                            start_batch=start_step, **data_args),
-      batch_sharding)
+      steps.batch_sharding)
   eval_data = loader.eval_dataset(data_dir, manifest, num_batches=trainer.eval_batches, **data_args)
-  train_step = step.jit_train_step(step.make_train_step(model, optimizer, schedule),
-                                   state_shardings, batch_sharding, partitioner.replicated)
-  eval_step = step.jit_eval_step(step.make_eval_step(model), state_shardings.params,
-                                 batch_sharding, partitioner.replicated)
 
   def evaluate(params) -> dict[str, float]:
-    losses = [eval_step(params, batch) for batch in loader.global_batches(eval_data, batch_sharding)]
+    losses = [steps.eval_step(params, batch)
+              for batch in loader.global_batches(eval_data, steps.batch_sharding)]
     result = _mean(losses)
     result["eval/perplexity"] = float(np.exp(result["eval/loss"]))
     return result
@@ -107,7 +105,7 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   history, last_metrics = [], {}
   for step_num in range(start_step + 1, trainer.num_train_steps + 1):
     with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
-      state, step_metrics = train_step(state, next(train_batches))
+      state, step_metrics = steps.train_step(state, next(train_batches))
     history.append(step_metrics)
     if step_num == start_step + 1:
       # Leave compilation out of the throughput figures.
@@ -126,6 +124,5 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
       throughput.reset(step_num)
     if step_num % trainer.checkpoint_every_steps == 0 or is_last:
       checkpointer.save(step_num, state)
-  checkpointer.close()
   writer.close()
   return last_metrics

@@ -40,6 +40,16 @@ def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name)
 
 
+def _constrain(x: jax.Array, *logical_axes) -> jax.Array:
+  """Pins an activation's layout by logical axis names; a no-op outside a mesh.
+
+  partitioning.Partitioner.activation_context maps the names to mesh axes
+  ('batch' to the activation axis; 'heads', 'mlp' and 'vocab' to the tensor
+  axis), which keeps XLA on the intended layout instead of guessing.
+  """
+  return nn.with_logical_constraint(x, logical_axes)
+
+
 def _residual_std(cfg: GPT2Config) -> float:
   # GPT-2 scales the layers that write into the residual stream so its
   # variance does not grow with depth.
@@ -55,7 +65,7 @@ class CausalSelfAttention(nn.Module):
     batch, length, _ = x.shape
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
-    q, k, v = heads[:, :, 0], heads[:, :, 1], heads[:, :, 2]
+    q, k, v = (_constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
@@ -68,7 +78,7 @@ class MLP(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     x = _dense(4 * cfg.hidden_dim, cfg, "c_fc", cfg.initializer_range)(x)
-    x = nn.gelu(x, approximate=True)
+    x = _constrain(nn.gelu(x, approximate=True), "batch", "length", "mlp")
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(x)
 
 
@@ -78,7 +88,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + CausalSelfAttention(self.config, name="attn")(_layer_norm(self.config, "ln_1")(x))
-    return x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
+    x = x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
+    return _constrain(x, "batch", "length", "embed")
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -93,9 +104,9 @@ class GPT2LMHeadModel(nn.Module):
                    dtype=cfg.dtype, name="wte")
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
                    dtype=cfg.dtype, name="wpe")
-    x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None]
+    x = _constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
     block = nn.remat(Block) if cfg.remat else Block
     for i in range(cfg.num_layers):
       x = block(cfg, name=f"h_{i}")(x)
     x = _layer_norm(cfg, "ln_f")(x)
-    return wte.attend(x)
+    return _constrain(wte.attend(x), "batch", "length", "vocab")

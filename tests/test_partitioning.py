@@ -1,0 +1,187 @@
+"""Mesh, partition rules and ZeRO-3 on 8 fake CPU devices, proven on the arrays themselves."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO
+from levanter_flax import optim, partitioning, step
+from levanter_flax.config import GPT2_PARTITION_RULES
+from levanter_flax.errors import UserError
+from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
+from test_main import NANO, assert_one_line_error, run_main
+
+MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
+OPTIMIZER = optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_decay=0.1,
+                                  max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
+                                  min_learning_rate_ratio=0.1)
+BATCH_SIZE, NUM_STEPS = 8, 5
+
+
+def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=False):
+  return ShardingConfig(rules=rules, activation_axis="data", parameter_axis=parameter_axis,
+                        optimizer_axis=None, tensor_axis=tensor_axis, strict=strict)
+
+
+TENSOR_PARALLEL = dict(rules=GPT2_PARTITION_RULES, tensor_axis="model")
+LAYOUTS = {
+    "data8": ((("data", 8),), sharding_config()),
+    "data4_model2": ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL)),
+    "data8_zero3": ((("data", 8),), sharding_config(parameter_axis="data")),
+    "data2_model4_zero3": ((("data", 2), ("model", 4)),
+                           sharding_config(parameter_axis="data", **TENSOR_PARALLEL)),
+}
+
+# What each layout must put on a few representative parameters, written out by hand.
+EXPECTED_SPECS = {
+    "data8": {
+        "wte/embedding": (None, None), "h_0/attn/c_attn/kernel": (None, None)},
+    "data4_model2": {
+        "wte/embedding": ("model", None), "wpe/embedding": (None, None),
+        "h_0/attn/c_attn/kernel": (None, "model"), "h_0/attn/c_attn/bias": ("model",),
+        "h_0/attn/c_proj/kernel": ("model", None), "h_0/attn/c_proj/bias": (None,),
+        "h_1/mlp/c_fc/kernel": (None, "model"), "h_1/mlp/c_proj/kernel": ("model", None),
+        "h_1/ln_2/scale": (None,)},
+    "data8_zero3": {
+        "wte/embedding": ("data", None), "wpe/embedding": (None, "data"),
+        "h_0/attn/c_attn/kernel": (None, "data"), "h_0/attn/c_attn/bias": ("data",),
+        "h_0/attn/c_proj/kernel": ("data", None), "h_1/mlp/c_proj/kernel": ("data", None),
+        "h_1/ln_2/scale": ("data",)},
+    "data2_model4_zero3": {
+        "wte/embedding": ("model", "data"), "h_0/attn/c_attn/kernel": ("data", "model"),
+        "h_0/attn/c_attn/bias": ("model",), "h_0/attn/c_proj/kernel": ("model", "data"),
+        "h_1/mlp/c_fc/kernel": ("data", "model"), "h_1/ln_2/scale": ("data",)},
+}
+
+
+def spec_of(array: jax.Array) -> tuple:
+  spec = tuple(array.sharding.spec)
+  return spec + (None,) * (array.ndim - len(spec))
+
+
+def train(device_mesh, config: ShardingConfig, devices=None):
+  """Five steps on fixed random batches; returns (losses, final state)."""
+  partitioner = Partitioner(make_mesh(device_mesh, devices), config)
+  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
+  optimizer = optim.make_optimizer(OPTIMIZER, schedule)
+  steps = step.build_sharded_steps(GPT2LMHeadModel(MODEL), optimizer, schedule, partitioner,
+                                   MODEL.seq_len)
+  tokens = np.random.default_rng(0).integers(0, 257, (NUM_STEPS, BATCH_SIZE, MODEL.seq_len))
+  losses = []
+  with partitioner.activation_context():
+    state = steps.init(jax.random.key(0))
+    for batch in tokens:
+      batch = jax.device_put(batch.astype(np.int32), steps.batch_sharding)
+      state, metrics = steps.train_step(state, {"tokens": batch})
+      losses.append(float(metrics["train/loss"]))
+  return np.array(losses), state
+
+
+@pytest.fixture(scope="module")
+def single_device_losses():
+  losses, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1])
+  return losses
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout_run(request):
+  device_mesh, config = LAYOUTS[request.param]
+  losses, state = train(device_mesh, config)
+  return request.param, losses, state
+
+
+def test_losses_match_single_device(layout_run, single_device_losses):
+  name, losses, _ = layout_run
+  np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5, err_msg=name)
+
+
+def test_params_carry_the_intended_sharding(layout_run):
+  name, _, state = layout_run
+  params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+  for param, expected in EXPECTED_SPECS[name].items():
+    assert spec_of(params[param]) == expected, (name, param)
+  for param, x in params.items():
+    shard = x.addressable_shards[0].data
+    assert shard.shape == x.sharding.shard_shape(x.shape), (name, param)
+
+
+def test_optimizer_state_is_sharded_like_its_parameter(layout_run):
+  name, _, state = layout_run
+  params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+  moments = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
+    opt_name = path_name(path)
+    owner = [p for p in params if opt_name.endswith("/" + p)]
+    if leaf.ndim == 0:
+      assert spec_of(leaf) == (), (name, opt_name)  # Step counts are replicated.
+      continue
+    assert len(owner) == 1, opt_name
+    assert spec_of(leaf) == spec_of(params[owner[0]]), (name, opt_name)
+    assert leaf.addressable_shards[0].data.shape == params[owner[0]].addressable_shards[0].data.shape
+    moments += 1
+  assert moments == 2 * len(params)  # Adam's mu and nu for every parameter.
+
+
+# Per-device share of params + optimizer state: everything when replicated, 1/2
+# with the model split in two, 1/8 under ZeRO-3 over 8 devices. With data=2,
+# model=4 the matrices are split 8 ways, but position embeddings, LayerNorms and
+# the column-split biases only 2 or 4 ways, which on this tiny model is 13.5%.
+DEVICE_SHARE = {"data8": 1, "data4_model2": 1 / 2, "data8_zero3": 1 / 8, "data2_model4_zero3": 0.135}
+
+
+def test_per_device_bytes_shrink_with_sharding(layout_run):
+  name, _, state = layout_run
+  leaves = jax.tree.leaves((state.params, state.opt_state))
+  total = sum(x.nbytes for x in leaves)
+  device = jax.devices()[0]
+  on_device = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+  assert on_device <= total * DEVICE_SHARE[name] * 1.05, (name, on_device, total)
+  assert on_device >= total * DEVICE_SHARE[name] * 0.95, (name, on_device, total)
+
+
+def test_layout_table_lists_params_and_totals():
+  partitioner = Partitioner(make_mesh((("data", 8),)), sharding_config(parameter_axis="data"))
+  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
+  steps = step.build_sharded_steps(GPT2LMHeadModel(MODEL), optim.make_optimizer(OPTIMIZER, schedule),
+                                   schedule, partitioner, MODEL.seq_len)
+  table = steps.layout_table()
+  row = next(line for line in table.splitlines() if line.startswith("wte/embedding "))
+  assert "(384, 64)" in row and "('data', None)" in row and "(48, 64)" in row and "12.0 KiB" in row
+  params_bytes = sum(x.size * 4 for x in jax.tree.leaves(steps.abstract_state.params))
+  assert table.splitlines()[-1].startswith(
+      f"per device: params {params_bytes / 8 / 1024:.1f} KiB + optimizer state ")
+
+
+@pytest.mark.parametrize("device_mesh, config, model, message", [
+    ((("data", 8),), sharding_config(rules=GPT2_PARTITION_RULES), MODEL,
+     "config.sharding.rules entry 'wte/embedding$' names mesh axis 'model', but the mesh has only ('data',)"),
+    ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL),
+     GPT2Config(vocab_size=383, seq_len=32, num_layers=1, num_heads=4, hidden_dim=64),
+     "parameter wte/embedding (383, 64): dimension 0 (383) is not divisible by mesh axis 'model' of size 2"),
+    ((("data", 4), ("model", 2)), sharding_config(strict=True, **TENSOR_PARALLEL), MODEL,
+     "parameter h_0/attn/c_proj/bias (64,) matches no rule in config.sharding.rules"),
+    ((("data", 3), ("model", 2)), sharding_config(), MODEL,
+     "trainer.device_mesh {'data': 3, 'model': 2}: the sizes multiply to 6 but there are 8 devices"),
+    ((("data", 8),), sharding_config(parameter_axis="fsdp"), MODEL,
+     "config.sharding.parameter_axis names mesh axis 'fsdp'"),
+])
+def test_bad_layouts_are_named(device_mesh, config, model, message):
+  with pytest.raises(UserError, match=re.escape(message)):
+    partitioner = Partitioner(make_mesh(device_mesh), config)
+    schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
+    step.build_sharded_steps(GPT2LMHeadModel(model), optim.make_optimizer(OPTIMIZER, schedule),
+                             schedule, partitioner, model.seq_len)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--config.sharding.strict=True"], "matches no rule in config.sharding.rules"),
+    (["--config.trainer.device_mesh.data=3"], "the sizes multiply to 3 but there are 8 devices"),
+    (["--config.trainer.device_mesh.model=2", "--config.model.vocab_size=385"],
+     "parameter wte/embedding (385, 128): dimension 0 (385) is not divisible by mesh axis 'model' of size 2"),
+])
+def test_layout_errors_from_the_command_line(data_cache, tmp_path, args, fragment):
+  result = run_main(f"--config={NANO}", f"--workdir={tmp_path}", f"--config.data.cache_dir={data_cache}",
+                    *args)
+  assert_one_line_error(result, fragment)
