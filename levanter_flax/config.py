@@ -12,6 +12,7 @@ import ml_collections
 
 from levanter_flax.data import DataConfig
 from levanter_flax.errors import UserError
+from levanter_flax.models import gpt2
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
@@ -42,21 +43,6 @@ class RunConfig:
 def mesh(**axes: int) -> ml_collections.ConfigDict:
   """An axis-name -> size mapping that keeps the order the axes were given in."""
   return ml_collections.ConfigDict(axes, sort_keys=False)
-
-
-# Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
-# split by output column, attention-out and MLP-out by input row, so each block
-# needs one all-reduce per matmul pair; embeddings are split by vocabulary.
-# Anything unmatched (LayerNorms, position embeddings, row-split biases) is replicated.
-GPT2_PARTITION_RULES = (
-    (r"wte/embedding$", ("model", None)),
-    (r"attn/c_attn/kernel$", (None, "model")),
-    (r"attn/c_attn/bias$", ("model",)),
-    (r"attn/c_proj/kernel$", ("model", None)),
-    (r"mlp/c_fc/kernel$", (None, "model")),
-    (r"mlp/c_fc/bias$", ("model",)),
-    (r"mlp/c_proj/kernel$", ("model", None)),
-)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -105,7 +91,7 @@ def default_config() -> ml_collections.ConfigDict:
   config.data.shuffle_buffer_size = 1024  # Packed windows.
 
   config.sharding = ml_collections.ConfigDict()
-  config.sharding.rules = GPT2_PARTITION_RULES
+  config.sharding.rules = gpt2.PARTITION_RULES
   # Mesh axes as a name or comma-separated names ("data,model"); "" is none.
   config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
   config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.

@@ -7,9 +7,8 @@ import pytest
 
 from conftest import REPO
 from levanter_flax import optim, partitioning, step
-from levanter_flax.config import GPT2_PARTITION_RULES
 from levanter_flax.errors import UserError
-from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
 from test_main import NANO, assert_one_line_error, run_main
 
@@ -25,7 +24,7 @@ def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=Fals
                         optimizer_axis=None, tensor_axis=tensor_axis, strict=strict)
 
 
-TENSOR_PARALLEL = dict(rules=GPT2_PARTITION_RULES, tensor_axis="model")
+TENSOR_PARALLEL = dict(rules=PARTITION_RULES, tensor_axis="model")
 LAYOUTS = {
     "data8": ((("data", 8),), sharding_config()),
     "data4_model2": ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL)),
@@ -155,7 +154,7 @@ def test_layout_table_lists_params_and_totals():
 
 
 @pytest.mark.parametrize("device_mesh, config, model, message", [
-    ((("data", 8),), sharding_config(rules=GPT2_PARTITION_RULES), MODEL,
+    ((("data", 8),), sharding_config(rules=PARTITION_RULES), MODEL,
      "config.sharding.rules entry 'wte/embedding$' names mesh axis 'model', but the mesh has only ('data',)"),
     ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL),
      GPT2Config(vocab_size=383, seq_len=32, num_layers=1, num_heads=4, hidden_dim=64),

@@ -14,6 +14,21 @@ import jax
 import jax.numpy as jnp
 
 
+# Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
+# split by output column, attention-out and MLP-out by input row, so each block
+# needs one all-reduce per matmul pair; embeddings are split by vocabulary.
+# Anything unmatched (LayerNorms, position embeddings, row-split biases) is replicated.
+PARTITION_RULES = (
+    (r"wte/embedding$", ("model", None)),
+    (r"attn/c_attn/kernel$", (None, "model")),
+    (r"attn/c_attn/bias$", ("model",)),
+    (r"attn/c_proj/kernel$", ("model", None)),
+    (r"mlp/c_fc/kernel$", (None, "model")),
+    (r"mlp/c_fc/bias$", ("model",)),
+    (r"mlp/c_proj/kernel$", ("model", None)),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
   vocab_size: int
