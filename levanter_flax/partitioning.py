@@ -213,4 +213,3 @@ def layout_table(abstract_params, param_shardings, abstract_opt_state, opt_state
   lines.append(f"per device: params {_bytes(params)} + optimizer state {_bytes(opt_state)} "
                f"= {_bytes(params + opt_state)}")
   return "\n".join(lines)
-

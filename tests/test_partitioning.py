@@ -5,8 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
-from levanter_flax import optim, partitioning, step
+from levanter_flax import optim, step
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
@@ -60,13 +59,16 @@ def spec_of(array: jax.Array) -> tuple:
   return spec + (None,) * (array.ndim - len(spec))
 
 
+def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSteps:
+  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
+  return step.build_sharded_steps(GPT2LMHeadModel(model), optim.make_optimizer(OPTIMIZER, schedule),
+                                  schedule, partitioner, model.seq_len)
+
+
 def train(device_mesh, config: ShardingConfig, devices=None):
   """Five steps on fixed random batches; returns (losses, final state)."""
   partitioner = Partitioner(make_mesh(device_mesh, devices), config)
-  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
-  optimizer = optim.make_optimizer(OPTIMIZER, schedule)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(MODEL), optimizer, schedule, partitioner,
-                                   MODEL.seq_len)
+  steps = build(partitioner)
   tokens = np.random.default_rng(0).integers(0, 257, (NUM_STEPS, BATCH_SIZE, MODEL.seq_len))
   losses = []
   with partitioner.activation_context():
@@ -141,10 +143,7 @@ def test_per_device_bytes_shrink_with_sharding(layout_run):
 
 
 def test_layout_table_lists_params_and_totals():
-  partitioner = Partitioner(make_mesh((("data", 8),)), sharding_config(parameter_axis="data"))
-  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(MODEL), optim.make_optimizer(OPTIMIZER, schedule),
-                                   schedule, partitioner, MODEL.seq_len)
+  steps = build(Partitioner(make_mesh((("data", 8),)), sharding_config(parameter_axis="data")))
   table = steps.layout_table()
   row = next(line for line in table.splitlines() if line.startswith("wte/embedding "))
   assert "(384, 64)" in row and "('data', None)" in row and "(48, 64)" in row and "12.0 KiB" in row
@@ -168,10 +167,7 @@ def test_layout_table_lists_params_and_totals():
 ])
 def test_bad_layouts_are_named(device_mesh, config, model, message):
   with pytest.raises(UserError, match=re.escape(message)):
-    partitioner = Partitioner(make_mesh(device_mesh), config)
-    schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
-    step.build_sharded_steps(GPT2LMHeadModel(model), optim.make_optimizer(OPTIMIZER, schedule),
-                             schedule, partitioner, model.seq_len)
+    build(Partitioner(make_mesh(device_mesh), config), model)
 
 
 @pytest.mark.parametrize("args, fragment", [
