@@ -17,6 +17,9 @@ setuptools.setup(
         # The input pipeline only; see BUILD_NOTES.md for why it is the CPU build.
         "tensorflow-cpu>=2.21,<2.22",
         "tensorflow-datasets>=4.9,<4.10",
+        # Tokenizer files: Hugging Face JSON (and BPE training), SentencePiece models.
+        "tokenizers>=0.20,<0.23",
+        "sentencepiece>=0.2,<0.3",
         # clu's summary writer imports tensorboard without declaring it.
         "tensorboard",
         "absl-py",

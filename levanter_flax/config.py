@@ -83,12 +83,19 @@ def default_config() -> ml_collections.ConfigDict:
   config.optimizer.epsilon = 1e-8
 
   config.data = ml_collections.ConfigDict()
-  config.data.cache_dir = ""  # Tokenized shards live here; "" is ~/.cache/levanter_flax.
-  config.data.corpus = "stdlib"  # The Python standard library's sources: offline text.
-  config.data.tokenizer = "byte"  # 256 bytes + EOS; nothing to download.
-  config.data.validation_fraction = 0.02  # Of documents, held out for eval.
-  config.data.num_train_shards = 8
-  config.data.shuffle_buffer_size = 1024  # Packed windows.
+  # A directory written by `python -m levanter_flax.prepare`, or "stdlib": the
+  # Python standard library's sources, tokenized into cache_dir on first use.
+  config.data.dataset = "stdlib"
+  # Named datasets with weights, replacing `dataset` when set, e.g.
+  # mixture.code = dict(dataset="/data/code", weight=0.7).
+  config.data.mixture = ml_collections.ConfigDict()
+  # Must be what the data was tokenized with: "byte" (256 bytes + EOS, nothing
+  # to download), a tokenizer.json or a SentencePiece .model file.
+  config.data.tokenizer = "byte"
+  config.data.cache_dir = ""  # For "stdlib"; "" is ~/.cache/levanter_flax.
+  config.data.validation_fraction = 0.02  # For "stdlib": documents held out for eval.
+  config.data.num_train_shards = 8  # For "stdlib".
+  config.data.on_corrupt_record = "fail"  # Or "skip": drop the rest of a bad shard, counted.
 
   config.sharding = ml_collections.ConfigDict()
   config.sharding.rules = gpt2.PARTITION_RULES
@@ -132,6 +139,18 @@ def _device_mesh(key: str, value: Any) -> tuple[tuple[str, int], ...]:
   return tuple(items)
 
 
+def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
+  entries = []
+  for name, entry in (value.items() if hasattr(value, "items") else [(None, value)]):
+    if (not hasattr(entry, "keys") or set(entry.keys()) != {"dataset", "weight"}
+        or not isinstance(entry["dataset"], str)
+        or not isinstance(entry["weight"], (int, float)) or entry["weight"] <= 0):
+      raise UserError(f"config key {key}.{name} must be dict(dataset=<directory>, weight=<positive "
+                      f"number>); got {entry!r}")
+    entries.append((name, entry["dataset"], float(entry["weight"])))
+  return tuple(entries)
+
+
 def _rules(key: str, value: Any):
   try:
     rules = tuple((pattern, tuple(spec)) for pattern, spec in value)
@@ -147,6 +166,7 @@ def _rules(key: str, value: Any):
 
 _CONVERTERS = {
     "trainer.device_mesh": _device_mesh,
+    "data.mixture": _mixture,
     "sharding.rules": _rules,
     "sharding.activation_axis": _axes,
     "sharding.parameter_axis": _axes,
@@ -201,4 +221,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
     raise UserError(f"config.model.dtype must be float32, bfloat16 or float16; got {run.model.dtype!r}")
   if not 0 < run.data.validation_fraction < 1:
     raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
+  if run.data.on_corrupt_record not in ("fail", "skip"):
+    raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
+                    f"got {run.data.on_corrupt_record!r}")
+  if run.data.mixture and run.data.dataset != "stdlib":
+    raise UserError("set config.data.dataset or config.data.mixture, not both")
   return run

@@ -7,23 +7,17 @@ import logging as std_logging
 import os
 import pathlib
 import re
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
 flags.mark_flag_as_required("config")
-
-
-def _fail(message: str) -> None:
-  print(f"levanter_flax: error: {message}", file=sys.stderr)
-  sys.exit(1)
 
 
 def _config_path(argv: list[str]) -> str:
@@ -60,9 +54,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     rest = flags.FLAGS(argv)
     _CONFIG.value.keys()  # Surfaces an error config_flags deferred while loading the file.
   except flags.Error as e:
-    _fail(str(e))
+    exit_with_error(str(e))
   except Exception as e:  # pylint: disable=broad-except
-    _fail(_describe_flag_error(e, argv))
+    exit_with_error(_describe_flag_error(e, argv))
   return rest
 
 
@@ -76,7 +70,7 @@ def _quiet_library_logs() -> None:
 def main(argv: list[str]) -> None:
   _quiet_library_logs()
   if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / pathlib.Path(config_file).stem)
   try:
@@ -84,7 +78,7 @@ def main(argv: list[str]) -> None:
     from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
     final = train.train_and_evaluate(run, workdir)
   except UserError as e:
-    _fail(str(e))
+    exit_with_error(str(e))
   logging.info("Finished in %s: %s", workdir, final)
 
 

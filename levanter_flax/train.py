@@ -1,6 +1,7 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
 import os
 import pathlib
+import time
 
 import jax
 import numpy as np
@@ -10,7 +11,7 @@ from clu import periodic_actions
 from levanter_flax import metrics, optim, partitioning, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like
 from levanter_flax.config import RunConfig
-from levanter_flax.data import loader, prepare
+from levanter_flax.data import loader
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2LMHeadModel
 
@@ -33,11 +34,11 @@ def _check_batch_size(batch_size: int, partitioner: partitioning.Partitioner) ->
                       f"{what} ({divisor})")
 
 
-def _check_vocab(manifest: dict, vocab_size: int, data_dir: pathlib.Path) -> None:
-  needed = manifest["tokenizer"]["vocab_size"]
+def _check_vocab(source: loader.Source, vocab_size: int) -> None:
+  needed = source.manifest["tokenizer"]["vocab_size"]
   if vocab_size < needed:
     raise UserError(f"config.model.vocab_size ({vocab_size}) is smaller than the vocabulary of "
-                    f"tokenizer {manifest['tokenizer']['name']!r} ({needed}) in {data_dir}")
+                    f"the tokenizer ({needed}) that {source.directory} was prepared with")
 
 
 def _mean(history: list[dict]) -> dict[str, float]:
@@ -52,9 +53,8 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   mesh = partitioning.make_mesh(trainer.device_mesh)
   partitioner = partitioning.Partitioner(mesh, run.sharding)
   _check_batch_size(trainer.batch_size, partitioner)
-  data_dir = prepare.prepare(run.data)
-  manifest = prepare.load_manifest(data_dir)
-  _check_vocab(manifest, run.model.vocab_size, data_dir)
+  sources = loader.load_sources(run.data)
+  _check_vocab(sources[0], run.model.vocab_size)
 
   model = GPT2LMHeadModel(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
@@ -67,45 +67,75 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints)
   with partitioner.activation_context():
     if checkpointer.latest_step is not None:
-      logging.info("Resuming from checkpoint at step %d in %s", checkpointer.latest_step, workdir)
-      state = checkpointer.restore_latest(abstract_like(steps.abstract_state, steps.state_shardings))
+      state, position = checkpointer.restore_latest(
+          abstract_like(steps.abstract_state, steps.state_shardings))
+      position = loader.DataPosition.from_json(position)
+      logging.info("Resuming from checkpoint at step %d in %s; data position %s",
+                   checkpointer.latest_step, workdir, position)
     else:
-      state = steps.init(jax.random.key(trainer.seed))
-    final_metrics = _train_loop(run, workdir, steps, state, checkpointer, data_dir, manifest)
+      state, position = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
+    final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources)
   checkpointer.close()
   return final_metrics
 
 
-def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
-                state: step.TrainState, checkpointer: Checkpointer, data_dir: pathlib.Path,
-                manifest: dict) -> dict[str, float]:
-  trainer = run.trainer
-  start_step = int(state.step)
-  local_batch_size = trainer.batch_size // jax.process_count()
-  data_args = dict(seq_len=run.model.seq_len, local_batch_size=local_batch_size,
-                   process_index=jax.process_index(), process_count=jax.process_count())
-  train_batches = loader.global_batches(
-      loader.train_dataset(data_dir, manifest, seed=trainer.seed,
-                           shuffle_buffer_size=run.data.shuffle_buffer_size,
-                           start_batch=start_step, **data_args),
-      steps.batch_sharding)
-  eval_data = loader.eval_dataset(data_dir, manifest, num_batches=trainer.eval_batches, **data_args)
+def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loader.Source]):
+  """params -> eval/loss, eval/perplexity and eval/bits_per_byte, per source for a mixture."""
+  evaluated = [s for s in sources if s.has_validation]
+  if not evaluated:
+    logging.warning("No dataset has a validation split: no eval metrics")
+  datasets = [loader.eval_dataset(
+      source, seq_len=run.model.seq_len, num_batches=run.trainer.eval_batches,
+      local_batch_size=run.trainer.batch_size // jax.process_count(),
+      process_index=jax.process_index(), process_count=jax.process_count()) for source in evaluated]
 
   def evaluate(params) -> dict[str, float]:
-    losses = [steps.eval_step(params, batch)
-              for batch in loader.global_batches(eval_data, steps.batch_sharding)]
-    result = _mean(losses)
-    result["eval/perplexity"] = float(np.exp(result["eval/loss"]))
-    return result
+    results = {}
+    for source, dataset in zip(evaluated, datasets):
+      batches = loader.eval_batches(dataset, source, steps.batch_sharding)
+      loss = _mean([steps.eval_step(params, batch) for batch in batches])["eval/loss"]
+      prefix = "eval" if len(sources) == 1 else f"eval/{source.name}"
+      bits_per_byte = loss / np.log(2) * source.validation_tokens_per_byte
+      results |= {f"{prefix}/loss": loss, f"{prefix}/perplexity": float(np.exp(loss)),
+                  f"{prefix}/bits_per_byte": float(bits_per_byte)}
+    if len(sources) > 1 and evaluated:
+      weights = [s.weight for s in evaluated]
+      results["eval/loss"] = float(np.average([results[f"eval/{s.name}/loss"] for s in evaluated],
+                                              weights=weights))
+    return results
+  return evaluate
 
+
+def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
+                  tokens_per_window: int) -> dict[str, float]:
+  """Tokens drawn from each source so far (all processes), and records lost to corruption."""
+  metrics_ = {f"data/tokens/{name}": float(windows * tokens_per_window)
+              for name, windows in position.per_source.items()}
+  metrics_["data/corrupt_records_skipped"] = float(batches.corrupt_records_skipped)
+  return metrics_
+
+
+def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
+                state: step.TrainState, position: loader.DataPosition,
+                checkpointer: Checkpointer, sources: list[loader.Source]) -> dict[str, float]:
+  trainer = run.trainer
+  start_step = int(state.step)
+  train_batches = loader.TrainBatches(
+      sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
+      local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  evaluate = _make_evaluate(run, steps, sources)
   writer = metrics.create_writer(workdir)
   report_progress = periodic_actions.ReportProgress(
       num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
   throughput = metrics.Throughput(trainer.batch_size * run.model.seq_len, start_step)
-  history, last_metrics = [], {}
+  history, data_wait, last_metrics = [], 0.0, {}
   for step_num in range(start_step + 1, trainer.num_train_steps + 1):
     with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
-      state, step_metrics = steps.train_step(state, next(train_batches))
+      wait_start = time.perf_counter()
+      batch, position = next(train_batches)
+      data_wait += time.perf_counter() - wait_start
+      state, step_metrics = steps.train_step(state, batch)
     history.append(step_metrics)
     if step_num == start_step + 1:
       # Leave compilation out of the throughput figures.
@@ -113,9 +143,12 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       throughput.reset(step_num)
     is_last = step_num == trainer.num_train_steps
     if step_num % trainer.log_every_steps == 0 or is_last:
-      last_metrics = _mean(history) | throughput.measure(step_num)
+      last_metrics = (_mean(history) | throughput.measure(step_num)
+                      | {"train/data_wait_seconds": data_wait / len(history)}
+                      | _data_metrics(position, train_batches,
+                                      run.model.seq_len * jax.process_count()))
       writer.write_scalars(step_num, last_metrics)
-      history = []
+      history, data_wait = [], 0.0
     report_progress(step_num)
     if step_num % trainer.eval_every_steps == 0 or is_last:
       eval_metrics = evaluate(state.params)
@@ -123,6 +156,6 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       last_metrics |= eval_metrics
       throughput.reset(step_num)
     if step_num % trainer.checkpoint_every_steps == 0 or is_last:
-      checkpointer.save(step_num, state)
+      checkpointer.save(step_num, state, position.to_json())
   writer.close()
   return last_metrics

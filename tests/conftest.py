@@ -26,12 +26,12 @@ def load_config_file(name: str):
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> pathlib.Path:
   """A cache dir with the built-in corpus tokenized once for the whole session."""
-  from levanter_flax.config import default_config, to_run_config
+  from levanter_flax.config import default_config
   from levanter_flax.data import prepare
   cache_dir = tmp_path_factory.mktemp("data_cache")
-  config = default_config()
-  config.data.cache_dir = str(cache_dir)
-  prepare.prepare(to_run_config(config).data)
+  data = default_config().data
+  prepare.builtin_dataset(str(cache_dir), data.tokenizer, data.validation_fraction,
+                          data.num_train_shards)
   return cache_dir
 
 
@@ -60,3 +60,25 @@ def read_metrics(workdir: pathlib.Path) -> list[dict]:
 
 def train_losses(workdir: pathlib.Path) -> dict[int, float]:
   return {m["step"]: m["train/loss"] for m in read_metrics(workdir) if "train/loss" in m}
+
+
+def random_documents(count: int, seed: int = 0) -> list[str]:
+  """Distinct documents of varied lengths, some non-ASCII, so windows never repeat."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  alphabet = list("abcdefghijklmnopqrstuvwxyz ,.\néü✓")
+  return [f"doc{seed}-{i}: " + "".join(rng.choice(alphabet, size=rng.integers(20, 400)))
+          for i in range(count)]
+
+
+def prepare_texts(directory: pathlib.Path, texts: list[str], **options) -> pathlib.Path:
+  """Writes one file per text under directory/input and prepares them into directory/data."""
+  from levanter_flax.data import prepare, sources
+  inputs = directory / "input"
+  inputs.mkdir(parents=True, exist_ok=True)
+  for i, text in enumerate(texts):
+    (inputs / f"{i:04d}.txt").write_text(text, encoding="utf-8")
+  source = sources.SourceSpec(kind="text", inputs=(str(inputs / "*.txt"),))
+  options = {"num_shards": 4, "validation_fraction": 0.2, **options}
+  return prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=directory / "data",
+                                                        **options))

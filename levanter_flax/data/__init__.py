@@ -1,4 +1,4 @@
-"""Input: a built-in corpus, tokenizers, TFRecord shards and the tf.data loader.
+"""Input: document sources, tokenizers, TFRecord shards, their schedule and the tf.data loader.
 
 TensorFlow is imported only inside this package, and only for the CPU.
 """
@@ -8,12 +8,13 @@ import functools
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  cache_dir: str
-  corpus: str
+  dataset: str  # A prepared dataset directory, or "stdlib".
+  mixture: tuple[tuple[str, str, float], ...]  # (name, dataset, weight); replaces `dataset`.
   tokenizer: str
-  validation_fraction: float
-  num_train_shards: int
-  shuffle_buffer_size: int
+  cache_dir: str
+  validation_fraction: float  # The built-in dataset's.
+  num_train_shards: int  # The built-in dataset's.
+  on_corrupt_record: str  # fail | skip
 
 
 @functools.cache

@@ -1,93 +1,266 @@
-"""The tf.data pipeline: TFRecord shards -> packed token windows -> global jax.Arrays.
+"""The tf.data pipeline: TFRecord shards -> shuffled seq_len windows -> global jax.Arrays.
 
-Every process reads its own 1/process_count of the documents, shuffles them
-with the run's seed, appends EOS, packs the stream into seq_len windows and
-batches to the per-process batch. `global_batches` then assembles the
-per-process pieces into one jax.Array sharded over the activation axis.
+Each process reads only its own shards (every process_count-th one). A shard
+is decoded whole, its documents joined with EOS and cut into windows, and the
+windows put in a seeded permutation; several shards decode in parallel. The
+order is fixed by `schedule`, so the stream restarts at any DataPosition
+after reading at most one shard. A mixture draws each window from one source
+by the schedule's blocks. `TrainBatches` turns per-process batches into
+global arrays sharded over the activation axis and tracks the position.
 """
 import collections
+import dataclasses
 import pathlib
 from typing import Iterator
 
 import jax
 import numpy as np
+from absl import logging
 
-from levanter_flax.data import import_tensorflow, tfrecord
+from levanter_flax.data import DataConfig, import_tensorflow, prepare, schedule, tfrecord
+from levanter_flax.data.tokenizers import identity, load_tokenizer
+from levanter_flax.errors import UserError
 
 tf = import_tensorflow()
 
-_DOCUMENT_SHUFFLE_BUFFER = 128
+_SHARDS_DECODED_AHEAD = 4
+_DEVICE_PREFETCH = 2
 
 
-def _pack(documents: "tf.data.Dataset", seq_len: int) -> "tf.data.Dataset":
-  """Concatenates documents into one stream and cuts it into seq_len windows.
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One prepared dataset of the run, with its mixture weight."""
+  name: str
+  directory: pathlib.Path
+  manifest: dict
+  weight: float
 
-  A scan carries the unfinished tail from one document to the next, so the
-  per-element work is per document and per window, never per token.
+  def files(self, split: str) -> list[str]:
+    return [str(self.directory / shard["file"]) for shard in self.manifest["splits"][split]]
+
+  @property
+  def has_validation(self) -> bool:
+    return any(s["num_documents"] for s in self.manifest["splits"]["validation"])
+
+  @property
+  def validation_tokens_per_byte(self) -> float:
+    """Tokens the eval stream predicts (EOS included) per byte of validation text."""
+    shards = self.manifest["splits"]["validation"]
+    tokens = sum(s["num_tokens"] + s["num_documents"] for s in shards)
+    return tokens / max(sum(s["num_text_bytes"] for s in shards), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+  """How far each process has read: windows drawn in all, and from each source."""
+  windows: int
+  per_source: dict[str, int]
+
+  @classmethod
+  def start(cls, sources: list[Source]) -> "DataPosition":
+    return cls(0, {s.name: 0 for s in sources})
+
+  def to_json(self) -> dict:
+    return {"windows": self.windows, "per_source": dict(self.per_source)}
+
+  @classmethod
+  def from_json(cls, value: dict) -> "DataPosition":
+    return cls(int(value["windows"]), {k: int(v) for k, v in value["per_source"].items()})
+
+
+def load_sources(cfg: DataConfig) -> list[Source]:
+  """The run's datasets, preparing the built-in one if needed; checks their tokenizer."""
+  entries = cfg.mixture or (("train", cfg.dataset, 1.0),)
+  wanted = identity(load_tokenizer(cfg.tokenizer))
+  sources = []
+  for name, dataset, weight in entries:
+    if dataset == "stdlib":
+      directory = prepare.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
+                                          cfg.num_train_shards)
+    else:
+      directory = pathlib.Path(dataset).expanduser()
+    manifest = prepare.load_manifest(directory)
+    found = prepare.manifest_tokenizer(manifest)
+    if not found.matches(wanted):
+      raise UserError(f"dataset {directory} was tokenized with {found.describe()} "
+                      f"(vocab {found.vocab_size}), but config.data.tokenizer {cfg.tokenizer!r} "
+                      f"is {wanted.describe()} (vocab {wanted.vocab_size})")
+    sources.append(Source(name, directory, manifest, weight))
+  return sources
+
+
+def _parse_with_eos(manifest: dict):
+  """A serialized record -> its document's tokens with EOS appended."""
+  dtype, eos = manifest["token_dtype"], manifest["tokenizer"]["eos_id"]
+  return lambda record: tf.concat([tfrecord.parse_tokens(record, dtype), [eos]], axis=0)
+
+
+def _shard_windows(files: list[str], manifest: dict, seq_len: int):
+  """A tf function: (shard, seed, skip) -> that shard's windows, shuffled, minus the first `skip`.
+
+  Unreadable records end the shard early rather than the run; the records
+  read travel with each window so the host can fail or count per config.
   """
-  def cut(tail, tokens):
-    stream = tf.concat([tail, tokens], axis=0)
+  parse = _parse_with_eos(manifest)
+  files = tf.constant(files)
+
+  def load(shard, seed, skip, chunk):
+    docs = tf.data.TFRecordDataset(tf.gather(files, shard)).map(parse).ignore_errors()
+    pieces = docs.reduce(
+        tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None]),
+        lambda pieces, doc: pieces.write(pieces.size(), doc))
+    stream = pieces.concat()
     num_windows = tf.shape(stream)[0] // seq_len
     windows = tf.reshape(stream[:num_windows * seq_len], [num_windows, seq_len])
-    return stream[num_windows * seq_len:], windows
-  return documents.scan(tf.zeros([0], tf.int32), cut).unbatch()
+    windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
+    count = tf.shape(windows)[:1]
+    return {"tokens": windows, "shard": tf.fill(count, shard), "chunk": tf.fill(count, chunk),
+            "records_read": tf.fill(count, pieces.size())}
+  return load
 
 
-def _documents(directory: pathlib.Path, manifest: dict, split: str, *, shuffle_seed,
-               process_index: int, process_count: int) -> "tf.data.Dataset":
-  files = [str(directory / shard["file"]) for shard in manifest["splits"][split]]
-  eos = manifest["tokenizer"]["eos_id"]
-  dtype = manifest["token_dtype"]
-  ds = tf.data.Dataset.from_tensor_slices(files)
-  if shuffle_seed is not None:
-    ds = ds.shuffle(len(files), seed=shuffle_seed, reshuffle_each_iteration=True)
-  ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), 8),
-                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.shard(process_count, process_index)
-  if shuffle_seed is not None:
-    ds = ds.shuffle(_DOCUMENT_SHUFFLE_BUFFER, seed=shuffle_seed + 1)
-  return ds.map(lambda r: tf.concat([tfrecord.parse_tokens(r, dtype), [eos]], axis=0),
-                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
+                   process_index: int, process_count: int) -> "tf.data.Dataset":
+  """One source's endless window stream for this process, from its window `start`."""
+  shards = source.manifest["splits"]["train"][process_index::process_count]
+  if not shards:
+    raise UserError(f"dataset {source.directory} has {len(source.manifest['splits']['train'])} "
+                    f"train shards, fewer than the {process_count} processes; prepare it again "
+                    f"with --num_shards={process_count} or more")
+  order = schedule.ShardOrder(schedule.shard_windows(shards, seq_len), (seed, index))
+  if not order.windows_per_epoch:
+    raise UserError(f"dataset {source.directory} holds no whole window of seq_len {seq_len} "
+                    f"for process {process_index}")
+
+  def chunks():
+    for serial, (shard, shuffle_seed, skip) in enumerate(order.chunks(start)):
+      yield shard, shuffle_seed, skip, serial
+  chunk_signature = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64),
+                     tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))
+  files = [str(source.directory / s["file"]) for s in shards]
+  windows = tf.data.Dataset.from_generator(chunks, output_signature=chunk_signature).map(
+      _shard_windows(files, source.manifest, seq_len),
+      num_parallel_calls=_SHARDS_DECODED_AHEAD, deterministic=True).unbatch()
+  return windows.map(lambda w: w | {"source": index})
 
 
-def train_dataset(directory: pathlib.Path, manifest: dict, *, seq_len: int, local_batch_size: int,
-                  seed: int, shuffle_buffer_size: int, start_batch: int = 0,
-                  process_index: int = 0, process_count: int = 1) -> "tf.data.Dataset":
-  """An endless, seeded stream of {'tokens': int32[local_batch_size, seq_len]}.
+def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int, seed: int,
+                  position: DataPosition, process_index: int = 0,
+                  process_count: int = 1) -> "tf.data.Dataset":
+  """The seeded, endless stream of this process's batches from `position` on.
 
-  The stream is a pure function of the seed, so skipping `start_batch`
-  batches resumes it exactly where a run that stopped there left off.
+  Elements: tokens int32[local_batch_size, seq_len] plus, per row, the source,
+  shard, chunk and records read, which the host uses for accounting.
   """
-  ds = _documents(directory, manifest, "train", shuffle_seed=seed,
-                  process_index=process_index, process_count=process_count).repeat()
-  ds = _pack(ds, seq_len)
-  if shuffle_buffer_size > 1:
-    ds = ds.shuffle(shuffle_buffer_size, seed=seed + 2)
-  ds = ds.batch(local_batch_size, drop_remainder=True).skip(start_batch)
-  return ds.map(lambda tokens: {"tokens": tokens}).prefetch(tf.data.AUTOTUNE)
+  mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
+  derived = mixture.consumed(position.windows)
+  streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
+                            start=position.per_source.get(source.name, int(derived[index])),
+                            process_index=process_index, process_count=process_count)
+             for index, source in enumerate(sources)]
+  if len(streams) == 1:
+    windows = streams[0]
+  else:
+    choices = tf.data.Dataset.from_generator(
+        lambda: mixture.choices(position.windows),
+        output_signature=tf.TensorSpec([None], tf.int64)).unbatch()
+    windows = tf.data.Dataset.choose_from_datasets(streams, choices)
+  return windows.batch(local_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
-def eval_dataset(directory: pathlib.Path, manifest: dict, *, seq_len: int, local_batch_size: int,
-                 num_batches: int, process_index: int = 0, process_count: int = 1) -> "tf.data.Dataset":
-  """The same `num_batches` validation batches every time it is iterated."""
-  ds = _documents(directory, manifest, "validation", shuffle_seed=None,
-                  process_index=process_index, process_count=process_count).repeat()
-  ds = _pack(ds, seq_len).batch(local_batch_size, drop_remainder=True).take(num_batches)
-  return ds.map(lambda tokens: {"tokens": tokens}).prefetch(tf.data.AUTOTUNE)
+def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_batches: int,
+                 process_index: int = 0, process_count: int = 1) -> "tf.data.Dataset":
+  """The same `num_batches` validation batches, in order, every time it is iterated."""
+  records = tf.data.TFRecordDataset(source.files("validation"))
+  stream = records.shard(process_count, process_index).map(_parse_with_eos(source.manifest))
+
+  def cut(tail, tokens):
+    """Carries the unfinished tail from one document to the next: work per document, not token."""
+    joined = tf.concat([tail, tokens], axis=0)
+    num_windows = tf.shape(joined)[0] // seq_len
+    windows = tf.reshape(joined[:num_windows * seq_len], [num_windows, seq_len])
+    return joined[num_windows * seq_len:], windows
+  windows = stream.repeat().scan(tf.zeros([0], tf.int32), cut).unbatch()
+  return windows.batch(local_batch_size, drop_remainder=True).take(num_batches).map(
+      lambda tokens: {"tokens": tokens})
 
 
-def global_batches(dataset: "tf.data.Dataset", sharding: jax.sharding.Sharding,
-                   device_prefetch: int = 2) -> Iterator[dict[str, jax.Array]]:
-  """Turns per-process numpy batches into global jax.Arrays, `device_prefetch` ahead.
+def global_arrays(local_batches: Iterator[tuple[dict, object]], sharding: jax.sharding.Sharding,
+                  ahead: int = _DEVICE_PREFETCH) -> Iterator[tuple[dict, object]]:
+  """(per-process numpy batch, tag) -> (global jax.Arrays, tag), `ahead` batches in flight.
 
-  Transfers are asynchronous, so keeping a few batches in flight overlaps the
+  Transfers are asynchronous, so keeping a few in flight overlaps the
   host-to-device copy with the running step.
   """
   queue = collections.deque()
-  for local in dataset.as_numpy_iterator():
-    queue.append({k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-                  for k, v in local.items()})
-    if len(queue) > device_prefetch:
+  for local, tag in local_batches:
+    queue.append(({k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+                   for k, v in local.items()}, tag))
+    if len(queue) > ahead:
       yield queue.popleft()
   while queue:
     yield queue.popleft()
+
+
+def eval_batches(dataset: "tf.data.Dataset", source: Source,
+                 sharding: jax.sharding.Sharding) -> Iterator[dict]:
+  try:
+    for arrays, _ in global_arrays(((b, None) for b in dataset.as_numpy_iterator()), sharding):
+      yield arrays
+  except tf.errors.DataLossError as e:
+    raise UserError(f"corrupt TFRecord in the validation split of {source.directory}: "
+                    f"{e.message.split('[')[0].strip()}") from None
+
+
+class TrainBatches:
+  """Global train batches, each with the DataPosition reached once it is consumed.
+
+  Also counts records lost to corrupt shards: with on_corrupt_record='fail'
+  the first one stops the run naming the shard and record; with 'skip' the
+  rest of that shard is skipped, counted and logged.
+  """
+
+  def __init__(self, sources: list[Source], cfg: DataConfig, *, seq_len: int,
+               local_batch_size: int, seed: int, position: DataPosition,
+               sharding: jax.sharding.Sharding, process_index: int = 0, process_count: int = 1):
+    self._sources = sources
+    self._on_corrupt_record = cfg.on_corrupt_record
+    self._position = position
+    self.corrupt_records_skipped = 0
+    self._chunks_seen: set[tuple[int, int]] = set()
+    self._shards = [s.manifest["splits"]["train"][process_index::process_count] for s in sources]
+    self._dataset = train_dataset(sources, seq_len=seq_len, local_batch_size=local_batch_size,
+                                  seed=seed, position=position, process_index=process_index,
+                                  process_count=process_count)
+    self._batches = global_arrays(self._tagged(), sharding)
+
+  def __iter__(self):
+    return self._batches
+
+  def __next__(self) -> tuple[dict, DataPosition]:
+    return next(self._batches)
+
+  def _tagged(self) -> Iterator[tuple[dict, DataPosition]]:
+    position = self._position
+    for batch in self._dataset.as_numpy_iterator():
+      self._check_records(batch)
+      counts = np.bincount(batch["source"], minlength=len(self._sources))
+      position = DataPosition(position.windows + len(batch["tokens"]), {
+          s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)})
+      yield {"tokens": batch["tokens"]}, position
+
+  def _check_records(self, batch: dict) -> None:
+    for source, shard, chunk, read in zip(batch["source"], batch["shard"], batch["chunk"],
+                                          batch["records_read"]):
+      entry = self._shards[source][shard]
+      if read == entry["num_documents"] or (source, chunk) in self._chunks_seen:
+        continue
+      self._chunks_seen.add((source, chunk))
+      path = self._sources[source].directory / entry["file"]
+      if self._on_corrupt_record == "fail":
+        raise UserError(f"corrupt TFRecord shard {path}: record {read} of {entry['num_documents']} "
+                        f"is unreadable; set config.data.on_corrupt_record='skip' to skip the "
+                        f"rest of a bad shard and go on")
+      lost = entry["num_documents"] - int(read)
+      self.corrupt_records_skipped += lost
+      logging.warning("Skipped %d unreadable records of %s from record %d on", lost, path, read)

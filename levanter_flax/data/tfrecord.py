@@ -5,7 +5,8 @@ smaller than int64_list varints for large vocabularies and decode with one
 tf.io.decode_raw, which keeps the loader cheap.
 """
 import os
-from typing import Iterable, Iterator
+import pathlib
+from typing import Iterator
 
 import numpy as np
 
@@ -25,22 +26,33 @@ def _example(tokens: np.ndarray, dtype: str) -> bytes:
   return tf.train.Example(features=tf.train.Features(feature={FEATURE: feature})).SerializeToString()
 
 
-def write_shard(path: str, documents: Iterable[np.ndarray], dtype: str) -> tuple[int, int]:
-  """Writes documents to `path` atomically; returns (documents, tokens) written.
+class ShardWriter:
+  """Writes documents to `path` atomically: the shard appears only once complete.
 
-  The shard appears under its final name only once complete, so a killed
-  writer never leaves a partial file that looks finished.
+  A killed writer leaves at most a `.tmp-<pid>` file, never a partial shard
+  under its final name.
   """
-  tf = import_tensorflow()
-  tmp_path = f"{path}.tmp-{os.getpid()}"
-  num_documents = num_tokens = 0
-  with tf.io.TFRecordWriter(tmp_path) as writer:
-    for tokens in documents:
-      writer.write(_example(tokens, dtype))
-      num_documents += 1
-      num_tokens += len(tokens)
-  os.replace(tmp_path, path)
-  return num_documents, num_tokens
+
+  def __init__(self, path: pathlib.Path, dtype: str):
+    self.path, self._dtype = path, dtype
+    self._tmp_path = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    self.num_documents = self.num_tokens = 0
+
+  def __enter__(self) -> "ShardWriter":
+    self._writer = import_tensorflow().io.TFRecordWriter(str(self._tmp_path))
+    return self
+
+  def write(self, tokens: np.ndarray) -> None:
+    self._writer.write(_example(tokens, self._dtype))
+    self.num_documents += 1
+    self.num_tokens += len(tokens)
+
+  def __exit__(self, exc_type, exc, traceback) -> None:
+    self._writer.close()
+    if exc_type is None:
+      os.replace(self._tmp_path, self.path)
+    else:
+      self._tmp_path.unlink(missing_ok=True)
 
 
 def parse_tokens(record, dtype: str):

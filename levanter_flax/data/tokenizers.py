@@ -1,14 +1,42 @@
-"""Tokenizers: text <-> token ids. The byte-level one needs no download."""
+"""Tokenizers: byte-level (no files), Hugging Face `tokenizers` JSON, SentencePiece.
+
+A tokenizer is named by a spec: "byte", or the path of a tokenizer.json or a
+SentencePiece .model file. Its identity (kind, file hash, vocab size, EOS id)
+goes into every dataset manifest, so a run can refuse data made with another.
+"""
+import dataclasses
+import functools
+import hashlib
+import pathlib
+from typing import Iterable
+
 import numpy as np
 
 from levanter_flax.errors import UserError
 
+# End-of-document tokens tried, in order, when a tokenizer file names none.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerIdentity:
+  kind: str  # byte | huggingface | sentencepiece
+  sha256: str  # Of the tokenizer file; "" for byte.
+  vocab_size: int
+  eos_id: int
+
+  def matches(self, other: "TokenizerIdentity") -> bool:
+    return (self.kind, self.sha256, self.vocab_size) == (other.kind, other.sha256, other.vocab_size)
+
+  def describe(self) -> str:
+    return self.kind if self.kind == "byte" else f"{self.kind} sha256:{self.sha256[:12]}"
+
 
 class ByteTokenizer:
   """UTF-8 bytes as tokens 0..255, plus an end-of-document token."""
-  name = "byte"
   vocab_size = 257
   eos_id = 256
+  kind, sha256 = "byte", ""
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -17,10 +45,86 @@ class ByteTokenizer:
     return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-TOKENIZERS = {"byte": ByteTokenizer}
+class HuggingFaceTokenizer:
+  """A `tokenizers` JSON file, e.g. GPT-2's or one made by `--train_tokenizer`."""
+  kind = "huggingface"
+
+  def __init__(self, path: pathlib.Path):
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    self.sha256 = _sha256(path)
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    found = [self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES]
+    found = [i for i in found if i is not None]
+    if not found:
+      raise UserError(f"tokenizer {path} has none of the end-of-document tokens {EOS_CANDIDATES}")
+    self.eos_id = found[0]
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(i) for i in ids])
 
 
-def get_tokenizer(name: str):
-  if name not in TOKENIZERS:
-    raise UserError(f"config.data.tokenizer {name!r} is unknown; choose one of {sorted(TOKENIZERS)}")
-  return TOKENIZERS[name]()
+class SentencePieceTokenizer:
+  """A SentencePiece .model file; its own EOS id ends each document."""
+  kind = "sentencepiece"
+
+  def __init__(self, path: pathlib.Path):
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    try:
+      self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+      raise UserError(f"cannot load SentencePiece model {path}: {e}") from e
+    self.sha256 = _sha256(path)
+    self.vocab_size = self._processor.get_piece_size()
+    self.eos_id = self._processor.eos_id()
+    if self.eos_id < 0:
+      raise UserError(f"SentencePiece model {path} has no EOS piece (it was trained with eos_id=-1)")
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._processor.encode(text), dtype=np.int32)
+
+  def decode(self, ids) -> str:
+    return self._processor.decode([int(i) for i in ids])
+
+
+def _sha256(path: pathlib.Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.cache
+def load_tokenizer(spec: str):
+  """"byte", a tokenizer.json path, or a SentencePiece .model path -> a tokenizer."""
+  if spec == "byte":
+    return ByteTokenizer()
+  path = pathlib.Path(spec).expanduser()
+  if not path.is_file():
+    raise UserError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or "
+                    f"SentencePiece .model file")
+  if path.suffix == ".json":
+    return HuggingFaceTokenizer(path)
+  if path.suffix == ".model":
+    return SentencePieceTokenizer(path)
+  raise UserError(f"tokenizer file {path} must end in .json (Hugging Face) or .model (SentencePiece)")
+
+
+def identity(tokenizer) -> TokenizerIdentity:
+  return TokenizerIdentity(tokenizer.kind, tokenizer.sha256, tokenizer.vocab_size, tokenizer.eos_id)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: pathlib.Path) -> None:
+  """Trains a byte-level BPE (GPT-2's scheme) on `texts` and saves it as tokenizer.json."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_CANDIDATES[0]],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tokenizer.train_from_iterator(texts, trainer=trainer)
+  tmp = path.with_name(path.name + ".tmp")
+  tokenizer.save(str(tmp))
+  tmp.replace(path)

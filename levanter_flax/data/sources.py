@@ -1,0 +1,181 @@
+"""Where documents come from: text files, JSON lines, a TFDS dataset, or the Python stdlib.
+
+Each reader yields (key, text) pairs. The key names the document (a path,
+file:line, or dataset index) in error messages and decides its split, so the
+split does not depend on how many workers read the source.
+"""
+import dataclasses
+import glob
+import gzip
+import itertools
+import json
+import os
+import pathlib
+import sys
+import sysconfig
+from typing import Callable, Iterator
+
+from levanter_flax.errors import UserError
+
+KINDS = ("stdlib", "text", "jsonl", "tfds")
+DECODE_POLICIES = ("replace", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+  kind: str  # One of KINDS.
+  inputs: tuple[str, ...] = ()  # File globs (text, jsonl); the dataset name (tfds).
+  text_field: str = "text"  # jsonl and tfds: the feature holding the text.
+  separator: str = ""  # text: split files into documents on this; "" = one per file.
+  tfds_split: str = "train"
+  tfds_data_dir: str = ""
+  on_decode_error: str = "replace"  # Non-UTF-8 bytes: replace them, or stop.
+
+
+@dataclasses.dataclass
+class SourceStats:
+  documents: int = 0
+  empty_documents_skipped: int = 0
+  invalid_utf8_documents: int = 0
+
+  def add(self, other: "SourceStats") -> None:
+    for field in dataclasses.fields(self):
+      setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+
+def stdlib_root() -> pathlib.Path:
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_name() -> str:
+  return f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def resolve_files(spec: SourceSpec) -> list[str]:
+  """The sorted input files every worker agrees on; names a glob that matches nothing."""
+  if spec.kind == "stdlib":
+    # Installed packages are excluded so the corpus does not depend on what pip put there.
+    return sorted(str(p) for p in stdlib_root().rglob("*.py")
+                  if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+  if spec.kind == "tfds":
+    return []
+  if not spec.inputs:
+    raise UserError(f"a {spec.kind} source needs --input (a file or glob)")
+  files = []
+  for pattern in spec.inputs:
+    matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                     if os.path.isfile(p))
+    if not matched:
+      raise UserError(f"input glob {pattern!r} matches no files")
+    files.extend(matched)
+  return files
+
+
+def _decode(raw: bytes, where: str, spec: SourceSpec, stats: SourceStats) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    if spec.on_decode_error == "error":
+      raise UserError(f"{where}: invalid UTF-8 at byte {e.start}; pass --on_decode_error=replace "
+                      f"to replace bad bytes with U+FFFD") from None
+    stats.invalid_utf8_documents += 1
+    return raw.decode("utf-8", errors="replace")
+
+
+def _open(path: str):
+  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _read(path: str) -> bytes:
+  try:
+    with _open(path) as f:
+      return f.read()
+  except (OSError, EOFError) as e:
+    raise UserError(f"cannot read input file {path}: {e}") from e
+
+
+def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
+                    stats: SourceStats) -> Iterator[tuple[str, str]]:
+  """The documents of one input file that `keep()`, asked once per document in order, selects.
+
+  Keys are relative to `root`, so moving the corpus does not change its split.
+  """
+  if spec.kind == "jsonl":
+    with _open(path) as f:
+      for line_number, line in enumerate(f, 1):
+        if not line.strip() or not keep():
+          continue
+        where = f"{path}:{line_number}"
+        key = f"{os.path.relpath(path, root)}:{line_number}"
+        try:
+          record = json.loads(_decode(line, where, spec, stats))
+        except json.JSONDecodeError as e:
+          raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or spec.text_field not in record:
+          raise UserError(f"{where}: JSON record has no field {spec.text_field!r} "
+                          f"(set --text_field)")
+        if not isinstance(record[spec.text_field], str):
+          raise UserError(f"{where}: field {spec.text_field!r} is "
+                          f"{type(record[spec.text_field]).__name__}, not a string")
+        yield key, record[spec.text_field]
+    return
+  key = os.path.relpath(path, root)
+  if not spec.separator:
+    if keep():
+      yield key, _decode(_read(path), path, spec, stats)
+    return
+  # Every worker decodes the whole file to split it; each counts bad bytes in its own documents.
+  text = _decode(_read(path), path, spec, SourceStats())
+  for index, document in enumerate(text.split(spec.separator)):
+    if keep():
+      stats.invalid_utf8_documents += "\ufffd" in document and spec.on_decode_error == "replace"
+      yield f"{key}#{index}", document
+
+
+def _tfds_documents(spec: SourceSpec, part: int, num_parts: int,
+                    stats: SourceStats) -> Iterator[tuple[str, str]]:
+  from levanter_flax.data import import_tensorflow  # pylint: disable=g-import-not-at-top
+  import_tensorflow()
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  name = spec.inputs[0] if spec.inputs else ""
+  try:
+    dataset = tfds.load(name, split=spec.tfds_split, data_dir=spec.tfds_data_dir or None,
+                        download=False, shuffle_files=False)
+  except Exception as e:  # pylint: disable=broad-except  # tfds raises many kinds.
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise UserError(f"cannot load TFDS dataset {name!r} split {spec.tfds_split!r} from "
+                    f"{spec.tfds_data_dir or 'the default data_dir'}: {first_line}") from None
+  if spec.text_field not in dataset.element_spec:
+    raise UserError(f"TFDS dataset {name!r} has no feature {spec.text_field!r}; it has "
+                    f"{sorted(dataset.element_spec)} (set --text_field)")
+  for index, example in enumerate(tfds.as_numpy(dataset.shard(num_parts, part))):
+    key = f"{name}/{spec.tfds_split}/{index * num_parts + part}"
+    yield key, _decode(example[spec.text_field], key, spec, stats)
+
+
+def documents(spec: SourceSpec, files: list[str], part: int, num_parts: int,
+              stats: SourceStats) -> Iterator[tuple[str, str]]:
+  """This worker's 1/num_parts of the source's non-empty documents.
+
+  With at least as many files as parts each worker reads whole files; with
+  fewer (one big JSON-lines file) every worker reads every file and keeps
+  every num_parts-th document.
+  """
+  if spec.kind == "tfds":
+    selected = _tfds_documents(spec, part, num_parts, stats)
+  else:
+    root = str(stdlib_root()) if spec.kind == "stdlib" else os.path.commonpath(
+        [os.path.dirname(os.path.abspath(f)) for f in files])
+    if len(files) >= num_parts:
+      selected = (doc for path in files[part::num_parts]
+                  for doc in _file_documents(spec, path, root, lambda: True, stats))
+    else:
+      counter = itertools.count()
+      keep = lambda: next(counter) % num_parts == part
+      selected = (doc for path in files for doc in _file_documents(spec, path, root, keep, stats))
+  for key, text in selected:
+    if not text.strip():
+      stats.empty_documents_skipped += 1
+      continue
+    stats.documents += 1
+    yield key, text

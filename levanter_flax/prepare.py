@@ -1,0 +1,79 @@
+"""Command line: tokenize text into TFRecord shards plus a manifest for training.
+
+  python -m levanter_flax.prepare --source=jsonl --input='data/*.jsonl.gz' \
+      --output_dir=/data/my_corpus --train_tokenizer --vocab_size=32768
+
+Then point a config at it: --config.data.dataset=/data/my_corpus (and
+--config.data.tokenizer=/data/my_corpus/tokenizer.json for a trained tokenizer).
+Killed and restarted with the same flags, it keeps the shards already written.
+"""
+import codecs
+import os
+import pathlib
+
+from absl import app, flags, logging
+
+from levanter_flax.data import prepare, sources
+from levanter_flax.errors import UserError, exit_with_error
+
+_SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
+_INPUT = flags.DEFINE_list("input", [], "text/jsonl: files or globs (.gz is read compressed); "
+                           "tfds: the dataset name, e.g. lm1b or wikipedia/20230601.en.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where the shards and manifest go.")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "jsonl/tfds: the field with the text.")
+_SEPARATOR = flags.DEFINE_string("separator", "", "text: split files into documents on this "
+                                 r"(escapes allowed, e.g. '\n\n'); default one document per file.")
+_TFDS_SPLIT = flags.DEFINE_string("tfds_split", "train", "tfds: the split to read.")
+_TFDS_DATA_DIR = flags.DEFINE_string("tfds_data_dir", "", "tfds: where the prepared data lives.")
+_ON_DECODE_ERROR = flags.DEFINE_enum("on_decode_error", "replace", sources.DECODE_POLICIES,
+                                     "Non-UTF-8 input: replace bad bytes (counted) or stop.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "'byte', a tokenizer.json (Hugging Face), "
+                                 "or a SentencePiece .model file.")
+_TRAIN_TOKENIZER = flags.DEFINE_bool("train_tokenizer", False, "Train a byte-level BPE on the "
+                                     "train split first; saved as <output_dir>/tokenizer.json.")
+_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 50257, "With --train_tokenizer: its size.")
+_NUM_SHARDS = flags.DEFINE_integer("num_shards", 8, "Train shards (also validation shards); "
+                                   "at least the number of training processes.", lower_bound=1)
+_VALIDATION_FRACTION = flags.DEFINE_float("validation_fraction", 0.01,
+                                          "Of documents, held out for eval.", 0.0, 0.99)
+_NUM_WORKERS = flags.DEFINE_integer("num_workers", os.cpu_count(), "Parallel shard writers.",
+                                    lower_bound=1)
+flags.mark_flags_as_required(["source", "output_dir"])
+
+
+def options_from_flags() -> prepare.PrepareOptions:
+  if _TRAIN_TOKENIZER.value and _TOKENIZER.value != "byte":
+    raise UserError("pass either --tokenizer or --train_tokenizer, not both")
+  return prepare.PrepareOptions(
+      source=sources.SourceSpec(
+          kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
+          separator=codecs.decode(_SEPARATOR.value, "unicode_escape"),
+          tfds_split=_TFDS_SPLIT.value, tfds_data_dir=_TFDS_DATA_DIR.value,
+          on_decode_error=_ON_DECODE_ERROR.value),
+      output_dir=pathlib.Path(_OUTPUT_DIR.value).expanduser(),
+      tokenizer=_TOKENIZER.value,
+      train_tokenizer_vocab_size=_VOCAB_SIZE.value if _TRAIN_TOKENIZER.value else 0,
+      num_shards=_NUM_SHARDS.value,
+      validation_fraction=_VALIDATION_FRACTION.value,
+      num_workers=_NUM_WORKERS.value)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    exit_with_error(str(e))
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    directory = prepare.prepare_dataset(options_from_flags())
+  except UserError as e:
+    exit_with_error(str(e))
+  logging.info("Dataset ready: %s", directory)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

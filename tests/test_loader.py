@@ -1,0 +1,163 @@
+"""The tf.data loader: exact packing, seeding, per-process shards, mixtures, resume and corruption."""
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import prepare_texts, random_documents
+from levanter_flax.data import DataConfig, loader, prepare, schedule, tfrecord
+from levanter_flax.errors import UserError
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> list[pathlib.Path]:
+  root = tmp_path_factory.mktemp("loader")
+  return [prepare_texts(root / name, random_documents(40, seed=i))
+          for i, name in enumerate(["a", "b"])]
+
+
+def source(directory, name="train", weight=1.0) -> loader.Source:
+  return loader.Source(name, directory, prepare.load_manifest(directory), weight)
+
+
+def take(sources, count, *, seed=0, start=0, per_source=None, batch=1, **kwargs):
+  """The first `count` batches (rows, when batch=1) and their sources, from window `start`."""
+  per_source = per_source or ({s.name: start for s in sources} if len(sources) == 1 else {})
+  dataset = loader.train_dataset(sources, seq_len=SEQ_LEN, local_batch_size=batch, seed=seed,
+                                 position=loader.DataPosition(start, per_source), **kwargs)
+  batches = list(dataset.take(count).as_numpy_iterator())
+  return (np.stack([b["tokens"] for b in batches]).squeeze(1 if batch == 1 else ()),
+          np.concatenate([b["source"] for b in batches]))
+
+
+def packed_windows(directory, shards) -> list[tuple]:
+  """Each shard's documents joined with EOS and cut into SEQ_LEN windows, read with plain TF."""
+  manifest = prepare.load_manifest(directory)
+  windows = []
+  for shard in shards:
+    documents = tfrecord.read_shard(str(directory / shard["file"]), manifest["token_dtype"])
+    stream = np.concatenate([np.append(d, 256) for d in documents])
+    usable = len(stream) // SEQ_LEN * SEQ_LEN
+    windows += [tuple(w) for w in stream[:usable].reshape(-1, SEQ_LEN)]
+  return windows
+
+
+def epoch_length(directory, process_index=0, process_count=1) -> int:
+  shards = prepare.load_manifest(directory)["splits"]["train"][process_index::process_count]
+  return int(schedule.shard_windows(shards, SEQ_LEN).sum())
+
+
+def test_an_epoch_is_every_packed_window_exactly_once(datasets):
+  directory = datasets[0]
+  windows, _ = take([source(directory)], epoch_length(directory))
+  expected = packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"])
+  assert sorted(map(tuple, windows)) == sorted(expected)
+
+
+def test_same_seed_gives_the_same_batches(datasets):
+  first, _ = take([source(datasets[0])], 6, seed=3, batch=4)
+  np.testing.assert_array_equal(first, take([source(datasets[0])], 6, seed=3, batch=4)[0])
+  assert not np.array_equal(first, take([source(datasets[0])], 6, seed=4, batch=4)[0])
+
+
+def test_processes_read_disjoint_shards_that_cover_the_dataset(datasets):
+  directory = datasets[0]
+  per_process = [set(map(tuple, take([source(directory)], epoch_length(directory, i, 2),
+                                     process_index=i, process_count=2)[0])) for i in range(2)]
+  assert not per_process[0] & per_process[1]
+  assert per_process[0] | per_process[1] == set(
+      packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"]))
+
+
+def test_resume_at_any_position_continues_the_same_stream(datasets):
+  directory = datasets[0]
+  epoch = epoch_length(directory)
+  reference, _ = take([source(directory)], 2 * epoch + 12)
+  for start in (1, 17, epoch - 1, epoch, epoch + 5, 2 * epoch + 3):
+    resumed, _ = take([source(directory)], 8, start=start)
+    np.testing.assert_array_equal(resumed, reference[start:start + 8], err_msg=str(start))
+
+
+def test_resume_position_is_arithmetic_not_replay(datasets):
+  """Where window n lives is computed from the manifest, so step 10**12 costs what step 1 does."""
+  order = schedule.ShardOrder(np.array([5, 0, 3, 9]), seed=(0, 0))
+  timeline = []  # (chunk, window) for every window of the first 6 epochs.
+  for chunk, (shard, _, skip) in enumerate(order.chunks(0)):
+    if len(timeline) >= 6 * 17:
+      break
+    timeline += [(shard, w) for w in range(skip, order.windows[shard])]
+  for start in range(0, 5 * 17):
+    resumed = []
+    for shard, _, skip in order.chunks(start):
+      resumed += [(shard, w) for w in range(skip, order.windows[shard])]
+      if len(resumed) >= 17:
+        break
+    assert resumed[:17] == timeline[start:start + 17], start
+  far, _ = take([source(datasets[0])], 2, start=10**12, batch=4)
+  assert far.shape == (2, 4, SEQ_LEN)
+
+
+def test_mixture_draws_each_source_at_its_weight_and_resumes(datasets):
+  sources = [source(datasets[0], "a", 3.0), source(datasets[1], "b", 1.0)]
+  windows, ids = take(sources, 2000)
+  assert abs(np.mean(ids == 0) - 0.75) < 0.01
+  for k, directory in enumerate(datasets):
+    own = set(packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"]))
+    assert all(tuple(w) in own for w in windows[ids == k])
+  mixture = schedule.Mixture(["a", "b"], [3.0, 1.0], seed=0)
+  np.testing.assert_array_equal(mixture.consumed(777), np.bincount(ids[:777], minlength=2))
+  counts = mixture.consumed(777)
+  resumed, resumed_ids = take(sources, 8, start=777, per_source={"a": counts[0], "b": counts[1]})
+  np.testing.assert_array_equal(resumed, windows[777:785])
+  np.testing.assert_array_equal(resumed_ids, ids[777:785])
+
+
+def corrupt_copy(directory: pathlib.Path, destination: pathlib.Path) -> tuple[pathlib.Path, str]:
+  shutil.copytree(directory, destination)
+  shard = prepare.load_manifest(destination)["splits"]["train"][1]["file"]
+  data = bytearray((destination / shard).read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  (destination / shard).write_bytes(bytes(data))
+  return destination, shard
+
+
+def train_batches(directory, on_corrupt_record):
+  cfg = DataConfig(dataset=str(directory), mixture=(), tokenizer="byte", cache_dir="",
+                   validation_fraction=0.02, num_train_shards=4, on_corrupt_record=on_corrupt_record)
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("data",)),
+                                        jax.sharding.PartitionSpec("data"))
+  return loader.TrainBatches([source(directory)], cfg, seq_len=SEQ_LEN, local_batch_size=4,
+                             seed=0, position=loader.DataPosition(0, {"train": 0}),
+                             sharding=sharding)
+
+
+def test_corrupt_shard_fails_naming_file_and_record_or_is_skipped_and_counted(datasets, tmp_path):
+  directory, shard = corrupt_copy(datasets[0], tmp_path / "corrupt")
+  batches_per_epoch = epoch_length(directory) // 4
+  with pytest.raises(UserError, match=f"corrupt TFRecord shard {directory / shard}: record \\d+ "
+                     f"of \\d+ is unreadable; set config.data.on_corrupt_record='skip'"):
+    failing = train_batches(directory, "fail")
+    for _ in range(batches_per_epoch + 1):
+      next(failing)
+  skipping = train_batches(directory, "skip")
+  positions = [next(skipping)[1] for _ in range(batches_per_epoch)]
+  documents = prepare.load_manifest(directory)["splits"]["train"][1]["num_documents"]
+  assert 0 < skipping.corrupt_records_skipped < documents
+  assert positions[-1].windows == 4 * batches_per_epoch
+
+
+def test_eval_windows_are_the_validation_stream_in_order(datasets):
+  validation = source(datasets[0])
+  manifest = validation.manifest
+  stream = np.concatenate([np.append(doc, 256) for f in validation.files("validation")
+                           for doc in tfrecord.read_shard(f, manifest["token_dtype"])])
+  batches = list(loader.eval_dataset(validation, seq_len=SEQ_LEN, local_batch_size=4,
+                                     num_batches=3).as_numpy_iterator())
+  windows = np.concatenate([b["tokens"] for b in batches]).reshape(-1)
+  np.testing.assert_array_equal(windows, stream[:len(windows)])
+  assert validation.validation_tokens_per_byte == pytest.approx(
+      len(stream) / sum(s["num_text_bytes"] for s in manifest["splits"]["validation"]))

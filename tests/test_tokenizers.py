@@ -1,0 +1,79 @@
+"""Tokenizers round-trip text, are recorded in the manifest, and a mismatched config is refused."""
+import pytest
+
+from conftest import prepare_texts, random_documents
+from levanter_flax.config import default_config, to_run_config
+from levanter_flax.data import loader, prepare, tfrecord
+from levanter_flax.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
+from levanter_flax.errors import UserError
+
+TEXT = "def f(x):\n    return 'héllo ✓'  # naïve\n"
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+  train_bpe(random_documents(50) + [TEXT] * 5, 400, path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_file(tmp_path_factory):
+  import sentencepiece
+  directory = tmp_path_factory.mktemp("spm")
+  (directory / "corpus.txt").write_text("\n".join(random_documents(50) + [TEXT] * 5))
+  sentencepiece.SentencePieceTrainer.train(
+      input=str(directory / "corpus.txt"), model_prefix=str(directory / "spm"), vocab_size=400,
+      character_coverage=1.0, byte_fallback=True, minloglevel=2)
+  return directory / "spm.model"
+
+
+def test_byte_tokenizer_round_trip():
+  tokenizer = ByteTokenizer()
+  assert tokenizer.decode(tokenizer.encode(TEXT)) == TEXT
+
+
+def test_trained_bpe_round_trips_and_has_eos(bpe_file):
+  tokenizer = load_tokenizer(str(bpe_file))
+  assert tokenizer.vocab_size == 400
+  assert tokenizer.eos_id == 0  # The one special token comes first.
+  ids = tokenizer.encode(TEXT)
+  assert len(ids) < 0.8 * len(TEXT.encode())  # It learned merges.
+  assert tokenizer.decode(ids) == TEXT
+
+
+def test_sentencepiece_round_trips(sentencepiece_file):
+  tokenizer = load_tokenizer(str(sentencepiece_file))
+  assert tokenizer.vocab_size == 400
+  assert tokenizer.eos_id == 2
+  assert tokenizer.decode(tokenizer.encode("plain words here")) == "plain words here"
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_dataset_is_tokenized_with_the_file_and_records_it(tmp_path, request, kind):
+  path = request.getfixturevalue({"bpe": "bpe_file", "sentencepiece": "sentencepiece_file"}[kind])
+  texts = random_documents(20)
+  directory = prepare_texts(tmp_path, texts, tokenizer=str(path), validation_fraction=0.0)
+  manifest = prepare.load_manifest(directory)
+  tokenizer = load_tokenizer(str(path))
+  assert manifest["tokenizer"]["vocab_size"] == tokenizer.vocab_size
+  assert manifest["tokenizer"]["sha256"] == tokenizer.sha256
+  decoded = [tokenizer.decode(tokens) for shard in manifest["splits"]["train"]
+             for tokens in tfrecord.read_shard(str(directory / shard["file"]), "uint16")]
+  # SentencePiece normalizes whitespace, so its round trip is to its own normal form.
+  assert sorted(decoded) == sorted(tokenizer.decode(tokenizer.encode(t)) for t in texts)
+  if kind == "bpe":
+    assert sorted(decoded) == sorted(texts)
+
+
+def test_config_with_another_tokenizer_is_refused(tmp_path, bpe_file):
+  directory = prepare_texts(tmp_path, random_documents(20))
+  config = default_config()
+  config.data.dataset = str(directory)
+  config.data.tokenizer = str(bpe_file)
+  with pytest.raises(UserError, match=f"dataset {directory} was tokenized with byte \\(vocab 257\\), "
+                     f"but config.data.tokenizer '{bpe_file}' is huggingface sha256:"):
+    loader.load_sources(to_run_config(config).data)
+  config.data.tokenizer = str(tmp_path / "missing.json")
+  with pytest.raises(UserError, match="is neither 'byte' nor an existing tokenizer.json"):
+    loader.load_sources(to_run_config(config).data)
