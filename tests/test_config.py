@@ -48,6 +48,10 @@ def test_axes_accept_names_and_comma_lists():
     ("model", "num_heads", 5, "config.model.hidden_dim (768) must be divisible by config.model.num_heads (5)"),
     ("model", "dtype", "float8", "config.model.dtype"),
     ("data", "validation_fraction", 1.5, "config.data.validation_fraction"),
+    ("data", "on_corrupt_record", "ignore", "config.data.on_corrupt_record must be 'fail' or 'skip'"),
+    ("data", "mixture", {"web": {"dataset": "/d", "weight": 0}},
+     "config key config.data.mixture.web must be dict(dataset=<directory>, weight=<positive number>)"),
+    ("data", "mixture", {"web": {"path": "/d", "weight": 1}}, "config key config.data.mixture.web"),
 ])
 def test_bad_values_are_named(section, key, value, message):
   config = default_config()
@@ -76,4 +80,14 @@ def test_bad_device_mesh_is_named():
   config = default_config()
   config.trainer.device_mesh = ml_collections.ConfigDict({"data": "four"})
   with pytest.raises(UserError, match="config key config.trainer.device_mesh must map axis names to sizes"):
+    to_run_config(config)
+
+
+def test_mixture_becomes_named_weighted_datasets():
+  config = default_config()
+  config.data.mixture.code = dict(dataset="stdlib", weight=3)
+  config.data.mixture.web = dict(dataset="/data/web", weight=1.0)
+  assert to_run_config(config).data.mixture == (("code", "stdlib", 3.0), ("web", "/data/web", 1.0))
+  config.data.dataset = "/data/other"
+  with pytest.raises(UserError, match="set config.data.dataset or config.data.mixture, not both"):
     to_run_config(config)

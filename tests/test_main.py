@@ -77,3 +77,14 @@ def test_unwritable_cache_dir_is_one_line(tmp_path):
   assert_one_line_error(run_main(f"--config={NANO}", f"--workdir={tmp_path}/run",
                                  f"--config.data.cache_dir={blocker}"),
                         f"cannot create dataset directory {blocker}/")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--config.data.dataset=/nowhere/data"],
+     "/nowhere/data is not a prepared dataset (no manifest.json); run python -m levanter_flax.prepare"),
+    (["--config.data.tokenizer=/nowhere/tokenizer.json"],
+     "tokenizer '/nowhere/tokenizer.json' is neither 'byte' nor an existing tokenizer.json"),
+])
+def test_bad_data_settings_are_one_line(data_cache, tmp_path, args, fragment):
+  assert_one_line_error(run_main(f"--config={NANO}", f"--workdir={tmp_path}",
+                                 f"--config.data.cache_dir={data_cache}", *args), fragment)

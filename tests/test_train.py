@@ -1,8 +1,10 @@
 """The training loop on the built-in corpus: loss falls, resume is exact, errors are named."""
+import json
+
 import numpy as np
 import pytest
 
-from conftest import read_metrics, train_losses
+from conftest import prepare_texts, random_documents, read_metrics, train_losses
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
@@ -19,16 +21,29 @@ def test_loss_falls_on_nano(tiny_config, tmp_path):
   assert np.mean([losses[s] for s in range(36, 41)]) < losses[1] - 2.0
   assert final["eval/loss"] < losses[1] - 2.0
   logged = read_metrics(tmp_path)[-1]
-  assert {"train/learning_rate", "train/grad_norm", "train/tokens_per_second"} <= set(
+  assert {"train/learning_rate", "train/grad_norm", "train/tokens_per_second",
+          "train/data_wait_seconds", "eval/perplexity", "eval/bits_per_byte"} <= set(
       k for m in read_metrics(tmp_path) for k in m)
   assert logged["step"] == 40
+  # Bytes are tokens here, so bits per byte is the loss in bits, give or take the EOS tokens.
+  assert final["eval/bits_per_byte"] == pytest.approx(final["eval/loss"] / np.log(2), rel=0.02)
+  assert final["data/tokens/train"] == 40 * 8 * 64
 
 
-def test_resume_continues_exactly(tiny_config, tmp_path):
+@pytest.fixture(scope="module")
+def prose_dataset(tmp_path_factory):
+  return prepare_texts(tmp_path_factory.mktemp("prose"), random_documents(60))
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture):
   """Stopping at step 5 and running again gives the losses of one uninterrupted run."""
   # A constant LR after warmup, so that the 5-step run's schedule is the
   # 10-step run's schedule cut short.
   tiny_config.optimizer.min_learning_rate_ratio = 1.0
+  if mixture:
+    tiny_config.data.mixture.code = dict(dataset="stdlib", weight=3.0)
+    tiny_config.data.mixture.prose = dict(dataset=str(prose_dataset), weight=1.0)
   straight = tmp_path / "straight"
   train_and_evaluate(to_run_config(tiny_config), straight)
 
@@ -43,6 +58,14 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
   assert sorted(got) == list(range(1, 11))
   for step in range(1, 11):
     assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+  position = json.loads((resumed / "checkpoints" / "5" / "data" / "metadata").read_text())
+  assert position["windows"] == 5 * 8
+  if mixture:
+    final = read_metrics(resumed)
+    assert {"eval/code/loss", "eval/prose/bits_per_byte", "eval/loss"} <= set(final[-1])
+    tokens = [m for m in final if "data/tokens/code" in m][-1]
+    assert tokens["data/tokens/code"] + tokens["data/tokens/prose"] == 10 * 8 * 64
+    assert tokens["data/tokens/code"] > 2 * tokens["data/tokens/prose"]
 
 
 def test_keeps_the_newest_checkpoints(tiny_config, tmp_path):
