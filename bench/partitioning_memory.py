@@ -8,24 +8,22 @@ train step's temp bytes (XLA's memory analysis) and the median step time.
 Uses only jax, flax and optax: no TensorFlow, no data files.
 """
 import argparse
+import dataclasses
 import os
-import statistics
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 
-from levanter_flax import optim, partitioning, step  # pylint: disable=g-import-not-at-top
-from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel  # pylint: disable=g-import-not-at-top
+from common import DATA_PARALLEL, compile_train_step  # pylint: disable=g-import-not-at-top
+from levanter_flax import partitioning  # pylint: disable=g-import-not-at-top
+from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config  # pylint: disable=g-import-not-at-top
 
 
 def _sharding(parameter_axis=None, tensor_parallel=False) -> partitioning.ShardingConfig:
-  return partitioning.ShardingConfig(
-      rules=PARTITION_RULES if tensor_parallel else (), activation_axis="data",
-      parameter_axis=parameter_axis, optimizer_axis=None,
-      tensor_axis="model" if tensor_parallel else None, strict=False)
+  return dataclasses.replace(
+      DATA_PARALLEL, rules=PARTITION_RULES if tensor_parallel else (),
+      parameter_axis=parameter_axis, tensor_axis="model" if tensor_parallel else None)
 
 
 LAYOUTS = {
@@ -38,30 +36,13 @@ LAYOUTS = {
 
 
 def measure(device_mesh, sharding, model_cfg: GPT2Config, batch_size: int, num_steps: int) -> dict:
-  partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
-  opt_cfg = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_decay=0.1,
-                                  max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
-                                  min_learning_rate_ratio=0.1)
-  schedule = optim.learning_rate_schedule(opt_cfg, 1000)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(model_cfg), optim.make_optimizer(opt_cfg, schedule),
-                                   schedule, partitioner, model_cfg.seq_len)
-  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
-  with partitioner.activation_context():
-    state = steps.init(jax.random.key(0))
-    batch = {"tokens": jax.device_put(tokens.astype(np.int32), steps.batch_sharding)}
-    compiled = steps.train_step.lower(state, batch).compile()
-    times = []
-    for _ in range(num_steps + 1):  # The first call is a warm-up.
-      start = time.perf_counter()
-      state, metrics = compiled(state, batch)
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - start)
-  abstract, shardings = steps.abstract_state, steps.state_shardings
+  run = compile_train_step(model_cfg, batch_size, device_mesh, sharding)
+  abstract, shardings = run.steps.abstract_state, run.steps.state_shardings
   return {
       "params": partitioning.per_device_bytes(abstract.params, shardings.params),
       "opt_state": partitioning.per_device_bytes(abstract.opt_state, shardings.opt_state),
-      "temp": compiled.memory_analysis().temp_size_in_bytes,
-      "step_s": statistics.median(times[1:]),
+      "temp": run.compiled.memory_analysis().temp_size_in_bytes,
+      "step_s": run.median_seconds(num_steps),
   }
 
 

@@ -1,4 +1,6 @@
-"""The one exception type that reaches the user as a one-line message."""
+"""User errors: the exception, its one-line command-line ending, and checks that raise it."""
+import os
+import pathlib
 import sys
 
 
@@ -14,3 +16,14 @@ def exit_with_error(message: str) -> None:
   """The command-line ending for bad input: one line on stderr, exit status 1."""
   print(f"levanter_flax: error: {message}", file=sys.stderr)
   sys.exit(1)
+
+
+def ensure_writable_dir(directory: pathlib.Path, what: str) -> pathlib.Path:
+  """Creates `directory` if needed, or raises a UserError calling it `what`."""
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"cannot create {what} {directory}: {e.strerror or e}") from e
+  if not os.access(directory, os.W_OK):
+    raise UserError(f"{what} {directory} is not writable")
+  return directory

@@ -1,5 +1,4 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
-import os
 import pathlib
 import time
 
@@ -12,18 +11,8 @@ from levanter_flax import metrics, optim, partitioning, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
-from levanter_flax.errors import UserError
+from levanter_flax.errors import UserError, ensure_writable_dir
 from levanter_flax.models.gpt2 import GPT2LMHeadModel
-
-
-def _make_workdir(workdir: pathlib.Path) -> pathlib.Path:
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"cannot create workdir {workdir}: {e.strerror or e}") from e
-  if not os.access(workdir, os.W_OK):
-    raise UserError(f"workdir {workdir} is not writable")
-  return workdir
 
 
 def _check_batch_size(batch_size: int, partitioner: partitioning.Partitioner) -> None:
@@ -49,7 +38,7 @@ def _mean(history: list[dict]) -> dict[str, float]:
 def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
   """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics."""
   trainer = run.trainer
-  workdir = _make_workdir(workdir)
+  workdir = ensure_writable_dir(workdir, "workdir")
   mesh = partitioning.make_mesh(trainer.device_mesh)
   partitioner = partitioning.Partitioner(mesh, run.sharding)
   _check_batch_size(trainer.batch_size, partitioner)
@@ -157,5 +146,6 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       throughput.reset(step_num)
     if step_num % trainer.checkpoint_every_steps == 0 or is_last:
       checkpointer.save(step_num, state, position.to_json())
+  train_batches.close()
   writer.close()
   return last_metrics

@@ -18,7 +18,7 @@ from absl import logging
 
 from levanter_flax.data import sources, tfrecord
 from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
-from levanter_flax.errors import UserError
+from levanter_flax.errors import UserError, ensure_writable_dir
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -104,15 +104,6 @@ def _check_arguments(options: PrepareOptions, files: list[str]) -> None:
     _write_json_atomically(path, wanted)
 
 
-def _make_output_dir(directory: pathlib.Path) -> None:
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"cannot create dataset directory {directory}: {e.strerror or e}") from e
-  if not os.access(directory, os.W_OK):
-    raise UserError(f"dataset directory {directory} is not writable")
-
-
 def _tokenizer_spec(options: PrepareOptions, files: list[str]) -> str:
   """The tokenizer to use, training one into the output directory first if asked."""
   if not options.train_tokenizer_vocab_size:
@@ -176,7 +167,7 @@ def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_f
 
 def prepare_dataset(options: PrepareOptions) -> pathlib.Path:
   """Writes the dataset unless it is already complete; returns its directory."""
-  _make_output_dir(options.output_dir)
+  ensure_writable_dir(options.output_dir, "dataset directory")
   files = sources.resolve_files(options.source)
   _check_arguments(options, files)
   if (options.output_dir / MANIFEST).exists():
@@ -197,7 +188,7 @@ def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
   tokenizer_id = identity(load_tokenizer(tokenizer))
   name = "-".join([sources.stdlib_name(),
                    tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
-                   f"val{validation_fraction:g}", f"shards{num_shards}"])
+                   f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
   directory = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)) / name
   if not (directory / MANIFEST).exists():
     logging.info("Tokenizing the Python stdlib corpus into %s", directory)
