@@ -123,6 +123,7 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
   prepare_texts(tmp_path, texts)
   after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.glob("*.tfrecord")}
   assert after.keys() == before.keys()
+  assert not list(directory.glob("*.tmp-*"))
   for name in before:
     assert after[name][1] == before[name][1], name
     assert (after[name][0] == before[name][0]) == ("00002" not in name), name

@@ -125,6 +125,10 @@ def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) 
   if len(todo) < options.num_shards:
     logging.info("Keeping %d finished shards in %s", options.num_shards - len(todo),
                  options.output_dir)
+  for index in todo:  # Temp files of a killed run, never renamed into place.
+    for split in ("train", "validation"):
+      for stale in options.output_dir.glob(_shard_name(split, index, options.num_shards) + ".tmp-*"):
+        stale.unlink()
   tasks = [(options, files, tokenizer_spec, i) for i in todo]
   if options.num_workers <= 1 or len(tasks) <= 1:
     for task in tasks:
