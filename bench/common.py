@@ -26,28 +26,47 @@ class CompiledStep:
   compiled: object  # The AOT-compiled train step.
   state: step.TrainState
   batch: dict
+  compile_seconds: float
+
+  def step_once(self) -> float:
+    """Runs one step; returns its wall time."""
+    start = time.perf_counter()
+    self.state, metrics = self.compiled(self.state, self.batch)
+    jax.block_until_ready(metrics)
+    return time.perf_counter() - start
 
   def median_seconds(self, num_steps: int) -> float:
     """Median wall time of `num_steps` steps, after one warm-up step."""
-    times = []
-    for _ in range(num_steps + 1):
-      start = time.perf_counter()
-      self.state, metrics = self.compiled(self.state, self.batch)
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    self.step_once()
+    return statistics.median(self.step_once() for _ in range(num_steps))
 
 
 def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
-                       sharding: partitioning.ShardingConfig = DATA_PARALLEL) -> CompiledStep:
+                       sharding: partitioning.ShardingConfig = DATA_PARALLEL,
+                       optimizer: optim.OptimizerConfig = OPTIMIZER,
+                       num_microbatches: int = 1) -> CompiledStep:
   """GPT-2's train step compiled for `device_mesh`, with a random batch on the devices."""
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
-  schedule = optim.learning_rate_schedule(OPTIMIZER, 1000)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(model_cfg), optim.make_optimizer(OPTIMIZER, schedule),
-                                   schedule, partitioner, model_cfg.seq_len)
+  schedule = optim.learning_rate_schedule(optimizer, 1000)
+  steps = step.build_sharded_steps(GPT2LMHeadModel(model_cfg), optim.make_optimizer(optimizer, schedule),
+                                   schedule, partitioner, model_cfg.seq_len, num_microbatches)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
   with partitioner.activation_context():
     state = steps.init(jax.random.key(0))
     batch = {"tokens": jax.device_put(tokens.astype(np.int32), steps.batch_sharding)}
+    start = time.perf_counter()
     compiled = steps.train_step.lower(state, batch).compile()
-  return CompiledStep(steps, compiled, state, batch)
+  return CompiledStep(steps, compiled, state, batch, time.perf_counter() - start)
+
+
+def square_matmul_flops(size: int = 2048, repeats: int = 5, dtype=np.float32) -> float:
+  """The best FLOP/s of a [size, size] @ [size, size] matmul on the default device."""
+  a = jax.device_put(np.random.default_rng(0).standard_normal((size, size)).astype(dtype))
+  matmul = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(matmul(a))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(a))
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best

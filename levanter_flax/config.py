@@ -29,6 +29,10 @@ class TrainerConfig:
   keep_checkpoints: int
   seed: int
   device_mesh: tuple[tuple[str, int], ...]
+  gradient_accumulation_steps: int = 1
+  jax_compilation_cache_dir: str = ""
+  jax_persistent_cache_min_compile_time_secs: float = 1.0
+  peak_flops_per_device: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,14 @@ def default_config() -> ml_collections.ConfigDict:
   config.model.num_layers = 12
   config.model.num_heads = 12
   config.model.hidden_dim = 768
-  config.model.remat = False  # Recompute each block in the backward pass.
-  config.model.dtype = "float32"  # Compute dtype; parameters stay float32.
+  # Gradient checkpointing per block: none, full (recompute the block),
+  # dots_saveable, dots_with_no_batch_dims_saveable, or offload (saved matmul
+  # outputs wait in host memory, where the backend supports it). True = full.
+  config.model.remat = "none"
+  config.model.dtype = "float32"  # Compute: float32, bfloat16 or float16.
+  config.model.param_dtype = "float32"  # Parameters and optimizer; the loss is always float32.
+  # xla, cudnn (flash attention on NVIDIA GPUs), or auto: cudnn there in 16-bit, else xla.
+  config.model.attention_impl = "auto"
   config.model.layer_norm_epsilon = 1e-5
   config.model.initializer_range = 0.02
 
@@ -71,6 +81,14 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.seed = 0
   # Axis name -> size; -1 takes all remaining devices.
   config.trainer.device_mesh = mesh(data=-1, model=1)
+  # Splits each batch into this many microbatches, summed inside one jitted step.
+  config.trainer.gradient_accumulation_steps = 1
+  # Compiled programs are kept here across runs (a shared path serves many
+  # nodes); "" uses $JAX_COMPILATION_CACHE_DIR if set, else no cache.
+  config.trainer.jax_compilation_cache_dir = ""
+  config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
+  # For train/mfu; 0 looks the device up in metrics.PEAK_FLOPS.
+  config.trainer.peak_flops_per_device = 0.0
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
@@ -151,6 +169,15 @@ def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
   return tuple(entries)
 
 
+def _remat(key: str, value: Any) -> str:
+  if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+    return "full" if str(value).lower() == "true" else "none"
+  if value not in gpt2.REMAT_POLICIES:
+    raise UserError(f"config key {key} must be True, False or one of "
+                    f"{', '.join(gpt2.REMAT_POLICIES)}; got {value!r}")
+  return value
+
+
 def _rules(key: str, value: Any):
   try:
     rules = tuple((pattern, tuple(spec)) for pattern, spec in value)
@@ -165,6 +192,7 @@ def _rules(key: str, value: Any):
 
 
 _CONVERTERS = {
+    "model.remat": _remat,
     "trainer.device_mesh": _device_mesh,
     "data.mixture": _mixture,
     "sharding.rules": _rules,
@@ -217,8 +245,17 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.model.hidden_dim % run.model.num_heads:
     raise UserError(f"config.model.hidden_dim ({run.model.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({run.model.num_heads})")
-  if run.model.dtype not in ("float32", "bfloat16", "float16"):
-    raise UserError(f"config.model.dtype must be float32, bfloat16 or float16; got {run.model.dtype!r}")
+  for key in ("dtype", "param_dtype"):
+    if getattr(run.model, key) not in ("float32", "bfloat16", "float16"):
+      raise UserError(f"config.model.{key} must be float32, bfloat16 or float16; "
+                      f"got {getattr(run.model, key)!r}")
+  if run.model.attention_impl not in gpt2.ATTENTION_IMPLEMENTATIONS:
+    raise UserError(f"config.model.attention_impl must be one of "
+                    f"{', '.join(gpt2.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
+  if run.trainer.batch_size % run.trainer.gradient_accumulation_steps:
+    raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
+                    f"config.trainer.gradient_accumulation_steps "
+                    f"({run.trainer.gradient_accumulation_steps})")
   if not 0 < run.data.validation_fraction < 1:
     raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
   if run.data.on_corrupt_record not in ("fail", "skip"):

@@ -47,10 +47,12 @@ def create_writer(workdir: pathlib.Path) -> metric_writers.MetricWriter:
 
 
 class Throughput:
-  """Tokens per second over the wall time since the last measurement."""
+  """Tokens/s since the last measurement, and model TFLOP/s per device and MFU from it."""
 
-  def __init__(self, tokens_per_step: int, step: int):
+  def __init__(self, tokens_per_step: int, step: int, flops_per_token: float = 0.0,
+               num_devices: int = 1, peak_flops: float = 0.0):
     self._tokens_per_step = tokens_per_step
+    self._flops_per_token, self._num_devices, self._peak = flops_per_token, num_devices, peak_flops
     self.reset(step)
 
   def reset(self, step: int) -> None:
@@ -61,4 +63,10 @@ class Throughput:
     elapsed = time.perf_counter() - self._time
     tokens = (step - self._step) * self._tokens_per_step
     self.reset(step)
-    return {"train/tokens_per_second": tokens / max(elapsed, 1e-9)}
+    tokens_per_second = tokens / max(elapsed, 1e-9)
+    flops_per_device = tokens_per_second * self._flops_per_token / self._num_devices
+    result = {"train/tokens_per_second": tokens_per_second,
+              "train/model_tflops_per_device": flops_per_device / 1e12}
+    if self._peak:
+      result["train/mfu"] = flops_per_device / self._peak
+    return result

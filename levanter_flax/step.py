@@ -35,10 +35,33 @@ def next_token_loss(model: nn.Module, params, tokens: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int):
+  """The batch's mean loss and its gradient, summed over microbatches by a lax.scan.
+
+  Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
+  every device of the batch axis, and peak activation memory is that of one
+  microbatch. Equal-sized microbatches make the mean of means the batch mean.
+  """
+  loss_and_grads = jax.value_and_grad(lambda p, t: next_token_loss(model, p, t))
+  if num_microbatches == 1:
+    return loss_and_grads(params, tokens)
+  batch, length = tokens.shape
+  microbatches = tokens.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
+  microbatches = nn.with_logical_constraint(microbatches, (None, "batch", "length"))
+
+  def add(totals, microbatch):
+    loss, grads = loss_and_grads(params, microbatch)
+    return jax.tree.map(jnp.add, totals, (loss, grads)), None
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  totals, _ = jax.lax.scan(add, zeros, microbatches)
+  return jax.tree.map(lambda total: total / num_microbatches, totals)
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+                    schedule: optax.Schedule, num_microbatches: int = 1
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   def train_step(state: TrainState, batch: Batch):
-    loss, grads = jax.value_and_grad(lambda p: next_token_loss(model, p, batch["tokens"]))(state.params)
+    loss, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"], num_microbatches)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state)
@@ -74,7 +97,7 @@ class ShardedSteps:
 
 def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
                         schedule: optax.Schedule, partitioner: partitioning.Partitioner,
-                        seq_len: int) -> ShardedSteps:
+                        seq_len: int, num_microbatches: int = 1) -> ShardedSteps:
   """Lays the state out with `partitioner` and jits init, train and eval with explicit shardings.
 
   Call (and trace) the functions inside partitioner.activation_context().
@@ -92,7 +115,7 @@ def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformatio
       state_shardings=shardings,
       batch_sharding=batch,
       init=jax.jit(init, out_shardings=shardings),
-      train_step=jax.jit(make_train_step(model, optimizer, schedule),
+      train_step=jax.jit(make_train_step(model, optimizer, schedule, num_microbatches),
                          in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
                          donate_argnums=(0,)),
       eval_step=jax.jit(make_eval_step(model), in_shardings=(shardings.params, batch),

@@ -7,20 +7,43 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import metrics, optim, partitioning, step
+from levanter_flax import flops, metrics, optim, partitioning, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
-from levanter_flax.models.gpt2 import GPT2LMHeadModel
+from levanter_flax.models import gpt2
+from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 
-def _check_batch_size(batch_size: int, partitioner: partitioning.Partitioner) -> None:
+def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
+  microbatch = trainer.batch_size // trainer.gradient_accumulation_steps
   for divisor, what in ((partitioner.data_parallel_size, "the activation axis size"),
                         (jax.process_count(), "the process count")):
-    if batch_size % divisor:
-      raise UserError(f"config.trainer.batch_size ({batch_size}) must be divisible by "
-                      f"{what} ({divisor})")
+    if microbatch % divisor:
+      raise UserError(f"config.trainer.batch_size ({trainer.batch_size}) / "
+                      f"gradient_accumulation_steps ({trainer.gradient_accumulation_steps}) "
+                      f"must be divisible by {what} ({divisor})")
+
+
+def _check_backend(model: GPT2Config) -> None:
+  backend = jax.default_backend()
+  if gpt2.attention_implementation(model) == "cudnn" and backend != "gpu":
+    raise UserError(f"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; "
+                    f"this run's backend is {backend}")
+  if model.remat == "offload" and backend == "cpu":
+    raise UserError("config.model.remat 'offload' moves activations to host memory, "
+                    "which needs a GPU or TPU; this run's backend is cpu")
+
+
+def _use_compilation_cache(trainer) -> None:
+  """Compiled steps persist across runs; jax itself reads $JAX_COMPILATION_CACHE_DIR."""
+  if trainer.jax_compilation_cache_dir:
+    directory = ensure_writable_dir(pathlib.Path(trainer.jax_compilation_cache_dir).expanduser(),
+                                    "config.trainer.jax_compilation_cache_dir")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    trainer.jax_persistent_cache_min_compile_time_secs)
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -41,14 +64,17 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   workdir = ensure_writable_dir(workdir, "workdir")
   mesh = partitioning.make_mesh(trainer.device_mesh)
   partitioner = partitioning.Partitioner(mesh, run.sharding)
-  _check_batch_size(trainer.batch_size, partitioner)
+  _check_batch_size(trainer, partitioner)
+  _check_backend(run.model)
+  _use_compilation_cache(trainer)
   sources = loader.load_sources(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
 
   model = GPT2LMHeadModel(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
-  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner, run.model.seq_len)
+  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner, run.model.seq_len,
+                                   trainer.gradient_accumulation_steps)
   num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
   logging.info("Parameter layout:\n%s", steps.layout_table())
@@ -75,7 +101,9 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
     logging.warning("No dataset has a validation split: no eval metrics")
   datasets = [loader.eval_dataset(
       source, seq_len=run.model.seq_len, num_batches=run.trainer.eval_batches,
-      local_batch_size=run.trainer.batch_size // jax.process_count(),
+      # Microbatch-sized: what fits in memory for training fits for eval.
+      local_batch_size=(run.trainer.batch_size // run.trainer.gradient_accumulation_steps
+                        // jax.process_count()),
       process_index=jax.process_index(), process_count=jax.process_count()) for source in evaluated]
 
   def evaluate(params) -> dict[str, float]:
@@ -117,7 +145,13 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
   writer = metrics.create_writer(workdir)
   report_progress = periodic_actions.ReportProgress(
       num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
-  throughput = metrics.Throughput(trainer.batch_size * run.model.seq_len, start_step)
+  throughput = metrics.Throughput(
+      trainer.batch_size * run.model.seq_len, start_step,
+      flops_per_token=flops.model_flops_per_token(
+          run.model.num_layers, run.model.num_heads, run.model.head_dim, run.model.seq_len,
+          steps.abstract_state.params),
+      num_devices=jax.device_count(),
+      peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   history, data_wait, last_metrics = [], 0.0, {}
   for step_num in range(start_step + 1, trainer.num_train_steps + 1):
     with jax.profiler.StepTraceAnnotation("train", step_num=step_num):

@@ -49,6 +49,11 @@ def test_axes_accept_names_and_comma_lists():
     ("model", "dtype", "float8", "config.model.dtype"),
     ("data", "validation_fraction", 1.5, "config.data.validation_fraction"),
     ("data", "on_corrupt_record", "ignore", "config.data.on_corrupt_record must be 'fail' or 'skip'"),
+    ("model", "remat", "some", "config key config.model.remat must be True, False or one of none, full,"),
+    ("model", "attention_impl", "flash", "config.model.attention_impl must be one of auto, xla, cudnn"),
+    ("model", "param_dtype", "int8", "config.model.param_dtype must be float32, bfloat16 or float16"),
+    ("trainer", "gradient_accumulation_steps", 5,
+     "config.trainer.batch_size (32) must be divisible by config.trainer.gradient_accumulation_steps (5)"),
     ("data", "mixture", {"web": {"dataset": "/d", "weight": 0}},
      "config key config.data.mixture.web must be dict(dataset=<directory>, weight=<positive number>)"),
     ("data", "mixture", {"web": {"path": "/d", "weight": 1}}, "config key config.data.mixture.web"),
@@ -91,3 +96,12 @@ def test_mixture_becomes_named_weighted_datasets():
   config.data.dataset = "/data/other"
   with pytest.raises(UserError, match="set config.data.dataset or config.data.mixture, not both"):
     to_run_config(config)
+
+
+@pytest.mark.parametrize("value, policy", [(True, "full"), (False, "none"), ("true", "full"),
+                                           ("dots_saveable", "dots_saveable")])
+def test_remat_takes_booleans_and_policy_names(value, policy):
+  config = default_config()
+  # A config file may build its own ConfigDict with a boolean there.
+  config.model = ml_collections.ConfigDict({**config.model, "remat": value})
+  assert to_run_config(config).model.remat == policy

@@ -88,3 +88,18 @@ def test_unwritable_cache_dir_is_one_line(tmp_path):
 def test_bad_data_settings_are_one_line(data_cache, tmp_path, args, fragment):
   assert_one_line_error(run_main(f"--config={NANO}", f"--workdir={tmp_path}",
                                  f"--config.data.cache_dir={data_cache}", *args), fragment)
+
+
+def test_compilation_cache_and_mfu(data_cache, tmp_path):
+  result = run_main(f"--config={NANO}", f"--workdir={tmp_path}/run", *TINY,
+                    "--config.trainer.num_train_steps=2", "--config.trainer.batch_size=16",
+                    "--config.trainer.gradient_accumulation_steps=2",
+                    f"--config.trainer.jax_compilation_cache_dir={tmp_path}/cache",
+                    "--config.trainer.jax_persistent_cache_min_compile_time_secs=0",
+                    "--config.trainer.peak_flops_per_device=1e11",
+                    f"--config.data.cache_dir={data_cache}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert list((tmp_path / "cache").iterdir())
+  logged = [m for m in read_metrics(tmp_path / "run") if "train/mfu" in m]
+  assert logged and 0 < logged[-1]["train/mfu"] < 1
+  assert logged[-1]["train/model_tflops_per_device"] == pytest.approx(logged[-1]["train/mfu"] * 0.1)

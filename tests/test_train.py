@@ -84,7 +84,7 @@ def test_two_dimensional_mesh_trains(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("section, key, value, message", [
-    ("trainer", "batch_size", 12, r"config.trainer.batch_size \(12\) must be divisible by the activation axis size \(8\)"),
+    ("trainer", "batch_size", 12, r"config.trainer.batch_size \(12\) / gradient_accumulation_steps \(1\) must be divisible by the activation axis size \(8\)"),
     ("model", "vocab_size", 200, r"config.model.vocab_size \(200\) is smaller than the vocabulary of the tokenizer \(257\)"),
     ("trainer", "device_mesh", mesh(data=3, model=-1), r"8 devices are not divisible by the fixed axes' product 3"),
 ])

@@ -29,6 +29,18 @@ PARTITION_RULES = (
 )
 
 
+# What each transformer block keeps for the backward pass; the rest is recomputed.
+REMAT_POLICIES = {
+    "none": None,  # Keep everything: no recomputation.
+    "full": jax.checkpoint_policies.nothing_saveable,  # Keep only the block's input.
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Like the above, but the saved matmul outputs wait in host memory.
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
   vocab_size: int
@@ -36,8 +48,10 @@ class GPT2Config:
   num_layers: int
   num_heads: int
   hidden_dim: int
-  remat: bool = False
-  dtype: str = "float32"
+  remat: str = "none"  # A key of REMAT_POLICIES.
+  dtype: str = "float32"  # Compute.
+  param_dtype: str = "float32"  # Storage, and what the optimizer updates.
+  attention_impl: str = "auto"  # One of ATTENTION_IMPLEMENTATIONS.
   layer_norm_epsilon: float = 1e-5
   initializer_range: float = 0.02
 
@@ -47,12 +61,22 @@ class GPT2Config:
 
 
 def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> nn.Dense:
-  return nn.Dense(features, dtype=cfg.dtype, kernel_init=nn.initializers.normal(std),
-                  bias_init=nn.initializers.zeros, name=name)
+  return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                  kernel_init=nn.initializers.normal(std), bias_init=nn.initializers.zeros,
+                  name=name)
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name)
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, name=name)
+
+
+def attention_implementation(cfg: GPT2Config) -> str:
+  """'auto' is cuDNN's flash attention on NVIDIA GPUs in 16-bit compute, XLA's elsewhere."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  on_gpu = jax.default_backend() == "gpu"
+  return "cudnn" if on_gpu and cfg.dtype in ("bfloat16", "float16") else "xla"
 
 
 def _constrain(x: jax.Array, *logical_axes) -> jax.Array:
@@ -81,7 +105,8 @@ class CausalSelfAttention(nn.Module):
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (_constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=attention_implementation(cfg))
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
 
@@ -116,11 +141,12 @@ class GPT2LMHeadModel(nn.Module):
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
-                   dtype=cfg.dtype, name="wte")
+                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte")
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
-                   dtype=cfg.dtype, name="wpe")
+                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wpe")
     x = _constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
-    block = nn.remat(Block) if cfg.remat else Block
+    policy = REMAT_POLICIES[cfg.remat]
+    block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
     for i in range(cfg.num_layers):
       x = block(cfg, name=f"h_{i}")(x)
     x = _layer_norm(cfg, "ln_f")(x)

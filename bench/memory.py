@@ -1,0 +1,46 @@
+"""Compiled temp memory and step time of each remat policy and accumulation 1/2/4/8.
+
+    python bench/memory.py [--num_layers=12 --batch_size=8 --num_steps=1 --skip_timing]
+
+GPT-2 small's shapes (vocab 50257, width 768, 12 heads, seq 1024) on one
+device. Temp bytes come from XLA's memory analysis of the compiled train step
+(activations and other scratch; parameters and optimizer state are not temp).
+'offload' is measured only where the backend has host memory to offload to.
+Uses only jax, flax and optax.
+"""
+import argparse
+import dataclasses
+
+import jax
+
+from common import compile_train_step
+from levanter_flax.models.gpt2 import REMAT_POLICIES, GPT2Config
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--num_layers", type=int, default=12)
+  parser.add_argument("--batch_size", type=int, default=8)
+  parser.add_argument("--num_steps", type=int, default=1, help="Timed steps after a warm-up.")
+  parser.add_argument("--skip_timing", action="store_true", help="Compile only: bytes, no times.")
+  args = parser.parse_args()
+  base = GPT2Config(vocab_size=50257, seq_len=1024, num_layers=args.num_layers, num_heads=12,
+                    hidden_dim=768)
+  policies = [p for p in REMAT_POLICIES if p != "offload" or jax.default_backend() != "cpu"]
+  cases = [(f"remat={p}", dataclasses.replace(base, remat=p), 1) for p in policies]
+  cases += [(f"accumulation={n}", base, n) for n in (1, 2, 4, 8) if args.batch_size % n == 0]
+  print(f"{jax.devices()[0].device_kind}; {base}; batch {args.batch_size}")
+  print(f"{'case':40s} {'temp MiB':>10s} {'smaller':>8s} {'step s':>8s} {'slower':>8s}")
+  baseline = None
+  for name, model_cfg, num_microbatches in cases:
+    run = compile_train_step(model_cfg, args.batch_size, device_mesh=(("data", 1),),
+                             num_microbatches=num_microbatches)
+    temp = run.compiled.memory_analysis().temp_size_in_bytes
+    seconds = float("nan") if args.skip_timing else run.median_seconds(args.num_steps)
+    baseline = baseline or (temp, seconds)
+    print(f"{name:40s} {temp / 2**20:10.1f} {baseline[0] / temp:7.2f}x {seconds:8.2f} "
+          f"{seconds / baseline[1]:7.2f}x")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,92 @@
+"""Training throughput and MFU for any config and overrides, on synthetic batches.
+
+    python bench/train_throughput.py --config=configs/nanogpt_cpu.py [--config.model.remat=full ...]
+    python bench/train_throughput.py --config=configs/gpt2_small_fast.py   # on a GPU
+
+Prints tokens/s, compile time, model TFLOP/s per device and MFU, with model
+FLOPs counted nanoGPT's way (6N + 12*L*H*Q*T per token) and with the causal
+half of attention only. The peak is the device's from levanter_flax.flops, or
+`--config.trainer.peak_flops_per_device`; on a CPU it is the float32
+square-matmul rate measured by this same run. It also times the LM head and
+its cross-entropy alone (forward and backward) as a share of the step.
+
+Needs jax, flax, optax, absl and ml_collections (pure Python; carry its wheel
+to machines without it); no TensorFlow, no data files.
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from ml_collections import config_flags
+
+from common import compile_train_step, square_matmul_flops
+from levanter_flax import flops, step
+from levanter_flax.config import to_run_config
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps, after one warm-up step.")
+_MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul (CPU peak).")
+flags.mark_flag_as_required("config")
+
+
+def lm_head_seconds(run, params) -> float:
+  """Forward + backward of the tied LM head and its float32 cross-entropy at the run's shape."""
+  model = run.model
+  batch = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.standard_normal((batch, model.seq_len, model.hidden_dim)), model.dtype)
+  labels = jnp.asarray(rng.integers(0, model.vocab_size, (batch, model.seq_len)))
+  embedding = params["wte"]["embedding"]
+
+  def loss(hidden, embedding):
+    logits = jnp.einsum("btd,vd->btv", hidden, embedding.astype(model.dtype)).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  jax.block_until_ready(grad(hidden, embedding))
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready(grad(hidden, embedding))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)) * run.trainer.gradient_accumulation_steps
+
+
+def main(argv):
+  del argv
+  run = to_run_config(_CONFIG.value)
+  model, trainer = run.model, run.trainer
+  compiled = compile_train_step(model, trainer.batch_size, trainer.device_mesh, run.sharding,
+                                run.optimizer, trainer.gradient_accumulation_steps)
+  step_seconds = compiled.median_seconds(_NUM_STEPS.value)
+  device = jax.devices()[0]
+  tokens_per_second = trainer.batch_size * model.seq_len / step_seconds
+  per_device = tokens_per_second / jax.device_count()
+  params = compiled.steps.abstract_state.params
+  shape = (model.num_layers, model.num_heads, model.head_dim, model.seq_len, params)
+  nanogpt_flops = flops.model_flops_per_token(*shape, causal=False) * per_device
+  causal_flops = flops.model_flops_per_token(*shape, causal=True) * per_device
+  peak = flops.peak_flops_per_device(device, trainer.peak_flops_per_device)
+  peak_source = "device table" if peak else f"measured f32 {_MATMUL_SIZE.value}^2 matmul"
+  peak = peak or square_matmul_flops(_MATMUL_SIZE.value)
+  head_seconds = lm_head_seconds(run, compiled.state.params)
+  temp = compiled.compiled.memory_analysis().temp_size_in_bytes
+
+  print(f"{jax.device_count()} x {device.device_kind}; {model}")
+  print(f"batch {trainer.batch_size} x {model.seq_len}, accumulation "
+        f"{trainer.gradient_accumulation_steps}, mesh {dict(trainer.device_mesh)}")
+  print(f"compile {compiled.compile_seconds:.1f} s; step {step_seconds * 1e3:.1f} ms; "
+        f"temp {temp / 2**20:.1f} MiB")
+  print(f"tokens/s {tokens_per_second:,.0f} ({per_device:,.0f} per device)")
+  print(f"peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+  print(f"model TFLOP/s per device {nanogpt_flops / 1e12:.3f} (nanoGPT count), "
+        f"{causal_flops / 1e12:.3f} (causal)")
+  print(f"MFU {nanogpt_flops / peak:.1%} (nanoGPT count), {causal_flops / peak:.1%} (causal)")
+  print(f"LM head + cross-entropy alone: {head_seconds * 1e3:.1f} ms, "
+        f"{head_seconds / step_seconds:.0%} of the step")
+
+
+if __name__ == "__main__":
+  app.run(main)

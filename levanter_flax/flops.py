@@ -1,0 +1,44 @@
+"""Model FLOPs per token and device peak FLOP/s: the two halves of MFU.
+
+Pure jax, so the benchmarks can use it on machines without clu or TensorFlow.
+"""
+from typing import Any
+
+import jax
+
+# Dense bfloat16 peak FLOP/s per chip (per GPU), by jax's device_kind.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+}
+
+
+def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float:
+  """The device's peak FLOP/s: `override` if set, else PEAK_FLOPS; 0 if unknown (e.g. CPU)."""
+  return override or PEAK_FLOPS.get(device.device_kind, 0.0)
+
+
+def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
+                    seq_len: int, causal: bool = True) -> float:
+  """Model FLOPs per trained token: 6N for the weights' matmuls (forward + backward),
+  plus attention's score and value matmuls, 12 * L * H * Q * T. A causal mask
+  needs only half of those, so causal=True counts half; nanoGPT counts all of it.
+  """
+  attention = 12 * num_layers * num_heads * head_dim * seq_len
+  return 6 * num_params + (attention / 2 if causal else attention)
+
+
+def model_flops_per_token(num_layers: int, num_heads: int, head_dim: int, seq_len: int,
+                          params: Any, causal: bool = True) -> float:
+  """flops_per_token for a GPT-2 params tree (arrays or shapes)."""
+  # Position embeddings are a lookup, not a matmul.
+  num_params = sum(x.size for x in jax.tree.leaves(params)) - params["wpe"]["embedding"].size
+  return flops_per_token(num_params, num_layers, num_heads, head_dim, seq_len, causal)

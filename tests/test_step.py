@@ -1,0 +1,97 @@
+"""Speed and memory knobs change cost, not results: accumulation, remat, precision, FLOP counts."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from levanter_flax import flops, metrics, step
+from levanter_flax.models.gpt2 import REMAT_POLICIES, GPT2Config, GPT2LMHeadModel
+
+TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
+
+
+def params_and_tokens(cfg: GPT2Config, batch_size: int = 8):
+  tokens = jax.random.randint(jax.random.key(1), (batch_size, cfg.seq_len), 0, cfg.vocab_size)
+  return GPT2LMHeadModel(cfg).init(jax.random.key(0), tokens)["params"], tokens
+
+
+def loss_and_grads(cfg: GPT2Config, num_microbatches: int = 1):
+  params, tokens = params_and_tokens(cfg)
+  fn = jax.jit(lambda p, t: step.accumulated_loss_and_grads(GPT2LMHeadModel(cfg), p, t,
+                                                            num_microbatches))
+  return fn(params, tokens)
+
+
+def assert_trees_close(a, b, tolerance):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 4, 8])
+def test_accumulation_equals_the_whole_batch(num_microbatches):
+  loss, grads = loss_and_grads(TINY)
+  accumulated_loss, accumulated_grads = loss_and_grads(TINY, num_microbatches)
+  assert float(accumulated_loss) == pytest.approx(float(loss), rel=1e-6)
+  assert_trees_close(accumulated_grads, grads, 1e-5)
+
+
+def test_accumulation_lowers_peak_memory():
+  cfg = dataclasses.replace(TINY, vocab_size=2048, seq_len=128)
+  params, tokens = params_and_tokens(cfg, batch_size=32)
+  optimizer = optax.adamw(1e-3)
+  state = step.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  temp_bytes = []
+  for num_microbatches in (1, 4):
+    train_step = step.make_train_step(GPT2LMHeadModel(cfg), optimizer, lambda _: 1e-3,
+                                      num_microbatches)
+    compiled = jax.jit(train_step).lower(state, {"tokens": tokens}).compile()
+    temp_bytes.append(compiled.memory_analysis().temp_size_in_bytes)
+  assert temp_bytes[1] < temp_bytes[0] / 2, temp_bytes
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p not in ("none", "offload")])
+def test_remat_policies_give_the_same_gradients(policy):
+  loss, grads = loss_and_grads(TINY)
+  remat_loss, remat_grads = loss_and_grads(dataclasses.replace(TINY, remat=policy))
+  assert float(remat_loss) == pytest.approx(float(loss), rel=1e-6)
+  assert_trees_close(remat_grads, grads, 1e-5)
+
+
+def test_bfloat16_compute_keeps_parameters_and_loss_in_float32():
+  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  params, tokens = params_and_tokens(cfg)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  logits = GPT2LMHeadModel(cfg).apply({"params": params}, tokens)
+  assert logits.dtype == jnp.bfloat16
+  loss, grads = loss_and_grads(cfg)
+  full_loss, _ = loss_and_grads(TINY)
+  assert loss.dtype == jnp.float32
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype("float32")}
+  assert float(loss) == pytest.approx(float(full_loss), rel=1e-2)
+
+
+def test_bfloat16_parameters_are_stored_as_asked():
+  params, _ = params_and_tokens(dataclasses.replace(TINY, param_dtype="bfloat16"))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+
+
+def test_flops_per_token_is_nanogpts_count_with_causal_attention_halved():
+  # GPT-2 small: 124,439,808 parameters less 1024 * 768 position embeddings.
+  n = 124_439_808 - 1024 * 768
+  attention = 12 * 12 * 12 * 64 * 1024
+  assert flops.flops_per_token(n, 12, 12, 64, 1024, causal=False) == 6 * n + attention
+  assert flops.flops_per_token(n, 12, 12, 64, 1024) == 6 * n + attention / 2
+
+
+def test_throughput_reports_mfu_against_the_peak():
+  throughput = metrics.Throughput(tokens_per_step=1000, step=0, flops_per_token=1e9,
+                                  num_devices=2, peak_flops=1e12)
+  result = throughput.measure(step=10)
+  per_device = result["train/tokens_per_second"] * 1e9 / 2
+  assert result["train/model_tflops_per_device"] == pytest.approx(per_device / 1e12)
+  assert result["train/mfu"] == pytest.approx(per_device / 1e12)
+  assert flops.peak_flops_per_device(jax.devices()[0]) == 0.0  # CPUs are not in the table.
+  assert flops.peak_flops_per_device(jax.devices()[0], 5e10) == 5e10
