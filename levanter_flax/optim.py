@@ -28,8 +28,12 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.
 
 
 def decay_mask(params):
-  """Decay matrices (kernels, embeddings), never biases or LayerNorm scales."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Decay matrices (kernels, embeddings), never biases or LayerNorm scales.
+
+  Decided by name, not rank: stacked (scanned) layers make biases 2-D.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
 def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:

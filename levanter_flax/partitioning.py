@@ -99,12 +99,14 @@ class Partitioner:
     return math.prod(self.mesh.shape[a] for a in _axes_of(entry))
 
   def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
+    """The first matching rule's spec. A spec shorter than the array names its trailing
+    dimensions; the leading ones (the layer axis of scanned blocks) are not split."""
     for pattern, spec in self.config.rules:
       if re.search(pattern, name):
-        if len(spec) != len(shape):
+        if len(spec) > len(shape):
           raise UserError(f"config.sharding.rules entry {pattern!r} gives {len(spec)} "
                           f"dimensions to parameter {name} of shape {shape}")
-        return tuple(spec)
+        return (None,) * (len(shape) - len(spec)) + tuple(spec)
     if self.config.strict:
       raise UserError(f"parameter {name} {shape} matches no rule in config.sharding.rules "
                       "(config.sharding.strict is set)")

@@ -29,8 +29,45 @@ def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
                     opt_state=optimizer.init(params))
 
 
+def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
+                            block_size: int) -> jax.Array:
+  """Mean cross-entropy of logits = hidden @ embedding.T, one vocabulary block at a time.
+
+  A scan keeps a running max and sum of exponentials per token (an online
+  logsumexp). Its body is checkpointed, so the backward pass recomputes each
+  block's logits too: neither pass ever holds [tokens, vocab] floats, only
+  [tokens, block_size]. Logits are float32, as in the plain loss.
+  """
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  labels = labels.reshape(-1)
+  vocab_size = embedding.shape[0]
+  num_blocks = -(-vocab_size // block_size)
+  padded = jnp.pad(embedding, ((0, num_blocks * block_size - vocab_size), (0, 0)))
+  blocks = padded.reshape(num_blocks, block_size, -1).astype(hidden.dtype)
+
+  @jax.checkpoint
+  def add_block(carry, block):
+    running_max, running_sum = carry
+    index, weights = block
+    logits = (hidden @ weights.T).astype(jnp.float32)
+    in_vocab = index * block_size + jnp.arange(block_size) < vocab_size
+    logits = jnp.where(in_vocab, logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, logits.max(axis=-1))
+    running_sum = (running_sum * jnp.exp(running_max - new_max)
+                   + jnp.exp(logits - new_max[:, None]).sum(axis=-1))
+    return (new_max, running_sum), None
+  start = (jnp.full(labels.shape, -jnp.inf, jnp.float32), jnp.zeros(labels.shape, jnp.float32))
+  (running_max, running_sum), _ = jax.lax.scan(add_block, start, (jnp.arange(num_blocks), blocks))
+  label_logits = jnp.einsum("nd,nd->n", hidden, embedding[labels].astype(hidden.dtype))
+  return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).mean()
+
+
 def next_token_loss(model: nn.Module, params, tokens: jax.Array) -> jax.Array:
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in float32."""
+  block_size = model.config.cross_entropy_block_size
+  if block_size:
+    hidden = model.apply({"params": params}, tokens, return_hidden=True)[:, :-1]
+    return blockwise_cross_entropy(hidden, params["wte"]["embedding"], tokens[:, 1:], block_size)
   logits = model.apply({"params": params}, tokens)[:, :-1].astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 

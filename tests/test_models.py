@@ -1,4 +1,5 @@
 """GPT-2: exact parameter counts, and logits against a plain NumPy GPT-2."""
+import dataclasses
 import math
 
 import jax
@@ -89,3 +90,16 @@ def test_initialisation_scales_residual_projections():
   assert std(params["h_0"]["mlp"]["c_proj"]["kernel"]) == pytest.approx(0.02 / 4, rel=0.05)
   assert std(params["h_0"]["attn"]["c_proj"]["kernel"]) == pytest.approx(0.02 / 4, rel=0.05)
   assert not np.any(np.asarray(params["h_0"]["attn"]["c_attn"]["bias"]))
+
+
+def test_scanned_layers_equal_the_unrolled_model():
+  cfg = GPT2Config(vocab_size=97, seq_len=16, num_layers=3, num_heads=4, hidden_dim=32)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  params = GPT2LMHeadModel(cfg).init(jax.random.key(0), tokens)["params"]
+  stacked = {k: v for k, v in params.items() if not k.startswith("h_")}
+  stacked["h"] = jax.tree.map(lambda *layers: jnp.stack(layers),
+                              *[params[f"h_{i}"] for i in range(cfg.num_layers)])
+  scanned = GPT2LMHeadModel(dataclasses.replace(cfg, scan_layers=True))
+  assert jax.tree.structure(scanned.init(jax.random.key(0), tokens)["params"]) == jax.tree.structure(stacked)
+  np.testing.assert_allclose(scanned.apply({"params": stacked}, tokens),
+                             GPT2LMHeadModel(cfg).apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """Mesh, partition rules and ZeRO-3 on 8 fake CPU devices, proven on the arrays themselves."""
+import dataclasses
 import re
 
 import jax
@@ -65,10 +66,10 @@ def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSt
                                   schedule, partitioner, model.seq_len)
 
 
-def train(device_mesh, config: ShardingConfig, devices=None):
+def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL):
   """Five steps on fixed random batches; returns (losses, final state)."""
   partitioner = Partitioner(make_mesh(device_mesh, devices), config)
-  steps = build(partitioner)
+  steps = build(partitioner, model)
   tokens = np.random.default_rng(0).integers(0, 257, (NUM_STEPS, BATCH_SIZE, MODEL.seq_len))
   losses = []
   with partitioner.activation_context():
@@ -96,6 +97,20 @@ def layout_run(request):
 def test_losses_match_single_device(layout_run, single_device_losses):
   name, losses, _ = layout_run
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5, err_msg=name)
+
+
+def test_scanned_layers_keep_the_rules_and_the_losses():
+  scanned = dataclasses.replace(MODEL, scan_layers=True)
+  single, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=scanned)
+  losses, state = train(*LAYOUTS["data2_model4_zero3"], model=scanned)
+  np.testing.assert_allclose(losses, single, rtol=1e-5)
+  params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+  # The rules name the trailing axes; ZeRO-3 takes the largest free one, here never the layer axis
+  # except where nothing else is free.
+  assert spec_of(params["h/attn/c_attn/kernel"]) == (None, "data", "model")
+  assert spec_of(params["h/mlp/c_proj/kernel"]) == (None, "model", "data")
+  assert spec_of(params["h/ln_2/scale"]) == (None, "data")
+  assert spec_of(params["h/attn/c_attn/bias"]) == ("data", "model")
 
 
 def test_params_carry_the_intended_sharding(layout_run):

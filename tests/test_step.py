@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from levanter_flax import flops, metrics, step
+from levanter_flax import flops, metrics, optim, partitioning, step
 from levanter_flax.models.gpt2 import REMAT_POLICIES, GPT2Config, GPT2LMHeadModel
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
@@ -95,3 +95,35 @@ def test_throughput_reports_mfu_against_the_peak():
   assert result["train/mfu"] == pytest.approx(per_device / 1e12)
   assert flops.peak_flops_per_device(jax.devices()[0]) == 0.0  # CPUs are not in the table.
   assert flops.peak_flops_per_device(jax.devices()[0], 5e10) == 5e10
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_weight_decay_skips_biases_and_layer_norms(scan_layers):
+  params, _ = params_and_tokens(dataclasses.replace(TINY, scan_layers=scan_layers))
+  decayed = {partitioning.path_name(p) for p, d in jax.tree_util.tree_leaves_with_path(
+      optim.decay_mask(params)) if d}
+  assert decayed == {partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+                     if partitioning.path_name(p).endswith(("kernel", "embedding"))}
+  assert not any(name.endswith(("bias", "scale")) for name in decayed)
+
+
+@pytest.mark.parametrize("block_size", [32, 50, 128])
+def test_blockwise_cross_entropy_equals_the_plain_loss(block_size):
+  # 128 is divisible by 32 but not by 50 (padding); 128 is a single block.
+  loss, grads = loss_and_grads(TINY)
+  block_loss, block_grads = loss_and_grads(dataclasses.replace(TINY, cross_entropy_block_size=block_size))
+  assert float(block_loss) == pytest.approx(float(loss), rel=1e-6)
+  assert_trees_close(block_grads, grads, 1e-5)
+
+
+def test_blockwise_cross_entropy_never_holds_all_logits():
+  cfg = dataclasses.replace(TINY, vocab_size=65536, seq_len=128)
+  params, tokens = params_and_tokens(cfg, batch_size=8)
+  all_logits = 8 * 128 * 65536 * 4
+  temp_bytes = {}
+  for block_size in (0, 1024):
+    model = GPT2LMHeadModel(dataclasses.replace(cfg, cross_entropy_block_size=block_size))
+    grad = jax.jit(jax.grad(lambda p: step.next_token_loss(model, p, tokens)))
+    temp_bytes[block_size] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+  assert temp_bytes[0] > all_logits
+  assert temp_bytes[1024] < all_logits / 4, temp_bytes

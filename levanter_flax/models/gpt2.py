@@ -4,7 +4,8 @@ Learned positions, pre-LayerNorm blocks, tanh-approximated GELU, biases
 everywhere, tied input/output embeddings, and GPT-2's initialisation: N(0, 0.02)
 with the residual projections scaled by 1/sqrt(2 * num_layers). Parameter names
 follow the Hugging Face checkpoint (wte, wpe, h_<i>/attn/c_attn, ...), which is
-also what the partition rules match.
+also what the partition rules match; with scan_layers the blocks' parameters
+are stacked under `h` instead, and the same rules apply to their trailing axes.
 """
 import dataclasses
 import math
@@ -52,6 +53,8 @@ class GPT2Config:
   dtype: str = "float32"  # Compute.
   param_dtype: str = "float32"  # Storage, and what the optimizer updates.
   attention_impl: str = "auto"  # One of ATTENTION_IMPLEMENTATIONS.
+  scan_layers: bool = False  # One block's program, looped: compile time flat in depth.
+  cross_entropy_block_size: int = 0  # > 0: the loss never holds all logits; see step.py.
   layer_norm_epsilon: float = 1e-5
   initializer_range: float = 0.02
 
@@ -133,11 +136,16 @@ class Block(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-  """Maps tokens [batch, length] to next-token logits [batch, length, vocab]."""
+  """Maps tokens [batch, length] to next-token logits [batch, length, vocab].
+
+  With return_hidden it stops before the LM head and returns the final hidden
+  states [batch, length, hidden_dim], for a loss that applies the tied
+  embedding itself, a block of the vocabulary at a time.
+  """
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, return_hidden: bool = False) -> jax.Array:
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
@@ -147,7 +155,15 @@ class GPT2LMHeadModel(nn.Module):
     x = _constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
     policy = REMAT_POLICIES[cfg.remat]
     block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
-    for i in range(cfg.num_layers):
-      x = block(cfg, name=f"h_{i}")(x)
+    if cfg.scan_layers:
+      # Parameters are stacked on a leading layer axis: h/attn/c_attn/kernel is [L, D, 3D].
+      layers = nn.scan(lambda module, carry, _: (module(carry), None), variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=cfg.num_layers)
+      x, _ = layers(block(cfg, name="h"), x, None)
+    else:
+      for i in range(cfg.num_layers):
+        x = block(cfg, name=f"h_{i}")(x)
     x = _layer_norm(cfg, "ln_f")(x)
+    if return_hidden:
+      return x
     return _constrain(wte.attend(x), "batch", "length", "vocab")
