@@ -20,7 +20,7 @@ from levanter_flax.partitioning import ShardingConfig
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  batch_size: int
+  batch_size: int | str  # Sequences per step, or "auto" until batch_search resolves it.
   num_train_steps: int
   log_every_steps: int
   eval_every_steps: int
@@ -33,6 +33,9 @@ class TrainerConfig:
   jax_compilation_cache_dir: str = ""
   jax_persistent_cache_min_compile_time_secs: float = 1.0
   peak_flops_per_device: float = 0.0
+  target_batch_size: int = 0
+  memory_fraction: float = 0.85
+  memory_budget_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.model.initializer_range = 0.02
 
   config.trainer = ml_collections.ConfigDict()
-  config.trainer.batch_size = 32  # Global, in sequences.
+  # Global, in sequences; or "auto": the largest microbatch that fits in memory
+  # (see batch_search.py), with accumulation up to target_batch_size.
+  config.trainer.batch_size = ml_collections.FieldReference(32, field_type=object)
   config.trainer.num_train_steps = 10_000
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 500
@@ -95,6 +100,12 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
   # For train/mfu; 0 looks the device up in metrics.PEAK_FLOPS.
   config.trainer.peak_flops_per_device = 0.0
+  # For batch_size="auto": the global batch to reach by accumulation (0: what
+  # fits, no accumulation), and the memory to fit in: memory_fraction of the
+  # device's, or memory_budget_bytes per device where the backend does not say (CPU).
+  config.trainer.target_batch_size = 0
+  config.trainer.memory_fraction = 0.85
+  config.trainer.memory_budget_bytes = 0
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
@@ -175,6 +186,12 @@ def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
   return tuple(entries)
 
 
+def _batch_size(key: str, value: Any) -> int | str:
+  if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+    return value
+  raise UserError(f"config key {key} must be a positive int or 'auto'; got {value!r}")
+
+
 def _remat(key: str, value: Any) -> str:
   if isinstance(value, bool) or str(value).lower() in ("true", "false"):
     return "full" if str(value).lower() == "true" else "none"
@@ -198,6 +215,7 @@ def _rules(key: str, value: Any):
 
 
 _CONVERTERS = {
+    "trainer.batch_size": _batch_size,
     "model.remat": _remat,
     "trainer.device_mesh": _device_mesh,
     "data.mixture": _mixture,
@@ -231,7 +249,7 @@ def _section(cls, config: ml_collections.ConfigDict, name: str):
   return cls(**values)
 
 
-_MAY_BE_ZERO = ("seed", "cross_entropy_block_size")
+_MAY_BE_ZERO = ("seed", "cross_entropy_block_size", "target_batch_size", "memory_budget_bytes")
 
 
 def _check_positive(run: RunConfig) -> None:
@@ -261,7 +279,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.model.attention_impl not in gpt2.ATTENTION_IMPLEMENTATIONS:
     raise UserError(f"config.model.attention_impl must be one of "
                     f"{', '.join(gpt2.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
-  if run.trainer.batch_size % run.trainer.gradient_accumulation_steps:
+  if not 0 < run.trainer.memory_fraction <= 1:
+    raise UserError(f"config.trainer.memory_fraction must be in (0, 1]; got {run.trainer.memory_fraction}")
+  if run.trainer.batch_size != "auto" and run.trainer.batch_size % run.trainer.gradient_accumulation_steps:
     raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
                     f"config.trainer.gradient_accumulation_steps "
                     f"({run.trainer.gradient_accumulation_steps})")

@@ -1,4 +1,5 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
+import dataclasses
 import pathlib
 import time
 
@@ -7,7 +8,7 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import flops, metrics, optim, partitioning, step
+from levanter_flax import batch_search, flops, metrics, optim, partitioning, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
@@ -62,11 +63,16 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics."""
   trainer = run.trainer
   workdir = ensure_writable_dir(workdir, "workdir")
-  mesh = partitioning.make_mesh(trainer.device_mesh)
-  partitioner = partitioning.Partitioner(mesh, run.sharding)
-  _check_batch_size(trainer, partitioner)
   _check_backend(run.model)
   _use_compilation_cache(trainer)
+  mesh = partitioning.make_mesh(trainer.device_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  if trainer.batch_size == "auto":
+    trainer = batch_search.resolve(run, partitioner)
+    run = dataclasses.replace(run, trainer=trainer)
+    logging.info("batch_size 'auto': %d sequences per step in %d microbatches",
+                 trainer.batch_size, trainer.gradient_accumulation_steps)
+  _check_batch_size(trainer, partitioner)
   sources = loader.load_sources(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
 

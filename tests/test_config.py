@@ -70,7 +70,7 @@ def test_wrong_type_is_named():
   config = default_config()
   # A config file that builds its own ConfigDict is not type-checked by it.
   config.trainer = ml_collections.ConfigDict({**config.trainer, "batch_size": "16"})
-  with pytest.raises(UserError, match="config key config.trainer.batch_size must be int, got str '16'"):
+  with pytest.raises(UserError, match="config key config.trainer.batch_size must be a positive int or 'auto'; got '16'"):
     to_run_config(config)
 
 

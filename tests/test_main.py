@@ -49,7 +49,9 @@ def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     (["--config.trainer.batch_sise=3"], ["unknown config key --config.trainer.batch_sise",
                                          "did you mean 'batch_size'"]),
-    (["--config.trainer.batch_size=abc"], ["--config.trainer.batch_size=abc"]),
+    (["--config.trainer.num_train_steps=abc"], ["--config.trainer.num_train_steps=abc"]),
+    (["--config.trainer.batch_size=abc"],
+     ["config key config.trainer.batch_size must be a positive int or 'auto'; got 'abc'"]),
     (["--config.trainr.batch_size=3"], ["unknown config key --config.trainr.batch_size"]),
 ])
 def test_bad_overrides_are_one_line(args, fragments):
