@@ -5,7 +5,9 @@
 GPT-2 small's shapes (vocab 50257, width 768, 12 heads, seq 1024) on one
 device. Temp bytes come from XLA's memory analysis of the compiled train step
 (activations and other scratch; parameters and optimizer state are not temp).
-'offload' is measured only where the backend has host memory to offload to.
+Each remat policy is measured with unrolled and with scanned layers (XLA's
+CPU scheduler undoes remat in an unrolled model; a scan keeps it). 'offload'
+is measured only where the backend has host memory to offload to.
 Uses only jax, flax and optax.
 """
 import argparse
@@ -27,10 +29,11 @@ def main():
   base = GPT2Config(vocab_size=50257, seq_len=1024, num_layers=args.num_layers, num_heads=12,
                     hidden_dim=768)
   policies = [p for p in REMAT_POLICIES if p != "offload" or jax.default_backend() != "cpu"]
-  cases = [(f"remat={p}", dataclasses.replace(base, remat=p), 1) for p in policies]
+  cases = [(f"remat={p}{' scan' if scan else ''}", dataclasses.replace(base, remat=p, scan_layers=scan), 1)
+           for scan in (False, True) for p in policies]
   cases += [(f"accumulation={n}", base, n) for n in (1, 2, 4, 8) if args.batch_size % n == 0]
   print(f"{jax.devices()[0].device_kind}; {base}; batch {args.batch_size}")
-  print(f"{'case':40s} {'temp MiB':>10s} {'smaller':>8s} {'step s':>8s} {'slower':>8s}")
+  print(f"{'case':44s} {'temp MiB':>10s} {'smaller':>8s} {'step s':>8s} {'slower':>8s}")
   baseline = None
   for name, model_cfg, num_microbatches in cases:
     run = compile_train_step(model_cfg, args.batch_size, device_mesh=(("data", 1),),
@@ -38,7 +41,7 @@ def main():
     temp = run.compiled.memory_analysis().temp_size_in_bytes
     seconds = float("nan") if args.skip_timing else run.median_seconds(args.num_steps)
     baseline = baseline or (temp, seconds)
-    print(f"{name:40s} {temp / 2**20:10.1f} {baseline[0] / temp:7.2f}x {seconds:8.2f} "
+    print(f"{name:44s} {temp / 2**20:10.1f} {baseline[0] / temp:7.2f}x {seconds:8.2f} "
           f"{seconds / baseline[1]:7.2f}x")
 
 

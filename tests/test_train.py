@@ -87,6 +87,8 @@ def test_two_dimensional_mesh_trains(tiny_config, tmp_path):
     ("trainer", "batch_size", 12, r"config.trainer.batch_size \(12\) / gradient_accumulation_steps \(1\) must be divisible by the activation axis size \(8\)"),
     ("model", "vocab_size", 200, r"config.model.vocab_size \(200\) is smaller than the vocabulary of the tokenizer \(257\)"),
     ("trainer", "device_mesh", mesh(data=3, model=-1), r"8 devices are not divisible by the fixed axes' product 3"),
+    ("model", "attention_impl", "cudnn", r"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; this run's backend is cpu"),
+    ("model", "remat", "offload", r"config.model.remat 'offload' moves activations to host memory"),
 ])
 def test_bad_settings_are_named(tiny_config, tmp_path, section, key, value, message):
   tiny_config[section][key] = value
