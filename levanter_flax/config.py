@@ -5,6 +5,7 @@ need. `to_run_config` is the edge: it checks every key and type and returns
 small frozen dataclasses, so no code below it touches a ConfigDict.
 """
 import dataclasses
+import json
 import typing
 from typing import Any
 
@@ -30,6 +31,7 @@ class TrainerConfig:
   seed: int
   device_mesh: tuple[tuple[str, int], ...]
   gradient_accumulation_steps: int = 1
+  nan_policy: str = "halt"
   jax_compilation_cache_dir: str = ""
   jax_persistent_cache_min_compile_time_secs: float = 1.0
   peak_flops_per_device: float = 0.0
@@ -92,6 +94,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.seed = 0
   # Axis name -> size; -1 takes all remaining devices.
   config.trainer.device_mesh = mesh(data=-1, model=1)
+  # A step with a non-finite loss or gradient never updates the params; then
+  # "halt" stops the run naming the step, "skip" warns, counts it and goes on.
+  config.trainer.nan_policy = "halt"
   # Splits each batch into this many microbatches, summed inside one jitted step.
   config.trainer.gradient_accumulation_steps = 1
   # Compiled programs are kept here across runs (a shared path serves many
@@ -261,6 +266,23 @@ def _check_positive(run: RunConfig) -> None:
         raise UserError(f"config key config.{section}.{field.name} must be positive, got {value}")
 
 
+# What a checkpoint's arrays and their meaning depend on; anything else may change on resume.
+MODEL_SHAPE_KEYS = ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_dim", "scan_layers")
+
+
+def flat_dict(run: RunConfig) -> dict[str, Any]:
+  """{'model.num_layers': 12, ...}, JSON-ready: what a workdir's config.json holds."""
+  return json.loads(json.dumps({f"{section}.{key}": value
+                                for section, fields in dataclasses.asdict(run).items()
+                                for key, value in fields.items()}))
+
+
+def model_shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """'model.num_layers 12 -> 24' for each shape key that differs."""
+  keys = sorted(f"model.{k}" for k in MODEL_SHAPE_KEYS)
+  return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
+
+
 def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   """Validates `config` and returns it as plain typed objects."""
   sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
@@ -287,6 +309,8 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
                     f"({run.trainer.gradient_accumulation_steps})")
   if not 0 < run.data.validation_fraction < 1:
     raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
+  if run.trainer.nan_policy not in ("halt", "skip"):
+    raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; got {run.trainer.nan_policy!r}")
   if run.data.on_corrupt_record not in ("fail", "skip"):
     raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
                     f"got {run.data.on_corrupt_record!r}")

@@ -98,14 +98,25 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   def train_step(state: TrainState, batch: Batch):
+    """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
+
+    The step still counts (its batch is consumed), and train/nonfinite says it
+    was skipped; the loop then warns or halts per trainer.nan_policy.
+    """
     loss, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"], num_microbatches)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state)
+    params = optax.apply_updates(state.params, updates)
+    if_finite = lambda new, old: jnp.where(finite, new, old)
+    new_state = state.replace(step=state.step + 1,
+                              params=jax.tree.map(if_finite, params, state.params),
+                              opt_state=jax.tree.map(if_finite, opt_state, state.opt_state))
     metrics = {
         "train/loss": loss,
-        "train/grad_norm": optax.tree.norm(grads),
+        "train/grad_norm": grad_norm,
         "train/learning_rate": schedule(state.step),
+        "train/nonfinite": 1.0 - finite.astype(jnp.float32),
     }
     return new_state, metrics
   return train_step

@@ -1,5 +1,6 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
 import dataclasses
+import json
 import pathlib
 import time
 
@@ -8,8 +9,9 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import batch_search, flops, metrics, optim, partitioning, step
+from levanter_flax import batch_search, flops, metrics, optim, partitioning, preemption, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like
+from levanter_flax import config
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
@@ -45,6 +47,23 @@ def _use_compilation_cache(trainer) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     trainer.jax_persistent_cache_min_compile_time_secs)
+
+
+def _check_resumed_config(run: RunConfig, workdir: pathlib.Path, resuming: bool) -> None:
+  """Refuses to resume into a different model; logs other changes; saves the config."""
+  path = workdir / "config.json"
+  now = config.flat_dict(run)
+  if resuming and path.exists():
+    saved = json.loads(path.read_text())
+    shape_changes = config.model_shape_changes(saved, now)
+    if shape_changes:
+      raise UserError(f"cannot resume the checkpoints in {workdir} with a different model: "
+                      f"{', '.join(shape_changes)}; use a new --workdir")
+    for key in sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)):
+      logging.warning("Resuming with %s changed: %s -> %s", key, saved.get(key), now.get(key))
+  tmp = path.with_name(f"{path.name}.tmp")
+  tmp.write_text(json.dumps(now, indent=2))
+  tmp.replace(path)
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -86,17 +105,22 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   logging.info("Parameter layout:\n%s", steps.layout_table())
 
   checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints)
-  with partitioner.activation_context():
-    if checkpointer.latest_step is not None:
-      state, position = checkpointer.restore_latest(
-          abstract_like(steps.abstract_state, steps.state_shardings))
-      position = loader.DataPosition.from_json(position)
-      logging.info("Resuming from checkpoint at step %d in %s; data position %s",
-                   checkpointer.latest_step, workdir, position)
-    else:
-      state, position = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
-    final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources)
-  checkpointer.close()
+  _check_resumed_config(run, workdir, resuming=checkpointer.latest_step is not None)
+  try:
+    with partitioner.activation_context(), preemption.StopSignal() as stop:
+      if checkpointer.latest_step is not None:
+        state, position = checkpointer.restore_latest(
+            abstract_like(steps.abstract_state, steps.state_shardings))
+        position = loader.DataPosition.from_json(position)
+        logging.info("Resuming from checkpoint at step %d in %s; data position %s",
+                     checkpointer.latest_step, workdir, position)
+      else:
+        state = steps.init(jax.random.key(trainer.seed))
+        position = loader.DataPosition.start(sources)
+      final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources,
+                                  stop)
+  finally:
+    checkpointer.close()  # Lets an asynchronous save finish, also when the loop raised.
   return final_metrics
 
 
@@ -138,9 +162,43 @@ def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
   return metrics_
 
 
+class _NonFiniteSteps:
+  """Counts steps whose update was skipped for a non-finite loss or gradient; halts per policy.
+
+  Each step's flag is read one step later, when it is long computed, so the
+  check never stalls the pipeline.
+  """
+
+  def __init__(self, policy: str, checkpointer: Checkpointer):
+    self._policy, self._checkpointer = policy, checkpointer
+    self._pending = None
+    self.count = 0
+
+  def check(self, step_num: int, step_metrics: dict) -> None:
+    previous, self._pending = self._pending, (step_num, step_metrics["train/nonfinite"])
+    if previous:
+      self._report(*previous)
+
+  def flush(self) -> None:
+    if self._pending:
+      self._report(*self._pending)
+      self._pending = None
+
+  def _report(self, step_num: int, flag) -> None:
+    if not float(flag):
+      return
+    self.count += 1
+    if self._policy == "halt":
+      raise UserError(f"non-finite loss or gradients at step {step_num}; stopped "
+                      f"(config.trainer.nan_policy='halt'). The newest checkpoint is step "
+                      f"{self._checkpointer.latest_step}; 'skip' would drop such updates and go on")
+    logging.warning("Step %d: non-finite loss or gradients; its update was skipped", step_num)
+
+
 def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
                 state: step.TrainState, position: loader.DataPosition,
-                checkpointer: Checkpointer, sources: list[loader.Source]) -> dict[str, float]:
+                checkpointer: Checkpointer, sources: list[loader.Source],
+                stop: preemption.StopSignal) -> dict[str, float]:
   trainer = run.trainer
   start_step = int(state.step)
   train_batches = loader.TrainBatches(
@@ -158,6 +216,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
           steps.abstract_state.params),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
+  nonfinite = _NonFiniteSteps(trainer.nan_policy, checkpointer)
   history, data_wait, last_metrics = [], 0.0, {}
   for step_num in range(start_step + 1, trainer.num_train_steps + 1):
     with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
@@ -166,26 +225,35 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       data_wait += time.perf_counter() - wait_start
       state, step_metrics = steps.train_step(state, batch)
     history.append(step_metrics)
+    nonfinite.check(step_num, step_metrics)
     if step_num == start_step + 1:
       # Leave compilation out of the throughput figures.
       jax.block_until_ready(step_metrics)
       throughput.reset(step_num)
-    is_last = step_num == trainer.num_train_steps
-    if step_num % trainer.log_every_steps == 0 or is_last:
-      last_metrics = (_mean(history) | throughput.measure(step_num)
-                      | {"train/data_wait_seconds": data_wait / len(history)}
+    finished = step_num == trainer.num_train_steps
+    stopping = stop.requested()  # Preempted: log and checkpoint now, skip eval.
+    if step_num % trainer.log_every_steps == 0 or finished or stopping:
+      nonfinite.flush()
+      means = _mean(history)
+      del means["train/nonfinite"]  # Reported as the running count of skipped steps.
+      last_metrics = (means | throughput.measure(step_num)
+                      | {"train/data_wait_seconds": data_wait / len(history),
+                         "train/skipped_steps": float(nonfinite.count)}
                       | _data_metrics(position, train_batches,
                                       run.model.seq_len * jax.process_count()))
       writer.write_scalars(step_num, last_metrics)
       history, data_wait = [], 0.0
     report_progress(step_num)
-    if step_num % trainer.eval_every_steps == 0 or is_last:
+    if step_num % trainer.eval_every_steps == 0 or finished:
       eval_metrics = evaluate(state.params)
       writer.write_scalars(step_num, eval_metrics)
       last_metrics |= eval_metrics
       throughput.reset(step_num)
-    if step_num % trainer.checkpoint_every_steps == 0 or is_last:
+    if step_num % trainer.checkpoint_every_steps == 0 or finished or stopping:
       checkpointer.save(step_num, state, position.to_json())
+    if stopping:
+      logging.warning("Stopped at step %d on request; checkpoint written", step_num)
+      break
   train_batches.close()
   writer.close()
   return last_metrics

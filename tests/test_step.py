@@ -118,3 +118,20 @@ def test_blockwise_cross_entropy_never_holds_all_logits():
     temp_bytes[block_size] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
   assert temp_bytes[0] > all_logits
   assert temp_bytes[1024] < all_logits / 4, temp_bytes
+
+
+def test_a_non_finite_step_leaves_the_state_and_says_so():
+  params, tokens = params_and_tokens(TINY)
+  optimizer = optax.adamw(1e-3)
+  state = step.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  train_step = jax.jit(step.make_train_step(GPT2LMHeadModel(TINY), optimizer, lambda _: 1e-3))
+  # An id past the vocabulary embeds as NaN, so loss and gradients are NaN.
+  bad = {"tokens": tokens.at[0, 3].set(TINY.vocab_size)}
+  after_bad, metrics = train_step(state, bad)
+  assert float(metrics["train/nonfinite"]) == 1.0 and not np.isfinite(float(metrics["train/loss"]))
+  assert int(after_bad.step) == 1
+  assert_trees_close(after_bad.params, state.params, 0)
+  assert_trees_close(after_bad.opt_state, state.opt_state, 0)
+  after_good, metrics = train_step(after_bad, {"tokens": tokens})
+  assert float(metrics["train/nonfinite"]) == 0.0
+  assert not np.allclose(after_good.params["wte"]["embedding"], state.params["wte"]["embedding"])

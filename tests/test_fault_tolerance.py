@@ -1,0 +1,82 @@
+"""Runs end cleanly on SIGTERM/SIGINT and never apply or save a non-finite update."""
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import REPO, read_metrics, train_losses
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+from levanter_flax.train import train_and_evaluate
+from test_main import NANO, TINY
+
+
+def diverging(config, policy):
+  """A learning rate so large that the second update overflows float32."""
+  config.optimizer.learning_rate = 1e38
+  config.trainer.nan_policy = policy
+  return to_run_config(config)
+
+
+def test_halt_stops_at_the_first_non_finite_step(tiny_config, tmp_path):
+  with pytest.raises(UserError, match=r"non-finite loss or gradients at step \d+; stopped "
+                                      r"\(config.trainer.nan_policy='halt'\)"):
+    train_and_evaluate(diverging(tiny_config, "halt"), tmp_path)
+
+
+def test_skip_drops_non_finite_updates_and_saves_finite_params(tiny_config, tmp_path):
+  final = train_and_evaluate(diverging(tiny_config, "skip"), tmp_path)
+  assert final["train/skipped_steps"] > 0
+  saved = ocp.StandardCheckpointer().restore((tmp_path / "checkpoints" / "10" / "state").absolute())
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved["params"]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_path, signum):
+  args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
+          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=1000",
+          f"--config.data.cache_dir={data_cache}"]
+  process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
+                                        and len(train_losses(tmp_path)) >= 3):
+    time.sleep(0.5)
+  process.send_signal(signum)
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 0, stderr[-3000:]
+  stopped_at = max(train_losses(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [stopped_at]
+  assert f"Stopped at step {stopped_at} on request" in stderr
+  # The same command, with an end in sight, continues from there.
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+                           f"--config.trainer.num_train_steps={stopped_at + 2}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert max(train_losses(tmp_path)) == stopped_at + 2
+  assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m][-2:] == [
+      stopped_at + 1, stopped_at + 2]
+
+
+def test_resume_refuses_a_changed_model_shape_and_allows_safe_changes(tiny_config, tmp_path):
+  tiny_config.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  saved = (tmp_path / "config.json").read_text()
+  assert '"model.num_layers": 2' in saved
+  tiny_config.model.num_layers = 3
+  tiny_config.model.hidden_dim = 128
+  with pytest.raises(UserError, match=r"cannot resume .* with a different model: "
+                                      r"model.hidden_dim 64 -> 128, model.num_layers 2 -> 3"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  tiny_config.model.num_layers = 2
+  tiny_config.model.hidden_dim = 64
+  tiny_config.optimizer.learning_rate = 1e-3
+  tiny_config.trainer.num_train_steps = 3
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert max(train_losses(tmp_path)) == 3
+  assert '"optimizer.learning_rate": 0.001' in (tmp_path / "config.json").read_text()
