@@ -4,6 +4,9 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+
+from levanter_flax.errors import UserError
 
 
 class Checkpointer:
@@ -15,6 +18,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: pathlib.Path, keep: int):
+    self.directory = directory.absolute()
     self._manager = ocp.CheckpointManager(
         directory.absolute(), item_names=("state", "data"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
@@ -23,11 +27,42 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def restore_latest(self, abstract_state: Any) -> tuple[Any, dict]:
-    """The newest (state, data position); arrays land on the shardings in `abstract_state`."""
-    restored = self._manager.restore(self.latest_step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    return restored.state, restored.data
+  def restore_newest_usable(self, abstract_state: Any,
+                            start_fresh_if_unusable: bool = False) -> Optional[tuple[Any, dict]]:
+    """The newest checkpoint that restores, as (state, data position); None if there is none.
+
+    Arrays land on the shardings in `abstract_state`. A checkpoint that fails
+    to restore (damaged or missing files) is renamed `<step>.unreadable`, kept
+    for inspection, with a warning, and the next older one is tried. If none
+    restores, that is an error unless `start_fresh_if_unusable`.
+    """
+    unreadable = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+        logging.warning("Checkpoint %s cannot be restored: %s", self.directory / str(step),
+                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        unreadable.append(step)
+        continue
+      self._set_aside(unreadable)
+      if unreadable:
+        logging.warning("Resuming from checkpoint %d instead of the newer, unreadable %s (kept as "
+                        "<step>.unreadable in %s)", step, unreadable, self.directory)
+      return restored.state, restored.data
+    if unreadable and not start_fresh_if_unusable:
+      raise UserError(f"none of the checkpoints {unreadable} in {self.directory} can be restored; "
+                      f"set config.trainer.start_fresh_if_unusable=True to set them aside and "
+                      f"start from step 0")
+    self._set_aside(unreadable)
+    return None
+
+  def _set_aside(self, steps: list[int]) -> None:
+    for step in steps:
+      (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
+    if steps:
+      self._manager.reload()
 
   def save(self, step: int, state: Any, data_position: dict) -> None:
     """Starts writing; training continues while orbax finishes in the background."""

@@ -32,6 +32,7 @@ class TrainerConfig:
   device_mesh: tuple[tuple[str, int], ...]
   gradient_accumulation_steps: int = 1
   nan_policy: str = "halt"
+  start_fresh_if_unusable: bool = False
   jax_compilation_cache_dir: str = ""
   jax_persistent_cache_min_compile_time_secs: float = 1.0
   peak_flops_per_device: float = 0.0
@@ -91,6 +92,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.eval_batches = 8
   config.trainer.checkpoint_every_steps = 500
   config.trainer.keep_checkpoints = 3
+  # An unreadable newest checkpoint is set aside and the one before it used;
+  # when none can be read the run stops, unless this lets it start over.
+  config.trainer.start_fresh_if_unusable = False
   config.trainer.seed = 0
   # Axis name -> size; -1 takes all remaining devices.
   config.trainer.device_mesh = mesh(data=-1, model=1)

@@ -108,12 +108,13 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   _check_resumed_config(run, workdir, resuming=checkpointer.latest_step is not None)
   try:
     with partitioner.activation_context(), preemption.StopSignal() as stop:
-      if checkpointer.latest_step is not None:
-        state, position = checkpointer.restore_latest(
-            abstract_like(steps.abstract_state, steps.state_shardings))
-        position = loader.DataPosition.from_json(position)
+      restored = checkpointer.restore_newest_usable(
+          abstract_like(steps.abstract_state, steps.state_shardings),
+          trainer.start_fresh_if_unusable)
+      if restored:
+        state, position = restored[0], loader.DataPosition.from_json(restored[1])
         logging.info("Resuming from checkpoint at step %d in %s; data position %s",
-                     checkpointer.latest_step, workdir, position)
+                     int(state.step), workdir, position)
       else:
         state = steps.init(jax.random.key(trainer.seed))
         position = loader.DataPosition.start(sources)

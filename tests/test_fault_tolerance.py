@@ -1,4 +1,5 @@
 """Runs end cleanly on SIGTERM/SIGINT and never apply or save a non-finite update."""
+import pathlib
 import signal
 import subprocess
 import sys
@@ -80,3 +81,42 @@ def test_resume_refuses_a_changed_model_shape_and_allows_safe_changes(tiny_confi
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert max(train_losses(tmp_path)) == 3
   assert '"optimizer.learning_rate": 0.001' in (tmp_path / "config.json").read_text()
+
+
+def corrupt(checkpoint: pathlib.Path) -> None:
+  """Truncates the largest array file, as a disk or copy failure would."""
+  largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:100])
+
+
+def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, tmp_path):
+  tiny_config.optimizer.min_learning_rate_ratio = 1.0  # Constant LR: a resumed run is the straight one.
+  tiny_config.trainer.checkpoint_every_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
+  run = tmp_path / "run"
+  tiny_config.trainer.num_train_steps = 6
+  train_and_evaluate(to_run_config(tiny_config), run)
+  checkpoints = run / "checkpoints"
+  corrupt(checkpoints / "6")
+  (checkpoints / "8.orbax-checkpoint-tmp-1234").mkdir()  # A save killed half-way.
+  tiny_config.trainer.num_train_steps = 10
+  train_and_evaluate(to_run_config(tiny_config), run)
+  assert (checkpoints / "6.unreadable").is_dir()
+  expected, got = train_losses(tmp_path / "straight"), train_losses(run)
+  for step in range(5, 11):
+    assert got[step] == pytest.approx(expected[step], rel=1e-6), step
+
+
+def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_path):
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 1
+  tiny_config.trainer.keep_checkpoints = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  for step in ("1", "2"):
+    corrupt(tmp_path / "checkpoints" / step)
+  with pytest.raises(UserError, match=r"none of the checkpoints \[2, 1\] in .* can be restored; "
+                                      r"set config.trainer.start_fresh_if_unusable=True"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  tiny_config.trainer.start_fresh_if_unusable = True
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {"1.unreadable", "2.unreadable", "1", "2"}
