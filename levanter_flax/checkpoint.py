@@ -10,18 +10,21 @@ from levanter_flax.errors import UserError
 
 
 class Checkpointer:
-  """Saves asynchronously and keeps the newest `keep` checkpoints.
+  """Saves asynchronously; keeps the newest `keep`, plus every `keep_period`-th step for good.
 
   Each checkpoint holds two items: `state` (params, optimizer state, step)
   and `data`, the JSON position of the input stream, so a resumed run reads
-  on from exactly where the saved one stopped.
+  on from exactly where the saved one stopped. A temporary checkpoint (a
+  time-based one) is deleted once a newer checkpoint has been written.
   """
 
-  def __init__(self, directory: pathlib.Path, keep: int):
+  def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0):
     self.directory = directory.absolute()
     self._manager = ocp.CheckpointManager(
         directory.absolute(), item_names=("state", "data"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
+                                             create=True))
+    self._temporary: list[int] = []  # Written as temporary, oldest first.
 
   @property
   def latest_step(self) -> Optional[int]:
@@ -64,14 +67,47 @@ class Checkpointer:
     if steps:
       self._manager.reload()
 
-  def save(self, step: int, state: Any, data_position: dict) -> None:
+  def save(self, step: int, state: Any, data_position: dict, temporary: bool = False) -> None:
     """Starts writing; training continues while orbax finishes in the background."""
+    self._manager.wait_until_finished()  # The previous save, long done by now as a rule.
+    self._drop_superseded_temporaries()
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_position)), force=True)
+    if temporary:
+      self._temporary.append(step)
+
+  def _drop_superseded_temporaries(self) -> None:
+    """Deletes temporary checkpoints older than the newest written one."""
+    newest = self._manager.latest_step()
+    for step in [s for s in self._temporary if newest is not None and s < newest]:
+      if step in self._manager.all_steps():
+        self._manager.delete(step)
+      self._temporary.remove(step)
 
   def close(self) -> None:
     self._manager.wait_until_finished()
+    self._drop_superseded_temporaries()
     self._manager.close()
+
+
+def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
+  """(state, data position) from one checkpoint of another run: path is <workdir>/checkpoints/<step>."""
+  path = path.expanduser().absolute()
+  if not (path / "state").is_dir():
+    raise UserError(f"config.trainer.load_checkpoint_path {path} is not a checkpoint "
+                    f"(expected <workdir>/checkpoints/<step>, holding state/)")
+  manager = ocp.CheckpointManager(path.parent, item_names=("state", "data"),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    restored = manager.restore(int(path.name), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+  except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise UserError(f"cannot load config.trainer.load_checkpoint_path {path} into this model: "
+                    f"{message}") from None
+  finally:
+    manager.close()
+  return restored.state, restored.data
 
 
 def abstract_like(shapes: Any, shardings: Any) -> Any:

@@ -33,6 +33,10 @@ class TrainerConfig:
   gradient_accumulation_steps: int = 1
   nan_policy: str = "halt"
   start_fresh_if_unusable: bool = False
+  checkpoint_every_minutes: float = 0.0
+  keep_checkpoint_every_steps: int = 0
+  load_checkpoint_path: str = ""
+  load_checkpoint_items: str = "params"
   jax_compilation_cache_dir: str = ""
   jax_persistent_cache_min_compile_time_secs: float = 1.0
   peak_flops_per_device: float = 0.0
@@ -91,7 +95,18 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.eval_every_steps = 500
   config.trainer.eval_batches = 8
   config.trainer.checkpoint_every_steps = 500
-  config.trainer.keep_checkpoints = 3
+  config.trainer.keep_checkpoints = 3  # The newest ones, temporary ones included.
+  # Also save every this many minutes (0: never); such a checkpoint is
+  # temporary: deleted once a newer one is written.
+  config.trainer.checkpoint_every_minutes = 0.0
+  # Keep every checkpoint whose step is a multiple of this for good (0: none).
+  config.trainer.keep_checkpoint_every_steps = 0
+  # Start a new run from another run's checkpoint (<workdir>/checkpoints/<step>):
+  # "params" only (step 0, fresh optimizer and data), or the whole "state"
+  # (step, optimizer state and data position too). Ignored once this run has
+  # checkpoints of its own.
+  config.trainer.load_checkpoint_path = ""
+  config.trainer.load_checkpoint_items = "params"
   # An unreadable newest checkpoint is set aside and the one before it used;
   # when none can be read the run stops, unless this lets it start over.
   config.trainer.start_fresh_if_unusable = False
@@ -258,7 +273,8 @@ def _section(cls, config: ml_collections.ConfigDict, name: str):
   return cls(**values)
 
 
-_MAY_BE_ZERO = ("seed", "cross_entropy_block_size", "target_batch_size", "memory_budget_bytes")
+_MAY_BE_ZERO = ("seed", "cross_entropy_block_size", "target_batch_size", "memory_budget_bytes",
+                "keep_checkpoint_every_steps")
 
 
 def _check_positive(run: RunConfig) -> None:
@@ -305,6 +321,12 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.model.attention_impl not in gpt2.ATTENTION_IMPLEMENTATIONS:
     raise UserError(f"config.model.attention_impl must be one of "
                     f"{', '.join(gpt2.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
+  if run.trainer.load_checkpoint_items not in ("params", "state"):
+    raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
+                    f"got {run.trainer.load_checkpoint_items!r}")
+  if run.trainer.checkpoint_every_minutes < 0:
+    raise UserError(f"config.trainer.checkpoint_every_minutes must be >= 0; "
+                    f"got {run.trainer.checkpoint_every_minutes}")
   if not 0 < run.trainer.memory_fraction <= 1:
     raise UserError(f"config.trainer.memory_fraction must be in (0, 1]; got {run.trainer.memory_fraction}")
   if run.trainer.batch_size != "auto" and run.trainer.batch_size % run.trainer.gradient_accumulation_steps:

@@ -10,7 +10,7 @@ from absl import logging
 from clu import periodic_actions
 
 from levanter_flax import batch_search, flops, metrics, optim, partitioning, preemption, step
-from levanter_flax.checkpoint import Checkpointer, abstract_like
+from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax import config
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
@@ -104,25 +104,36 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
   logging.info("Parameter layout:\n%s", steps.layout_table())
 
-  checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints)
+  checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints,
+                              trainer.keep_checkpoint_every_steps)
   _check_resumed_config(run, workdir, resuming=checkpointer.latest_step is not None)
   try:
     with partitioner.activation_context(), preemption.StopSignal() as stop:
-      restored = checkpointer.restore_newest_usable(
-          abstract_like(steps.abstract_state, steps.state_shardings),
-          trainer.start_fresh_if_unusable)
-      if restored:
-        state, position = restored[0], loader.DataPosition.from_json(restored[1])
-        logging.info("Resuming from checkpoint at step %d in %s; data position %s",
-                     int(state.step), workdir, position)
-      else:
-        state = steps.init(jax.random.key(trainer.seed))
-        position = loader.DataPosition.start(sources)
+      state, position = _initial_state(trainer, steps, checkpointer, sources)
       final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources,
                                   stop)
   finally:
     checkpointer.close()  # Lets an asynchronous save finish, also when the loop raised.
   return final_metrics
+
+
+def _initial_state(trainer, steps: step.ShardedSteps, checkpointer: Checkpointer,
+                   sources: list[loader.Source]) -> tuple[step.TrainState, loader.DataPosition]:
+  """This run's newest usable checkpoint; else another run's (load_checkpoint_path); else init."""
+  abstract = abstract_like(steps.abstract_state, steps.state_shardings)
+  restored = checkpointer.restore_newest_usable(abstract, trainer.start_fresh_if_unusable)
+  if restored:
+    state, position = restored[0], loader.DataPosition.from_json(restored[1])
+    logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
+    return state, position
+  fresh = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
+  if not trainer.load_checkpoint_path:
+    return fresh
+  state, position = load_other_run(pathlib.Path(trainer.load_checkpoint_path), abstract)
+  logging.info("Starting from %s of %s", trainer.load_checkpoint_items, trainer.load_checkpoint_path)
+  if trainer.load_checkpoint_items == "state":
+    return state, loader.DataPosition.from_json(position)
+  return fresh[0].replace(params=state.params), fresh[1]
 
 
 def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loader.Source]):
@@ -218,7 +229,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, checkpointer)
-  history, data_wait, last_metrics = [], 0.0, {}
+  history, data_wait, last_metrics, last_save = [], 0.0, {}, time.monotonic()
   for step_num in range(start_step + 1, trainer.num_train_steps + 1):
     with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
       wait_start = time.perf_counter()
@@ -250,8 +261,12 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       writer.write_scalars(step_num, eval_metrics)
       last_metrics |= eval_metrics
       throughput.reset(step_num)
-    if step_num % trainer.checkpoint_every_steps == 0 or finished or stopping:
-      checkpointer.save(step_num, state, position.to_json())
+    by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
+    by_time = (trainer.checkpoint_every_minutes
+               and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
+    if by_step or by_time:
+      checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
+      last_save = time.monotonic()
     if stopping:
       logging.warning("Stopped at step %d on request; checkpoint written", step_num)
       break
