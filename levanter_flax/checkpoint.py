@@ -6,7 +6,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from levanter_flax.errors import UserError
+from levanter_flax.errors import UserError, ensure_writable_dir
 
 
 class Checkpointer:
@@ -19,7 +19,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0):
-    self.directory = directory.absolute()
+    self.directory = ensure_writable_dir(directory.absolute(), "checkpoint directory")
     self._manager = ocp.CheckpointManager(
         directory.absolute(), item_names=("state", "data"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,

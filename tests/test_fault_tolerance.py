@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, read_metrics, train_losses
-from levanter_flax.config import to_run_config
+from levanter_flax.config import mesh, to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
 from test_main import NANO, TINY
@@ -157,3 +157,24 @@ def test_a_missing_checkpoint_to_load_is_named(tiny_config, tmp_path):
   tiny_config.trainer.load_checkpoint_path = str(tmp_path / "nowhere" / "7")
   with pytest.raises(UserError, match="config.trainer.load_checkpoint_path .*nowhere/7 is not a checkpoint"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+
+
+def test_resume_on_another_mesh_reshards_the_checkpoint(tiny_config, tmp_path):
+  tiny_config.optimizer.min_learning_rate_ratio = 1.0
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
+  tiny_config.trainer.num_train_steps = 5
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  tiny_config.trainer.num_train_steps = 10
+  tiny_config.trainer.device_mesh = mesh(data=4, model=2)
+  tiny_config.sharding.parameter_axis = "data"
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  expected, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "run")
+  for step in range(6, 11):
+    assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_unwritable_checkpoint_directory_is_named(tiny_config, tmp_path):
+  (tmp_path / "checkpoints").write_text("a file where the directory should be")
+  with pytest.raises(UserError, match=f"checkpoint directory {tmp_path}/checkpoints is not writable"
+                                      f"|cannot create checkpoint directory {tmp_path}/checkpoints"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
