@@ -9,9 +9,8 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import batch_search, flops, metrics, optim, partitioning, preemption, step
+from levanter_flax import batch_search, config, flops, metrics, optim, partitioning, preemption, step
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
-from levanter_flax import config
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
