@@ -229,6 +229,10 @@ class TrainBatches:
     self.corrupt_records_skipped = 0
     self._chunks_seen: set[tuple[int, int]] = set()
     self._shards = [s.manifest["splits"]["train"][process_index::process_count] for s in sources]
+    # Records each (source, shard) should yield, padded into one array for a vectorized check.
+    self._expected_records = np.zeros((len(sources), max(map(len, self._shards))), np.int64)
+    for index, shards in enumerate(self._shards):
+      self._expected_records[index, :len(shards)] = [s["num_documents"] for s in shards]
     self._dataset = train_dataset(sources, seq_len=seq_len, local_batch_size=local_batch_size,
                                   seed=seed, position=position, process_index=process_index,
                                   process_count=process_count)
@@ -254,10 +258,12 @@ class TrainBatches:
       yield {"tokens": batch["tokens"]}, position
 
   def _check_records(self, batch: dict) -> None:
-    for source, shard, chunk, read in zip(batch["source"], batch["shard"], batch["chunk"],
-                                          batch["records_read"]):
+    short = batch["records_read"] != self._expected_records[batch["source"], batch["shard"]]
+    for row in np.flatnonzero(short):  # Almost always none: one array comparison per batch.
+      source, shard, chunk, read = (batch[k][row] for k in ("source", "shard", "chunk",
+                                                             "records_read"))
       entry = self._shards[source][shard]
-      if read == entry["num_documents"] or (source, chunk) in self._chunks_seen:
+      if (source, chunk) in self._chunks_seen:
         continue
       self._chunks_seen.add((source, chunk))
       path = self._sources[source].directory / entry["file"]
