@@ -1,5 +1,7 @@
 """Checkpoints with an orbax CheckpointManager: the train state and the data position, together."""
+import os
 import pathlib
+import re
 from typing import Any, Optional
 
 import jax
@@ -23,8 +25,9 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         directory.absolute(), item_names=("state", "data"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
-                                             create=True))
+                                             create=True, cleanup_tmp_directories=True))
     self._temporary: list[int] = []  # Written as temporary, oldest first.
+    self._writing: Optional[int] = None  # The step whose asynchronous save may still run.
 
   @property
   def latest_step(self) -> Optional[int]:
@@ -46,7 +49,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
         logging.warning("Checkpoint %s cannot be restored: %s", self.directory / str(step),
-                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                        _first_line(e))
         unreadable.append(step)
         continue
       self._set_aside(unreadable)
@@ -69,12 +72,41 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_position: dict, temporary: bool = False) -> None:
     """Starts writing; training continues while orbax finishes in the background."""
-    self._manager.wait_until_finished()  # The previous save, long done by now as a rule.
+    self._finish_writing()  # The previous save, long done by now as a rule.
     self._drop_superseded_temporaries()
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_position)), force=True)
+    self._writing = step
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_position)), force=True)
+    except Exception as e:  # pylint: disable=broad-except  # Whatever the filesystem raised.
+      raise self._save_failed(e) from None
     if temporary:
       self._temporary.append(step)
+
+  def _finish_writing(self) -> None:
+    """Waits for the save in flight; if it failed (a full disk, say), that is a UserError."""
+    if self._writing is None:
+      return
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  # Whatever the filesystem raised.
+      raise self._save_failed(e) from None
+    self._writing = None
+
+  def _save_failed(self, error: Exception) -> UserError:
+    """Names the checkpoint that was not written and the ones that are still there.
+
+    Orbax writes into `<step>.orbax-checkpoint-tmp` and renames only a complete
+    checkpoint, so a failed save leaves the earlier ones untouched; the
+    leftover temporary directory is removed when the next run starts.
+    """
+    step, self._writing = self._writing, None
+    # Tensorstore reports the OS error as a code inside a long message naming internal files.
+    os_error = re.search(r"os_error_code='?(\d+)", str(error))
+    reason = os.strerror(int(os_error.group(1))) if os_error else _first_line(error)
+    earlier = [s for s in self._manager.all_steps() if s != step]
+    return UserError(f"writing checkpoint {self.directory / str(step)} failed: {reason}; the "
+                     f"earlier checkpoints {earlier or '(none)'} are intact")
 
   def _drop_superseded_temporaries(self) -> None:
     """Deletes temporary checkpoints older than the newest written one."""
@@ -85,7 +117,7 @@ class Checkpointer:
       self._temporary.remove(step)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self._finish_writing()
     self._drop_superseded_temporaries()
     self._manager.close()
 
@@ -102,12 +134,16 @@ def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
     restored = manager.restore(int(path.name), args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
   except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise UserError(f"cannot load config.trainer.load_checkpoint_path {path} into this model: "
-                    f"{message}") from None
+                    f"{_first_line(e)}") from None
   finally:
     manager.close()
   return restored.state, restored.data
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
 
 
 def abstract_like(shapes: Any, shardings: Any) -> Any:

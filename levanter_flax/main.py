@@ -7,6 +7,8 @@ import logging as std_logging
 import os
 import pathlib
 import re
+import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -61,10 +63,36 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _quiet_library_logs() -> None:
-  """Drops orbax's per-save INFO chatter; its warnings and errors still show."""
-  noisy = os.sep + "orbax" + os.sep
-  logging.get_absl_logger().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or noisy not in record.pathname)
+  """Drops orbax's per-save INFO chatter and the tracebacks of its errors.
+
+  Orbax's warnings and errors still show as one line each; a save that fails
+  also ends the run with our own one-line error naming the checkpoint.
+  """
+  def keep(record: std_logging.LogRecord) -> bool:
+    if not _from_orbax(record):
+      return True
+    record.exc_info, record.exc_text = None, None
+    # asyncio's "exception was never retrieved", one per array, repeats what orbax reported.
+    return record.levelno >= std_logging.WARNING and record.name != "asyncio"
+
+  logging.get_absl_handler().addFilter(keep)
+  sys.unraisablehook = _drop_closed_loop_errors
+
+
+def _from_orbax(record: std_logging.LogRecord) -> bool:
+  orbax = os.sep + "orbax" + os.sep
+  failure = record.exc_info[2] if record.exc_info else None
+  return orbax in record.pathname or (
+      failure is not None and any(orbax in frame.filename for frame in traceback.extract_tb(failure)))
+
+
+def _drop_closed_loop_errors(unraisable) -> None:
+  """After a failed checkpoint write, tensorstore's pending callbacks reach orbax's closed loop.
+
+  Each would print a traceback; the failed save itself is reported once, by the Checkpointer.
+  """
+  if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str]) -> None:

@@ -1,4 +1,5 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -212,14 +213,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
                 stop: preemption.StopSignal) -> dict[str, float]:
   trainer = run.trainer
   start_step = int(state.step)
-  train_batches = loader.TrainBatches(
-      sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
-      local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
-      process_index=jax.process_index(), process_count=jax.process_count())
   evaluate = _make_evaluate(run, steps, sources)
-  writer = metrics.create_writer(workdir)
-  report_progress = periodic_actions.ReportProgress(
-      num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
       flops_per_token=flops.model_flops_per_token(
@@ -229,46 +223,52 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, checkpointer)
   history, data_wait, last_metrics, last_save = [], 0.0, {}, time.monotonic()
-  for step_num in range(start_step + 1, trainer.num_train_steps + 1):
-    with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
-      wait_start = time.perf_counter()
-      batch, position = next(train_batches)
-      data_wait += time.perf_counter() - wait_start
-      state, step_metrics = steps.train_step(state, batch)
-    history.append(step_metrics)
-    nonfinite.check(step_num, step_metrics)
-    if step_num == start_step + 1:
-      # Leave compilation out of the throughput figures.
-      jax.block_until_ready(step_metrics)
-      throughput.reset(step_num)
-    finished = step_num == trainer.num_train_steps
-    stopping = stop.requested()  # Preempted: log and checkpoint now, skip eval.
-    if step_num % trainer.log_every_steps == 0 or finished or stopping:
-      nonfinite.flush()
-      means = _mean(history)
-      del means["train/nonfinite"]  # Reported as the running count of skipped steps.
-      last_metrics = (means | throughput.measure(step_num)
-                      | {"train/data_wait_seconds": data_wait / len(history),
-                         "train/skipped_steps": float(nonfinite.count)}
-                      | _data_metrics(position, train_batches,
-                                      run.model.seq_len * jax.process_count()))
-      writer.write_scalars(step_num, last_metrics)
-      history, data_wait = [], 0.0
-    report_progress(step_num)
-    if step_num % trainer.eval_every_steps == 0 or finished:
-      eval_metrics = evaluate(state.params)
-      writer.write_scalars(step_num, eval_metrics)
-      last_metrics |= eval_metrics
-      throughput.reset(step_num)
-    by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
-    by_time = (trainer.checkpoint_every_minutes
-               and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
-    if by_step or by_time:
-      checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
-      last_save = time.monotonic()
-    if stopping:
-      logging.warning("Stopped at step %d on request; checkpoint written", step_num)
-      break
-  train_batches.close()
-  writer.close()
+  # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
+  with contextlib.closing(loader.TrainBatches(
+      sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
+      local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
+      process_index=jax.process_index(), process_count=jax.process_count())) as train_batches, \
+      contextlib.closing(metrics.create_writer(workdir)) as writer:
+    report_progress = periodic_actions.ReportProgress(
+        num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
+    for step_num in range(start_step + 1, trainer.num_train_steps + 1):
+      with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
+        wait_start = time.perf_counter()
+        batch, position = next(train_batches)
+        data_wait += time.perf_counter() - wait_start
+        state, step_metrics = steps.train_step(state, batch)
+      history.append(step_metrics)
+      nonfinite.check(step_num, step_metrics)
+      if step_num == start_step + 1:
+        # Leave compilation out of the throughput figures.
+        jax.block_until_ready(step_metrics)
+        throughput.reset(step_num)
+      finished = step_num == trainer.num_train_steps
+      stopping = stop.requested()  # Preempted: log and checkpoint now, skip eval.
+      if step_num % trainer.log_every_steps == 0 or finished or stopping:
+        nonfinite.flush()
+        means = _mean(history)
+        del means["train/nonfinite"]  # Reported as the running count of skipped steps.
+        last_metrics = (means | throughput.measure(step_num)
+                        | {"train/data_wait_seconds": data_wait / len(history),
+                           "train/skipped_steps": float(nonfinite.count)}
+                        | _data_metrics(position, train_batches,
+                                        run.model.seq_len * jax.process_count()))
+        writer.write_scalars(step_num, last_metrics)
+        history, data_wait = [], 0.0
+      report_progress(step_num)
+      if step_num % trainer.eval_every_steps == 0 or finished:
+        eval_metrics = evaluate(state.params)
+        writer.write_scalars(step_num, eval_metrics)
+        last_metrics |= eval_metrics
+        throughput.reset(step_num)
+      by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
+      by_time = (trainer.checkpoint_every_minutes
+                 and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
+      if by_step or by_time:
+        checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
+        last_save = time.monotonic()
+      if stopping:
+        logging.warning("Stopped at step %d on request; checkpoint written", step_num)
+        break
   return last_metrics

@@ -1,5 +1,7 @@
 """Runs end cleanly on SIGTERM/SIGINT and never apply or save a non-finite update."""
 import pathlib
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -178,3 +180,33 @@ def test_unwritable_checkpoint_directory_is_named(tiny_config, tmp_path):
   with pytest.raises(UserError, match=f"checkpoint directory {tmp_path}/checkpoints is not writable"
                                       f"|cannot create checkpoint directory {tmp_path}/checkpoints"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
+
+
+def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp_path):
+  """The disk fills mid-run: a file size limit set on the running trainer makes its writes fail."""
+  args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
+          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=2",
+          f"--config.data.cache_dir={data_cache}"]
+  # Ignoring SIGXFSZ turns writes past the limit into EFBIG errors, as ENOSPC would be.
+  process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+  checkpoints = tmp_path / "checkpoints"
+  deadline = time.time() + 240
+  while time.time() < deadline and not (checkpoints / "2").is_dir():
+    time.sleep(0.2)
+  resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+  _, stderr = process.communicate(timeout=240)
+  assert process.returncode == 1, stderr[-3000:]
+  assert "Traceback" not in stderr, stderr[-5000:]
+  last_line = stderr.strip().splitlines()[-1]
+  failed = re.fullmatch(rf"levanter_flax: error: writing checkpoint {checkpoints}/(\d+) failed: "
+                        rf"File too large; the earlier checkpoints \[([\d, ]+)\] are intact",
+                        last_line)
+  assert failed, stderr[-5000:]
+  earlier = [int(s) for s in failed.group(2).split(", ")]
+  manager = ocp.CheckpointManager(checkpoints.absolute(), item_names=("state", "data"))
+  assert manager.all_steps() == earlier and int(failed.group(1)) > max(earlier) >= 2
+  restored = manager.restore(max(earlier), args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+  assert restored.data["windows"] == max(earlier) * 8
