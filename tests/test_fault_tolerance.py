@@ -3,6 +3,7 @@ import pathlib
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -210,3 +211,31 @@ def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp
   restored = manager.restore(max(earlier), args=ocp.args.Composite(
       state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
   assert restored.data["windows"] == max(earlier) * 8
+
+
+AGREEMENT_WORKER = """
+import os, signal, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
+                           process_id=int(sys.argv[2]), initialization_timeout=60)
+from levanter_flax import preemption
+with preemption.StopSignal() as stop:
+  before = stop.requested()
+  if jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGTERM)  # As a scheduler preempting one host would.
+  print(before, stop.requested())
+"""
+
+
+def test_every_process_agrees_to_stop_when_one_is_signalled():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+  processes = [subprocess.Popen([sys.executable, "-c", AGREEMENT_WORKER, address, str(i)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(2)]
+  results = [p.communicate(timeout=120) for p in processes]
+  for process, (stdout, stderr) in zip(processes, results):
+    assert process.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines()[-1] == "False True", stdout[-3000:]
