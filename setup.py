@@ -22,6 +22,8 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         # clu's summary writer imports tensorboard without declaring it.
         "tensorboard",
+        # `python -m levanter_flax.report` draws its PNGs with it.
+        "matplotlib>=3.8,<4",
         "absl-py",
         "numpy",
     ],

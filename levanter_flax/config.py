@@ -43,6 +43,10 @@ class TrainerConfig:
   target_batch_size: int = 0
   memory_fraction: float = 0.85
   memory_budget_bytes: int = 0
+  profiler: bool = False
+  profiler_start_step: int = 5
+  profiler_num_steps: int = 5
+  hang_watchdog_seconds: float = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +134,13 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.target_batch_size = 0
   config.trainer.memory_fraction = 0.85
   config.trainer.memory_budget_bytes = 0
+  # Trace steps [profiler_start_step, +profiler_num_steps) into the workdir for
+  # TensorBoard's profile plugin; start after compilation and warm-up.
+  config.trainer.profiler = False
+  config.trainer.profiler_start_step = 5
+  config.trainer.profiler_num_steps = 5
+  # Log every thread's stack when no step finishes for this long (0: off).
+  config.trainer.hang_watchdog_seconds = 1800.0
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
@@ -327,6 +338,13 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.trainer.checkpoint_every_minutes < 0:
     raise UserError(f"config.trainer.checkpoint_every_minutes must be >= 0; "
                     f"got {run.trainer.checkpoint_every_minutes}")
+  if run.trainer.hang_watchdog_seconds < 0:
+    raise UserError(f"config.trainer.hang_watchdog_seconds must be >= 0 (0: off); "
+                    f"got {run.trainer.hang_watchdog_seconds}")
+  if run.trainer.profiler and run.trainer.profiler_start_step > run.trainer.num_train_steps:
+    raise UserError(f"config.trainer.profiler_start_step ({run.trainer.profiler_start_step}) is "
+                    f"after the last step, config.trainer.num_train_steps "
+                    f"({run.trainer.num_train_steps})")
   if not 0 < run.trainer.memory_fraction <= 1:
     raise UserError(f"config.trainer.memory_fraction must be in (0, 1]; got {run.trainer.memory_fraction}")
   if run.trainer.batch_size != "auto" and run.trainer.batch_size % run.trainer.gradient_accumulation_steps:

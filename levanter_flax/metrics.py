@@ -10,13 +10,13 @@ from clu import metric_writers
 
 
 class JsonlWriter(metric_writers.MetricWriter):
-  """Appends one JSON object per write_scalars call: {"step": N, name: value, ...}."""
+  """Appends one JSON object per write_scalars call: {"step": N, "time": unix seconds, name: value, ...}."""
 
   def __init__(self, path: pathlib.Path):
     self._file = open(path, "a", encoding="utf-8")
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    record = {"step": int(step)}
+    record = {"step": int(step), "time": time.time()}
     record.update({k: float(np.asarray(v)) for k, v in scalars.items()})
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()

@@ -115,6 +115,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     metrics = {
         "train/loss": loss,
         "train/grad_norm": grad_norm,
+        "train/param_norm": optax.tree.norm(new_state.params),
+        "train/update_norm": optax.tree.norm(updates),
         "train/learning_rate": schedule(state.step),
         "train/nonfinite": 1.0 - finite.astype(jnp.float32),
     }

@@ -10,7 +10,8 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import batch_search, config, flops, metrics, optim, partitioning, preemption, step
+from levanter_flax import (batch_search, config, flops, metrics, monitoring, optim, partitioning,
+                           preemption, report, step)
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
@@ -170,6 +171,7 @@ def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
   """Tokens drawn from each source so far (all processes), and records lost to corruption."""
   metrics_ = {f"data/tokens/{name}": float(windows * tokens_per_window)
               for name, windows in position.per_source.items()}
+  metrics_["data/tokens"] = float(position.windows * tokens_per_window)
   metrics_["data/corrupt_records_skipped"] = float(batches.corrupt_records_skipped)
   return metrics_
 
@@ -222,19 +224,25 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, checkpointer)
+  profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
+                                     trainer.profiler_num_steps if trainer.profiler else 0)
   history, data_wait, last_metrics, last_save = [], 0.0, {}, time.monotonic()
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(loader.TrainBatches(
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
       process_index=jax.process_index(), process_count=jax.process_count())) as train_batches, \
-      contextlib.closing(metrics.create_writer(workdir)) as writer:
+      contextlib.closing(metrics.create_writer(workdir)) as writer, \
+      monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
+    writer.write_scalars(start_step, {report.RUN_START: start_step})
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
     for step_num in range(start_step + 1, trainer.num_train_steps + 1):
+      profile.before_step(step_num)
       with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
         wait_start = time.perf_counter()
-        batch, position = next(train_batches)
+        with jax.profiler.TraceAnnotation("data_wait"):
+          batch, position = next(train_batches)
         data_wait += time.perf_counter() - wait_start
         state, step_metrics = steps.train_step(state, batch)
       history.append(step_metrics)
@@ -253,12 +261,14 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
                         | {"train/data_wait_seconds": data_wait / len(history),
                            "train/skipped_steps": float(nonfinite.count)}
                         | _data_metrics(position, train_batches,
-                                        run.model.seq_len * jax.process_count()))
+                                        run.model.seq_len * jax.process_count())
+                        | monitoring.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
         history, data_wait = [], 0.0
       report_progress(step_num)
       if step_num % trainer.eval_every_steps == 0 or finished:
-        eval_metrics = evaluate(state.params)
+        with _phase(report_progress, "eval"):
+          eval_metrics = evaluate(state.params)
         writer.write_scalars(step_num, eval_metrics)
         last_metrics |= eval_metrics
         throughput.reset(step_num)
@@ -266,9 +276,20 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       by_time = (trainer.checkpoint_every_minutes
                  and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
       if by_step or by_time:
-        checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
+        with _phase(report_progress, "checkpoint"):
+          checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
         last_save = time.monotonic()
+      profile.after_step(step_num, state)  # The window's last eval and checkpoint are in it.
+      watchdog.step_finished(step_num)
       if stopping:
         logging.warning("Stopped at step %d on request; checkpoint written", step_num)
         break
+    profile.close(step_num, state)
   return last_metrics
+
+
+@contextlib.contextmanager
+def _phase(report_progress: periodic_actions.ReportProgress, name: str):
+  """A named part of the loop: a span in the profile, and its share of time in the progress log."""
+  with jax.profiler.TraceAnnotation(name), report_progress.timed(name):
+    yield

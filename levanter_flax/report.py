@@ -1,0 +1,178 @@
+r"""Plots and a summary table from the metrics of one or more runs.
+
+  python -m levanter_flax.report runs/before runs/after --output_dir=report
+
+Several runs share each plot's axes, so "before and after tuning" is one picture.
+"""
+import dataclasses
+import json
+import pathlib
+import statistics
+from typing import Optional, Sequence
+
+from absl import app, flags
+
+from levanter_flax.errors import UserError, exit_with_error
+
+# The trainer logs this at each start of a run, fresh or resumed; it marks the restarts.
+RUN_START = "run/started_at_step"
+
+
+@dataclasses.dataclass
+class Run:
+  """One workdir's metrics.jsonl: each key as {step: value}, the newest value per step.
+
+  A resumed run logs again the steps after its checkpoint; with exact resume
+  the values are the same, and the later ones are kept.
+  """
+  name: str
+  series: dict[str, dict[int, float]]
+  segments: list[list[dict]]  # The records of each start of the run, in order.
+
+  def values(self, key: str) -> list[float]:
+    return [value for _, value in sorted(self.series.get(key, {}).items())]
+
+  def points(self, key: str) -> tuple[list[int], list[float]]:
+    steps = sorted(self.series.get(key, {}))
+    return steps, [self.series[key][s] for s in steps]
+
+
+def load_run(workdir: pathlib.Path, name: str) -> Run:
+  path = workdir / "metrics.jsonl"
+  if not path.is_file():
+    raise UserError(f"{workdir} has no metrics.jsonl: not a levanter_flax workdir, or its run "
+                    f"has not logged a step yet")
+  records = []
+  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+      record = json.loads(line)
+      int(record["step"])
+    except (ValueError, KeyError, TypeError):
+      raise UserError(f"{path}:{number} is not a metrics record: {line[:80]!r}") from None
+    records.append(record)
+  if not records:
+    raise UserError(f"{path} is empty: the run has not logged a step yet")
+  series: dict[str, dict[int, float]] = {}
+  segments: list[list[dict]] = []
+  for record in records:
+    if RUN_START in record or not segments:
+      segments.append([])
+    segments[-1].append(record)
+    for key, value in record.items():
+      if key not in ("step", "time"):
+        series.setdefault(key, {})[int(record["step"])] = value
+  return Run(name, series, segments)
+
+
+def summary(run: Run) -> dict[str, Optional[float]]:
+  """The table's row: None where the run did not log what a column needs."""
+  def last(key):
+    values = run.values(key)
+    return values[-1] if values else None
+
+  def median(key):
+    values = run.values(key)
+    return statistics.median(values) if values else None
+
+  eval_losses = run.values("eval/loss")
+  times = [[r["time"] for r in segment if "time" in r] for segment in run.segments]
+  skipped = [max((r.get("train/skipped_steps", 0.0) for r in segment), default=0.0)
+             for segment in run.segments]
+  return {
+      "final eval loss": eval_losses[-1] if eval_losses else None,
+      "best eval loss": min(eval_losses) if eval_losses else None,
+      "tokens": last("data/tokens"),
+      "median tokens/s": median("train/tokens_per_second"),
+      "median MFU": median("train/mfu"),
+      "wall time (s)": sum(t[-1] - t[0] for t in times if t) if any(times) else None,
+      "NaN skips": sum(skipped),
+      "restarts": max(len(run.segments) - 1, 0),
+  }
+
+
+def format_table(runs: Sequence[Run]) -> str:
+  rows = [summary(run) for run in runs]
+  columns = ["run", *rows[0]]
+  cells = [[run.name, *(_format(column, row[column]) for column in rows[0])]
+           for run, row in zip(runs, rows)]
+  widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+  lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+  return "\n".join(lines)
+
+
+def _format(column: str, value: Optional[float]) -> str:
+  if value is None:
+    return "-"
+  if column in ("tokens", "NaN skips", "restarts"):
+    return f"{value:.0f}"
+  if column == "median MFU":
+    return f"{100 * value:.2f}%"
+  if column in ("median tokens/s", "wall time (s)"):
+    return f"{value:.1f}"
+  return f"{value:.4f}"
+
+
+def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
+  """One PNG per view, every run on the same axes."""
+  import matplotlib  # pylint: disable=g-import-not-at-top  # Only the report needs it.
+  matplotlib.use("Agg")
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+
+  output_dir.mkdir(parents=True, exist_ok=True)
+  views = {
+      "loss_vs_step": [("train/loss", "step", "train loss"), ("eval/loss", "step", "eval loss")],
+      "loss_vs_tokens": [("train/loss", "tokens", "train loss"), ("eval/loss", "tokens", "eval loss")],
+      "throughput": [("train/tokens_per_second", "step", "tokens/s"), ("train/mfu", "step", "MFU")],
+      "learning_rate": [("train/learning_rate", "step", "learning rate")],
+  }
+  written = []
+  for view, panels in views.items():
+    figure, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for axis, (key, x_name, label) in zip(axes[0], panels):
+      for run in runs:
+        steps, values = run.points(key)
+        xs = steps if x_name == "step" else [run.series.get("data/tokens", {}).get(s) for s in steps]
+        kept = [(x, v) for x, v in zip(xs, values) if x is not None]
+        if kept:
+          axis.plot(*zip(*kept), marker="o" if key.startswith("eval/") else None, label=run.name)
+      axis.set_xlabel(x_name)
+      axis.set_ylabel(label)
+      axis.grid(alpha=0.3)
+      if axis.lines:
+        axis.legend()
+      else:
+        axis.text(0.5, 0.5, f"{key} was not logged", ha="center", transform=axis.transAxes)
+    figure.tight_layout()
+    path = output_dir / f"{view}.png"
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+    written.append(path)
+  return written
+
+
+def run_names(workdirs: Sequence[pathlib.Path]) -> list[str]:
+  """The directory names, or the whole paths where two names would be the same."""
+  names = [w.name for w in workdirs]
+  return names if len(set(names)) == len(names) else [str(w) for w in workdirs]
+
+
+def report(workdirs: Sequence[pathlib.Path], output_dir: pathlib.Path) -> str:
+  runs = [load_run(w, n) for w, n in zip(workdirs, run_names(workdirs))]
+  paths = plot(runs, output_dir)
+  return format_table(runs) + "\n\nPlots: " + ", ".join(str(p) for p in paths)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) < 2:
+    exit_with_error("usage: python -m levanter_flax.report WORKDIR [WORKDIR ...] "
+                    "[--output_dir=DIR]")
+  try:
+    print(report([pathlib.Path(a) for a in argv[1:]], pathlib.Path(flags.FLAGS.output_dir)))
+  except UserError as e:
+    exit_with_error(str(e))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("output_dir", "report", "Where the PNG plots go.")
+  app.run(main)
