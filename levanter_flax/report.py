@@ -4,6 +4,7 @@ r"""Plots and a summary table from the metrics of one or more runs.
 
 Several runs share each plot's axes, so "before and after tuning" is one picture.
 """
+import collections
 import dataclasses
 import json
 import pathlib
@@ -151,6 +152,46 @@ def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
   return written
 
 
+# The trainer's trace annotations (train.py): each step, and the parts of it that are not compute.
+PHASES = ("train", "data_wait", "eval", "checkpoint")
+
+
+def profile_summary(workdir: pathlib.Path, top_ops: int = 5) -> Optional[str]:
+  """Where the newest profile's time went: per step, per loop phase, and the busiest XLA ops.
+
+  None when the run was not profiled. XLA op time is summed over the device's
+  (or, on CPU, the host's compute) threads, so it can exceed the wall time.
+  """
+  traces = sorted(workdir.glob("plugins/profile/*/*.xplane.pb"))
+  if not traces:
+    return None
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top  # Only for traces.
+  phases: dict[str, list] = collections.defaultdict(list)
+  ops: collections.Counter = collections.Counter()
+  end = 0  # Of the last step's compute, which outlasts its annotation.
+  for plane in ProfileData.from_file(str(traces[-1])).planes:
+    for line in plane.lines:
+      xla_line = line.name == "XLA Ops" or line.name.startswith("tf_XLA")
+      for event in line.events:
+        if xla_line and not event.name.startswith(("ThunkExecutor", "Threadpool")):
+          ops[event.name] += event.duration_ns
+          end = max(end, event.end_ns)
+        elif not xla_line and event.name in PHASES:
+          phases[event.name].append(event)
+          end = max(end, event.end_ns)
+  if not phases["train"]:
+    return f"{traces[-1]}: no train steps traced"
+  wall = end - min(e.start_ns for e in phases["train"])
+  steps = len(phases["train"])
+  lines = [f"{traces[-1]}: {steps} steps in {wall / 1e6:.1f} ms, {wall / steps / 1e6:.2f} ms per step"]
+  for name in PHASES[1:]:
+    total = sum(e.duration_ns for e in phases[name])
+    lines.append(f"  {name:<12} {total / 1e6:9.2f} ms  {100 * total / wall:5.1f}% of the window")
+  for name, total in ops.most_common(top_ops):
+    lines.append(f"  XLA {name:<40} {total / 1e6:9.2f} ms")
+  return "\n".join(lines)
+
+
 def run_names(workdirs: Sequence[pathlib.Path]) -> list[str]:
   """The directory names, or the whole paths where two names would be the same."""
   names = [w.name for w in workdirs]
@@ -160,7 +201,8 @@ def run_names(workdirs: Sequence[pathlib.Path]) -> list[str]:
 def report(workdirs: Sequence[pathlib.Path], output_dir: pathlib.Path) -> str:
   runs = [load_run(w, n) for w, n in zip(workdirs, run_names(workdirs))]
   paths = plot(runs, output_dir)
-  return format_table(runs) + "\n\nPlots: " + ", ".join(str(p) for p in paths)
+  profiles = [p for p in (profile_summary(w) for w in workdirs) if p]
+  return "\n\n".join([format_table(runs), "Plots: " + ", ".join(str(p) for p in paths), *profiles])
 
 
 def main(argv: list[str]) -> None:

@@ -33,6 +33,12 @@ def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_pat
   tiny_config.trainer.profiler_num_steps = 2  # Steps 4 and 5; step 5 evaluates and checkpoints.
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "on")
   assert {"train", "data_wait", "eval", "checkpoint"} <= trace_event_names(tmp_path / "on")
+  summary = report.profile_summary(tmp_path / "on")
+  assert re.search(r": 2 steps in [\d.]+ ms", summary), summary
+  for phase in ("data_wait", "eval", "checkpoint"):
+    share = re.search(rf"{phase} +([\d.]+) ms +([\d.]+)% of the window", summary)
+    assert share and 0 < float(share.group(2)) < 100, summary
+  assert "XLA " in summary
   tiny_config.trainer.profiler = False
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "off")
   assert not (tmp_path / "off" / "plugins").exists()
