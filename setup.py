@@ -29,6 +29,8 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest"],
+        # `python -m levanter_flax.launch ... --executor=xm`.
+        "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
     },

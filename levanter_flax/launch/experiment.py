@@ -1,0 +1,114 @@
+"""An experiment: a config file, work units of overrides, and the checks before anything runs."""
+import dataclasses
+import importlib.util
+import itertools
+import pathlib
+import re
+from typing import Any, Mapping, Sequence
+
+import ml_collections
+
+from levanter_flax.errors import UserError
+
+Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
+
+
+def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
+  """One work unit per value of one config key, as xmanager's hyper.sweep."""
+  return [{key: value} for value in values]
+
+
+def product(*sweeps: Sequence[Overrides]) -> list[dict[str, Any]]:
+  """Every combination of the sweeps' work units (learning_rate x batch_size)."""
+  return [dict(itertools.chain.from_iterable(unit.items() for unit in units))
+          for units in itertools.product(*sweeps)]
+
+
+def zipit(*sweeps: Sequence[Overrides]) -> list[dict[str, Any]]:
+  """The sweeps' work units side by side: the i-th of each together."""
+  if len({len(s) for s in sweeps}) > 1:
+    raise UserError(f"zipit needs sweeps of one length; got {[len(s) for s in sweeps]}")
+  return [dict(itertools.chain.from_iterable(unit.items() for unit in units))
+          for units in zip(*sweeps)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  name: str
+  config: str  # A config file, e.g. configs/gpt2_nano.py, relative to where the launch runs.
+  work_units: Sequence[Overrides]
+  overrides: Overrides = dataclasses.field(default_factory=dict)  # For every work unit.
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkUnit:
+  index: int
+  name: str  # Also its workdir's name: the index and the swept values.
+  overrides: dict[str, Any]
+
+  def flags(self, config: str) -> list[str]:
+    """The command-line flags of `python -m levanter_flax.main` for this unit."""
+    return [f"--config={config}", *(f"--config.{k}={_flag_value(v)}" for k, v in self.overrides.items())]
+
+
+def _flag_value(value: Any) -> str:
+  return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def load_experiment(path: pathlib.Path) -> Experiment:
+  """get_experiment() of an experiment file."""
+  module = _load_module(path, "experiment file")
+  if not hasattr(module, "get_experiment"):
+    raise UserError(f"experiment file {path} defines no get_experiment()")
+  experiment = module.get_experiment()
+  if not isinstance(experiment, Experiment):
+    raise UserError(f"get_experiment() of {path} must return a levanter_flax.launch.Experiment; "
+                    f"got {type(experiment).__name__}")
+  if not re.fullmatch(r"[\w.-]+", experiment.name):
+    raise UserError(f"experiment name {experiment.name!r} in {path} must be letters, digits, "
+                    f"'_', '-' or '.': it names a directory")
+  return experiment
+
+
+def work_units(experiment: Experiment) -> list[WorkUnit]:
+  """The units with their overrides checked against the config file's keys."""
+  config = _load_module(pathlib.Path(experiment.config), "config file").get_config()
+  units = []
+  for index, swept in enumerate(experiment.work_units or [{}]):
+    overrides = {**experiment.overrides, **swept}
+    for key in overrides:
+      if not _has_key(config, key):
+        raise UserError(f"work unit {index} ({_describe(swept)}) of experiment {experiment.name} "
+                        f"overrides unknown config key config.{key}")
+    units.append(WorkUnit(index, _unit_name(index, swept), overrides))
+  return units
+
+
+def _has_key(config: ml_collections.ConfigDict, key: str) -> bool:
+  node = config
+  for part in key.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def _describe(swept: Overrides) -> str:
+  return ", ".join(f"{k}={v}" for k, v in swept.items()) or "no overrides"
+
+
+def _unit_name(index: int, swept: Overrides) -> str:
+  values = ",".join(f"{k.rsplit('.', 1)[-1]}={_flag_value(v)}" for k, v in swept.items())
+  return re.sub(r"[^\w.,=-]", "_", f"{index:03d}" + (f"_{values}" if values else ""))[:120]
+
+
+def _load_module(path: pathlib.Path, what: str):
+  if not path.is_file():
+    raise UserError(f"{what} {path} does not exist")
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except  # Whatever the user's file raises.
+    raise UserError(f"{what} {path} fails to load: {type(e).__name__}: {e}") from None
+  return module
