@@ -12,6 +12,7 @@ from typing import Any
 import ml_collections
 
 from levanter_flax.data import DataConfig
+from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
 from levanter_flax.models import gpt2
 from levanter_flax.models.gpt2 import GPT2Config
@@ -43,6 +44,7 @@ class TrainerConfig:
   target_batch_size: int = 0
   memory_fraction: float = 0.85
   memory_budget_bytes: int = 0
+  distributed: DistributedConfig = DistributedConfig()
   profiler: bool = False
   profiler_start_step: int = 5
   profiler_num_steps: int = 5
@@ -134,6 +136,16 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.target_batch_size = 0
   config.trainer.memory_fraction = 0.85
   config.trainer.memory_budget_bytes = 0
+  # Multi-process runs (launch/README.md). Set process 0's host:port, the
+  # process count and this process's id; or leave the address "" to detect a
+  # TPU pod slice, a SLURM job of several tasks or a Kubernetes indexed Job,
+  # and otherwise run as one process.
+  config.trainer.distributed = ml_collections.ConfigDict()
+  config.trainer.distributed.coordinator_address = ""
+  config.trainer.distributed.num_processes = 0
+  config.trainer.distributed.process_id = -1
+  config.trainer.distributed.local_device_ids = ""  # e.g. "0,1"; "" drives all of the host's.
+  config.trainer.distributed.initialization_timeout_seconds = 300
   # Trace steps [profiler_start_step, +profiler_num_steps) into the workdir for
   # TensorBoard's profile plugin; start after compilation and warm-up.
   config.trainer.profiler = False
@@ -249,8 +261,27 @@ def _rules(key: str, value: Any):
   return tuple((pattern, tuple(_axes(key, e) for e in spec)) for pattern, spec in rules)
 
 
+def _distributed(key: str, value: Any) -> DistributedConfig:
+  if not isinstance(value, ml_collections.ConfigDict):
+    names = ", ".join(f.name for f in dataclasses.fields(DistributedConfig))
+    raise UserError(f"config key {key} must be a ConfigDict of {names}; got {value!r}")
+  return _fields(DistributedConfig, value, key[len("config."):])
+
+
+def _device_ids(key: str, value: Any) -> tuple[int, ...]:
+  """"" (all), "0,1", 3 or [0, 1] -> a tuple of device ids."""
+  try:
+    if isinstance(value, str):
+      return tuple(int(v) for v in value.split(",") if v.strip())
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+  except (TypeError, ValueError):
+    raise UserError(f"config key {key} must be device ids like \"0,1\" (\"\" for all); got {value!r}") from None
+
+
 _CONVERTERS = {
     "trainer.batch_size": _batch_size,
+    "trainer.distributed": _distributed,
+    "trainer.distributed.local_device_ids": _device_ids,
     "model.remat": _remat,
     "trainer.device_mesh": _device_mesh,
     "data.mixture": _mixture,
@@ -266,19 +297,24 @@ def _section(cls, config: ml_collections.ConfigDict, name: str):
   section = config.get(name)
   if not isinstance(section, ml_collections.ConfigDict):
     raise UserError(f"config section config.{name} is missing")
+  return _fields(cls, section, name)
+
+
+def _fields(cls, section: ml_collections.ConfigDict, path: str):
+  """`cls` from the keys of `section`, each checked; `path` names it in errors ("trainer")."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in section.keys():
     if key not in fields:
-      raise UserError(f"unknown config key config.{name}.{key}")
+      raise UserError(f"unknown config key config.{path}.{key}")
   hints = typing.get_type_hints(cls)
   values = {}
   for field in fields.values():
-    key = f"config.{name}.{field.name}"
+    key = f"config.{path}.{field.name}"
     if field.name not in section:
-      if field.default is dataclasses.MISSING:
+      if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
         raise UserError(f"config key {key} is missing")
       continue
-    convert = _CONVERTERS.get(f"{name}.{field.name}")
+    convert = _CONVERTERS.get(f"{path}.{field.name}")
     value = section[field.name]
     values[field.name] = convert(key, value) if convert else _check_scalar(key, value, hints[field.name])
   return cls(**values)

@@ -10,9 +10,11 @@ import re
 import sys
 import traceback
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from levanter_flax import distributed
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -95,6 +97,13 @@ def _drop_closed_loop_errors(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def _join_other_processes(cfg: distributed.DistributedConfig) -> None:
+  """jax.distributed first, before any backend exists; then only process 0 logs progress."""
+  distributed.initialize(cfg)
+  if jax.process_index() > 0:
+    logging.set_verbosity(logging.WARNING)
+
+
 def main(argv: list[str]) -> None:
   _quiet_library_logs()
   if len(argv) > 1:
@@ -103,6 +112,7 @@ def main(argv: list[str]) -> None:
   workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / pathlib.Path(config_file).stem)
   try:
     run = to_run_config(_CONFIG.value)
+    _join_other_processes(run.trainer.distributed)
     from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
     final = train.train_and_evaluate(run, workdir)
   except UserError as e:

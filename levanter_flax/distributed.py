@@ -1,0 +1,124 @@
+"""Joining a multi-process run with jax.distributed, from the config or from the cluster.
+
+Every process runs the same command. They meet at process 0's coordinator,
+after which jax.devices() lists all processes' devices, and one jitted step
+spans them. Set `trainer.distributed.*` explicitly, or leave the address
+empty: on a TPU pod slice, a SLURM job of several tasks, or a Kubernetes
+indexed Job, jax reads the coordinator, the process count and this process's
+id from the cluster's environment.
+"""
+import dataclasses
+import os
+import socket
+import sys
+import threading
+import time
+
+import jax
+from absl import logging
+
+from levanter_flax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  coordinator_address: str = ""  # host:port of process 0; "" = detect a cluster, else run alone.
+  num_processes: int = 0
+  process_id: int = -1
+  local_device_ids: tuple[int, ...] = ()  # () = all of this host's devices.
+  initialization_timeout_seconds: int = 300
+
+
+def detected_cluster() -> str:
+  """The multi-process cluster this process runs in, by its environment; "" if none."""
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    return "SLURM"
+  if "," in os.environ.get("TPU_WORKER_HOSTNAMES", "") or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ:
+    return "TPU pod"
+  if "KUBERNETES_SERVICE_HOST" in os.environ and "JOB_COMPLETION_INDEX" in os.environ:
+    return "Kubernetes indexed Job"
+  return ""
+
+
+def initialize(cfg: DistributedConfig) -> None:
+  """Joins the run's other processes, or does nothing for a single-process run.
+
+  Must come before anything touches a jax backend. A coordinator that cannot
+  be reached, or processes that never all arrive, end the process with a
+  one-line error after `initialization_timeout_seconds`, never a hang.
+  """
+  cluster = "" if cfg.coordinator_address else detected_cluster()
+  if not cfg.coordinator_address and not cluster:
+    return
+  if cfg.coordinator_address:
+    _check(cfg)
+    if cfg.process_id > 0:
+      _wait_for_coordinator(cfg.coordinator_address, cfg.initialization_timeout_seconds)
+  # XLA:CPU needs an explicit collectives backend to span processes; GPUs and TPUs have their own.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  where = (f"the coordinator at {cfg.coordinator_address} as process {cfg.process_id} of "
+           f"{cfg.num_processes}" if cfg.coordinator_address else f"the {cluster}'s coordinator")
+  # When not every process registers in time, jax aborts the process from C++, which Python
+  # cannot catch; this timer ends it first, with a message that says what to check.
+  give_up = threading.Timer(cfg.initialization_timeout_seconds, _exit_with_error, [
+      f"not every process joined {where} within {cfg.initialization_timeout_seconds} s "
+      f"(config.trainer.distributed.initialization_timeout_seconds); check that all "
+      f"processes were started, with the same num_processes and distinct process_ids"])
+  give_up.daemon = True
+  give_up.start()
+  try:
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator_address or None,
+        num_processes=cfg.num_processes or None,
+        process_id=cfg.process_id if cfg.process_id >= 0 else None,
+        local_device_ids=list(cfg.local_device_ids) or None,
+        initialization_timeout=cfg.initialization_timeout_seconds + _JAX_GRACE_SECONDS)
+  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError, ValueError, RuntimeError.
+    text = str(e).strip()
+    raise UserError(f"cannot join {where}: "
+                    f"{text.splitlines()[0] if text else type(e).__name__}") from None
+  finally:
+    give_up.cancel()
+  logging.info("Joined %s: process %d of %d, %d local and %d global devices", where,
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+
+
+# jax's own registration deadline comes this much after ours, so ours speaks first.
+_JAX_GRACE_SECONDS = 30
+
+
+def _exit_with_error(message: str) -> None:
+  print(f"levanter_flax: error: {message}", file=sys.stderr, flush=True)
+  os._exit(1)  # pylint: disable=protected-access  # The main thread is blocked inside jax.
+
+
+def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
+  """Polls process 0's port: an unreachable coordinator is named here, not by a C++ abort."""
+  host, port = address.rsplit(":", 1)
+  deadline = time.monotonic() + timeout_seconds
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=2):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise UserError(f"cannot reach the coordinator at {address} (process 0) within "
+                        f"{timeout_seconds} s (config.trainer.distributed."
+                        f"initialization_timeout_seconds): {e.strerror or e}") from None
+      time.sleep(0.5)
+
+
+def _check(cfg: DistributedConfig) -> None:
+  if cfg.num_processes < 1:
+    raise UserError(f"config.trainer.distributed.num_processes must be set (>= 1) with "
+                    f"coordinator_address {cfg.coordinator_address!r}; got {cfg.num_processes}")
+  if not 0 <= cfg.process_id < cfg.num_processes:
+    raise UserError(f"config.trainer.distributed.process_id must be in [0, {cfg.num_processes}) "
+                    f"for num_processes={cfg.num_processes}; got {cfg.process_id}")
+  if cfg.initialization_timeout_seconds <= 0:
+    raise UserError(f"config.trainer.distributed.initialization_timeout_seconds must be positive; "
+                    f"got {cfg.initialization_timeout_seconds}")
+  if ":" not in cfg.coordinator_address:
+    raise UserError(f"config.trainer.distributed.coordinator_address must be host:port; "
+                    f"got {cfg.coordinator_address!r}")
