@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from absl import logging
 
 from levanter_flax.errors import UserError, ensure_writable_dir
@@ -65,10 +66,13 @@ class Checkpointer:
     return None
 
   def _set_aside(self, steps: list[int]) -> None:
-    for step in steps:
-      (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
-    if steps:
-      self._manager.reload()
+    if not steps:
+      return
+    if jax.process_index() == 0:  # Every process found the same ones; one renames them.
+      for step in steps:
+        (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
+    multihost_utils.sync_global_devices("levanter_flax: unreadable checkpoints set aside")
+    self._manager.reload()
 
   def save(self, step: int, state: Any, data_position: dict, temporary: bool = False) -> None:
     """Starts writing; training continues while orbax finishes in the background."""

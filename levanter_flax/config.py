@@ -178,6 +178,12 @@ def default_config() -> ml_collections.ConfigDict:
   config.data.validation_fraction = 0.02  # For "stdlib": documents held out for eval.
   config.data.num_train_shards = 8  # For "stdlib".
   config.data.on_corrupt_record = "fail"  # Or "skip": drop the rest of a bad shard, counted.
+  # The train and validation shards are dealt to this many reader groups, each
+  # supplying a fixed slice of every batch; each process reads its groups'
+  # shards only. 0: one group per process. A fixed count (a multiple of every
+  # process count you will use) makes the batches the same on any number of
+  # processes, so a run resumes exactly on another number of hosts.
+  config.data.reader_groups = 0
 
   config.sharding = ml_collections.ConfigDict()
   config.sharding.rules = gpt2.PARTITION_RULES
@@ -394,6 +400,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.data.on_corrupt_record not in ("fail", "skip"):
     raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
                     f"got {run.data.on_corrupt_record!r}")
+  if run.data.reader_groups < 0:
+    raise UserError(f"config.data.reader_groups must be >= 0 (0: one per process); "
+                    f"got {run.data.reader_groups}")
   if run.data.mixture and run.data.dataset != "stdlib":
     raise UserError("set config.data.dataset or config.data.mixture, not both")
   return run

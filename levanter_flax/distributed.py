@@ -79,8 +79,7 @@ def initialize(cfg: DistributedConfig) -> None:
                     f"{text.splitlines()[0] if text else type(e).__name__}") from None
   finally:
     give_up.cancel()
-  logging.info("Joined %s: process %d of %d, %d local and %d global devices", where,
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
+  logging.info("Joined %s: %d local and %d global devices", where, jax.local_device_count(),
                jax.device_count())
 
 

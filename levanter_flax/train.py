@@ -62,9 +62,10 @@ def _check_resumed_config(run: RunConfig, workdir: pathlib.Path, resuming: bool)
                       f"{', '.join(shape_changes)}; use a new --workdir")
     for key in sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)):
       logging.warning("Resuming with %s changed: %s -> %s", key, saved.get(key), now.get(key))
-  tmp = path.with_name(f"{path.name}.tmp")
-  tmp.write_text(json.dumps(now, indent=2))
-  tmp.replace(path)
+  if jax.process_index() == 0:  # The workdir is shared; one writer.
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(json.dumps(now, indent=2))
+    tmp.replace(path)
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -147,7 +148,7 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
       # Microbatch-sized: what fits in memory for training fits for eval.
       local_batch_size=(run.trainer.batch_size // run.trainer.gradient_accumulation_steps
                         // jax.process_count()),
-      process_index=jax.process_index(), process_count=jax.process_count()) for source in evaluated]
+      groups=_reader_groups(run)) for source in evaluated]
 
   def evaluate(params) -> dict[str, float]:
     results = {}
@@ -164,6 +165,11 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
                                               weights=weights))
     return results
   return evaluate
+
+
+def _reader_groups(run: RunConfig) -> loader.ReaderGroups:
+  return loader.ReaderGroups.of_process(run.data.reader_groups, jax.process_index(),
+                                        jax.process_count())
 
 
 def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
@@ -231,7 +237,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
   with contextlib.closing(loader.TrainBatches(
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
-      process_index=jax.process_index(), process_count=jax.process_count())) as train_batches, \
+      groups=_reader_groups(run))) as train_batches, \
       contextlib.closing(metrics.create_writer(workdir)) as writer, \
       monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
@@ -261,7 +267,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
                         | {"train/data_wait_seconds": data_wait / len(history),
                            "train/skipped_steps": float(nonfinite.count)}
                         | _data_metrics(position, train_batches,
-                                        run.model.seq_len * jax.process_count())
+                                        run.model.seq_len * train_batches.groups.count)
                         | monitoring.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
         history, data_wait = [], 0.0

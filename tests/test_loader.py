@@ -67,10 +67,25 @@ def test_same_seed_gives_the_same_batches(datasets):
 def test_processes_read_disjoint_shards_that_cover_the_dataset(datasets):
   directory = datasets[0]
   per_process = [set(map(tuple, take([source(directory)], epoch_length(directory, i, 2),
-                                     process_index=i, process_count=2)[0])) for i in range(2)]
+                                     groups=loader.ReaderGroups(2, range(i, i + 1)))[0]))
+                 for i in range(2)]
   assert not per_process[0] & per_process[1]
   assert per_process[0] | per_process[1] == set(
       packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"]))
+
+
+def test_batches_depend_on_the_reader_groups_not_on_the_processes(datasets):
+  sources = [source(datasets[0])]
+  one_process, _ = take(sources, 5, batch=4, groups=loader.ReaderGroups(2, range(2)))
+  two_processes = [take(sources, 5, batch=2, groups=loader.ReaderGroups(2, range(i, i + 1)))[0]
+                   for i in range(2)]
+  np.testing.assert_array_equal(one_process, np.concatenate(two_processes, axis=1))
+  with pytest.raises(UserError, match=r"config.trainer.batch_size \(6 in all\) must be divisible "
+                                      r"by config.data.reader_groups \(4\)"):
+    take(sources, 1, batch=3, groups=loader.ReaderGroups(4, range(2)))
+  with pytest.raises(UserError, match=r"config.data.reader_groups \(3\) must be a multiple of the "
+                                      r"number of processes \(2\)"):
+    loader.ReaderGroups.of_process(3, 0, 2)
 
 
 def test_resume_at_any_position_continues_the_same_stream(datasets):

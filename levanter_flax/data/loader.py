@@ -1,12 +1,13 @@
 """The tf.data pipeline: TFRecord shards -> shuffled seq_len windows -> global jax.Arrays.
 
-Each process reads only its own shards (every process_count-th one). A shard
-is decoded whole, its documents joined with EOS and cut into windows, and the
-windows put in a seeded permutation; several shards decode in parallel. The
-order is fixed by `schedule`, so the stream restarts at any DataPosition
-after reading at most one shard. A mixture draws each window from one source
-by the schedule's blocks. `TrainBatches` turns per-process batches into
-global arrays sharded over the activation axis and tracks the position.
+The shards are dealt to reader groups (see `ReaderGroups`), and each process
+reads only its groups' shards. A shard is decoded whole, its documents
+joined with EOS and cut into windows, and the windows put in a seeded
+permutation; several shards decode in parallel. The order is fixed by
+`schedule`, so the stream restarts at any DataPosition after reading at most
+one shard per group. A mixture draws each window from one source by the
+schedule's blocks. `TrainBatches` turns per-process batches into global
+arrays sharded over the activation axis and tracks the position.
 """
 import collections
 import dataclasses
@@ -51,8 +52,41 @@ class Source:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReaderGroups:
+  """Which slice of every global batch this process reads, and from which shards.
+
+  Group g of `count` reads the shards g, g + count, ... of every source and
+  supplies rows [g, g + 1) * batch / count of each global batch; a process
+  reads its own consecutive groups and nothing else. The batches depend on
+  `count` alone: runs on 1 or 8 processes with the same count see the same
+  data, and resume on each other's checkpoints exactly.
+  """
+  count: int
+  mine: range
+
+  @classmethod
+  def of_process(cls, configured: int, process_index: int, process_count: int) -> "ReaderGroups":
+    """config.data.reader_groups (0: one per process) split evenly over the processes."""
+    count = configured or process_count
+    if count % process_count:
+      raise UserError(f"config.data.reader_groups ({count}) must be a multiple of the number of "
+                      f"processes ({process_count})")
+    per_process = count // process_count
+    return cls(count, range(process_index * per_process, (process_index + 1) * per_process))
+
+  def rows_per_group(self, local_batch_size: int, what: str) -> int:
+    if local_batch_size % len(self.mine):
+      raise UserError(f"{what} ({local_batch_size * self.count // len(self.mine)} in all) must be "
+                      f"divisible by config.data.reader_groups ({self.count})")
+    return local_batch_size // len(self.mine)
+
+
+ONE_GROUP = ReaderGroups(1, range(1))
+
+
+@dataclasses.dataclass(frozen=True)
 class DataPosition:
-  """How far each process has read: windows drawn in all, and from each source."""
+  """How far each reader group has read: windows drawn in all, and from each source."""
   windows: int
   per_source: dict[str, int]
 
@@ -120,24 +154,25 @@ def _shard_windows(files: list[str], manifest: dict, seq_len: int):
 
 
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
-                   process_index: int, process_count: int) -> "tf.data.Dataset":
-  """One source's endless window stream for this process, from its window `start`."""
-  shards = source.manifest["splits"]["train"][process_index::process_count]
+                   group: int, num_groups: int) -> "tf.data.Dataset":
+  """One source's endless window stream for one reader group, from its window `start`."""
+  shards = source.manifest["splits"]["train"][group::num_groups]
   if not shards:
     raise UserError(f"dataset {source.directory} has {len(source.manifest['splits']['train'])} "
-                    f"train shards, fewer than the {process_count} processes; prepare it again "
-                    f"with --num_shards={process_count} or more")
+                    f"train shards, fewer than the {num_groups} reader groups (one per process "
+                    f"unless config.data.reader_groups says otherwise); prepare it again with "
+                    f"--num_shards={num_groups} or more")
   order = schedule.ShardOrder(schedule.shard_windows(shards, seq_len), (seed, index))
   if not order.windows_per_epoch:
     raise UserError(f"dataset {source.directory} holds no whole window of seq_len {seq_len} "
-                    f"for process {process_index}")
+                    f"for reader group {group}")
 
   def chunks():
     for serial, (shard, shuffle_seed, skip) in enumerate(order.chunks(start)):
-      yield shard, shuffle_seed, skip, serial
+      yield group + shard * num_groups, shuffle_seed, skip, serial  # The shard's manifest index.
   chunk_signature = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64),
                      tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))
-  files = [str(source.directory / s["file"]) for s in shards]
+  files = source.files("train")
   windows = tf.data.Dataset.from_generator(chunks, output_signature=chunk_signature).map(
       _shard_windows(files, source.manifest, seq_len),
       num_parallel_calls=_SHARDS_DECODED_AHEAD, deterministic=True).unbatch()
@@ -145,34 +180,58 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
 
 
 def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int, seed: int,
-                  position: DataPosition, process_index: int = 0,
-                  process_count: int = 1) -> "tf.data.Dataset":
+                  position: DataPosition, groups: ReaderGroups = ONE_GROUP) -> "tf.data.Dataset":
   """The seeded, endless stream of this process's batches from `position` on.
 
-  Elements: tokens int32[local_batch_size, seq_len] plus, per row, the source,
-  shard, chunk and records read, which the host uses for accounting.
+  Elements: tokens int32[local_batch_size, seq_len], each group's rows in
+  turn, plus, per row, the source, shard, chunk and records read, which the
+  host uses for accounting.
   """
+  rows = groups.rows_per_group(local_batch_size, "config.trainer.batch_size")
+  return _concat_groups([_group_windows(sources, seq_len=seq_len, seed=seed, position=position,
+                                        group=g, num_groups=groups.count).batch(
+                                            rows, drop_remainder=True)
+                         for g in groups.mine]).prefetch(tf.data.AUTOTUNE)
+
+
+def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
+                   group: int, num_groups: int) -> "tf.data.Dataset":
+  """One reader group's windows, every source mixed in by the schedule."""
   mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
   derived = mixture.consumed(position.windows)
   streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
                             start=position.per_source.get(source.name, int(derived[index])),
-                            process_index=process_index, process_count=process_count)
+                            group=group, num_groups=num_groups)
              for index, source in enumerate(sources)]
   if len(streams) == 1:
-    windows = streams[0]
-  else:
-    choices = tf.data.Dataset.from_generator(
-        lambda: mixture.choices(position.windows),
-        output_signature=tf.TensorSpec([None], tf.int64)).unbatch()
-    windows = tf.data.Dataset.choose_from_datasets(streams, choices)
-  return windows.batch(local_batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return streams[0]
+  choices = tf.data.Dataset.from_generator(
+      lambda: mixture.choices(position.windows),
+      output_signature=tf.TensorSpec([None], tf.int64)).unbatch()
+  return tf.data.Dataset.choose_from_datasets(streams, choices)
+
+
+def _concat_groups(batches: list["tf.data.Dataset"]) -> "tf.data.Dataset":
+  """The groups' batches side by side: group order is row order."""
+  if len(batches) == 1:
+    return batches[0]
+  return tf.data.Dataset.zip(tuple(batches)).map(
+      lambda *parts: {k: tf.concat([p[k] for p in parts], axis=0) for k in parts[0]})
 
 
 def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_batches: int,
-                 process_index: int = 0, process_count: int = 1) -> "tf.data.Dataset":
+                 groups: ReaderGroups = ONE_GROUP) -> "tf.data.Dataset":
   """The same `num_batches` validation batches, in order, every time it is iterated."""
+  rows = groups.rows_per_group(local_batch_size, "the eval batch")
+  return _concat_groups([_eval_windows(source, seq_len, g, groups.count).batch(
+      rows, drop_remainder=True).map(lambda tokens: {"tokens": tokens})
+                         for g in groups.mine]).take(num_batches)
+
+
+def _eval_windows(source: Source, seq_len: int, group: int, num_groups: int) -> "tf.data.Dataset":
+  """One reader group's validation documents (every num_groups-th), cut into windows."""
   records = tf.data.TFRecordDataset(source.files("validation"))
-  stream = records.shard(process_count, process_index).map(_parse_with_eos(source.manifest))
+  stream = records.shard(num_groups, group).map(_parse_with_eos(source.manifest))
 
   def cut(tail, tokens):
     """Carries the unfinished tail from one document to the next: work per document, not token."""
@@ -180,9 +239,7 @@ def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_bat
     num_windows = tf.shape(joined)[0] // seq_len
     windows = tf.reshape(joined[:num_windows * seq_len], [num_windows, seq_len])
     return joined[num_windows * seq_len:], windows
-  windows = stream.repeat().scan(tf.zeros([0], tf.int32), cut).unbatch()
-  return windows.batch(local_batch_size, drop_remainder=True).take(num_batches).map(
-      lambda tokens: {"tokens": tokens})
+  return stream.repeat().scan(tf.zeros([0], tf.int32), cut).unbatch()
 
 
 def global_arrays(local_batches: Iterator[tuple[dict, object]], sharding: jax.sharding.Sharding,
@@ -222,20 +279,20 @@ class TrainBatches:
 
   def __init__(self, sources: list[Source], cfg: DataConfig, *, seq_len: int,
                local_batch_size: int, seed: int, position: DataPosition,
-               sharding: jax.sharding.Sharding, process_index: int = 0, process_count: int = 1):
+               sharding: jax.sharding.Sharding, groups: ReaderGroups = ONE_GROUP):
     self._sources = sources
     self._on_corrupt_record = cfg.on_corrupt_record
     self._position = position
+    self.groups = groups
     self.corrupt_records_skipped = 0
-    self._chunks_seen: set[tuple[int, int]] = set()
-    self._shards = [s.manifest["splits"]["train"][process_index::process_count] for s in sources]
+    self._chunks_seen: set[tuple[int, int, int]] = set()
+    self._shards = [s.manifest["splits"]["train"] for s in sources]
     # Records each (source, shard) should yield, padded into one array for a vectorized check.
     self._expected_records = np.zeros((len(sources), max(map(len, self._shards))), np.int64)
     for index, shards in enumerate(self._shards):
       self._expected_records[index, :len(shards)] = [s["num_documents"] for s in shards]
     self._dataset = train_dataset(sources, seq_len=seq_len, local_batch_size=local_batch_size,
-                                  seed=seed, position=position, process_index=process_index,
-                                  process_count=process_count)
+                                  seed=seed, position=position, groups=groups)
     self._batches = global_arrays(self._tagged(), sharding)
 
   def __iter__(self):
@@ -249,11 +306,12 @@ class TrainBatches:
     self._batches.close()
 
   def _tagged(self) -> Iterator[tuple[dict, DataPosition]]:
-    position = self._position
+    position, groups_here = self._position, len(self.groups.mine)
     for batch in self._dataset.as_numpy_iterator():
       self._check_records(batch)
-      counts = np.bincount(batch["source"], minlength=len(self._sources))
-      position = DataPosition(position.windows + len(batch["tokens"]), {
+      # Every group draws the same sources in the same order, so the counts split evenly.
+      counts = np.bincount(batch["source"], minlength=len(self._sources)) // groups_here
+      position = DataPosition(position.windows + len(batch["tokens"]) // groups_here, {
           s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)})
       yield {"tokens": batch["tokens"]}, position
 
@@ -263,9 +321,9 @@ class TrainBatches:
       source, shard, chunk, read = (batch[k][row] for k in ("source", "shard", "chunk",
                                                              "records_read"))
       entry = self._shards[source][shard]
-      if (source, chunk) in self._chunks_seen:
+      if (source, shard, chunk) in self._chunks_seen:
         continue
-      self._chunks_seen.add((source, chunk))
+      self._chunks_seen.add((source, shard, chunk))
       path = self._sources[source].directory / entry["file"]
       if self._on_corrupt_record == "fail":
         raise UserError(f"corrupt TFRecord shard {path}: record {read} of {entry['num_documents']} "

@@ -1,0 +1,102 @@
+"""Several processes joined by jax.distributed (gloo on 127.0.0.1) train as one process does."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, read_metrics, train_losses
+from test_main import NANO, TINY
+
+STEPS = ["--config.trainer.batch_size=8", "--config.trainer.num_train_steps=5",
+         "--config.trainer.eval_every_steps=5", "--config.trainer.checkpoint_every_steps=5"]
+
+
+def free_address() -> str:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def start(workdir, devices: int, *flags, **distributed) -> subprocess.Popen:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  extra = [f"--config.trainer.distributed.{k}={v}" for k, v in distributed.items()]
+  return subprocess.Popen([sys.executable, "-m", "levanter_flax.main", f"--config={NANO}",
+                           f"--workdir={workdir}", *TINY, *STEPS, *flags, *extra], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(*processes: subprocess.Popen) -> list[str]:
+  """Each process's stderr, once all have exited 0."""
+  outputs = [p.communicate(timeout=300)[1] for p in processes]
+  for process, stderr in zip(processes, outputs):
+    assert process.returncode == 0, stderr[-3000:]
+  return outputs
+
+
+def two_processes(workdir, *flags) -> list[str]:
+  address = free_address()
+  return finish(*(start(workdir, 2, *flags, coordinator_address=address, num_processes=2,
+                        process_id=i) for i in range(2)))
+
+
+def one_process(workdir, *flags) -> str:
+  return finish(start(workdir, 4, "--config.data.reader_groups=2", *flags))[0]
+
+
+@pytest.mark.parametrize("sharding", [["--config.trainer.device_mesh.data=4"],
+                                      ["--config.trainer.device_mesh.data=4",
+                                       "--config.sharding.parameter_axis=data"]],
+                         ids=["data4", "zero3"])
+def test_two_processes_train_like_one_process_with_four_devices(data_cache, tmp_path, sharding):
+  flags = [f"--config.data.cache_dir={data_cache}", *sharding]
+  _, second = two_processes(tmp_path / "two", *flags)
+  one_process(tmp_path / "one", *flags)
+  two, one = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+  assert sorted(two) == [1, 2, 3, 4, 5]  # Process 0 alone writes metrics: each step once.
+  for step in one:
+    assert two[step] == pytest.approx(one[step], abs=1e-5), step
+  assert "logging_writer" not in second and "Finished in" not in second  # Process 1 is quiet.
+  if "--config.sharding.parameter_axis=data" in sharding:
+    return
+  # The 2-process checkpoint resumes in one process, as the 1-process one does.
+  for workdir in ("two", "one"):
+    one_process(tmp_path / workdir, *flags, "--config.trainer.num_train_steps=7")
+  resumed_two, resumed_one = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+  for step in (6, 7):
+    assert resumed_two[step] == pytest.approx(resumed_one[step], abs=1e-5), step
+  assert [m["run/started_at_step"] for m in read_metrics(tmp_path / "two")
+          if "run/started_at_step" in m] == [0, 5]
+
+
+def last_line(process: subprocess.Popen) -> str:
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 1, stderr[-3000:]
+  return stderr.strip().splitlines()[-1]
+
+
+def test_an_unreachable_coordinator_is_named(tmp_path):
+  address = free_address()  # Nothing listens there.
+  line = last_line(start(tmp_path, 2, coordinator_address=address, num_processes=2, process_id=1,
+                         initialization_timeout_seconds=3))
+  assert line == (f"levanter_flax: error: cannot reach the coordinator at {address} (process 0) "
+                  f"within 3 s (config.trainer.distributed.initialization_timeout_seconds): "
+                  f"Connection refused")
+
+
+def test_processes_that_never_all_arrive_end_the_run(tmp_path):
+  address = free_address()
+  line = last_line(start(tmp_path, 2, coordinator_address=address, num_processes=3, process_id=0,
+                         initialization_timeout_seconds=3))
+  assert line == (f"levanter_flax: error: not every process joined the coordinator at {address} "
+                  f"as process 0 of 3 within 3 s (config.trainer.distributed."
+                  f"initialization_timeout_seconds); check that all processes were started, with "
+                  f"the same num_processes and distinct process_ids")
+
+
+def test_a_process_id_beyond_the_process_count_is_refused(tmp_path):
+  line = last_line(start(tmp_path, 2, coordinator_address=free_address(), num_processes=2,
+                         process_id=2))
+  assert line == ("levanter_flax: error: config.trainer.distributed.process_id must be in [0, 2) "
+                  "for num_processes=2; got 2")
