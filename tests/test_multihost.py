@@ -1,8 +1,10 @@
 """Several processes joined by jax.distributed (gloo on 127.0.0.1) train as one process does."""
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -100,3 +102,19 @@ def test_a_process_id_beyond_the_process_count_is_refused(tmp_path):
                          process_id=2))
   assert line == ("levanter_flax: error: config.trainer.distributed.process_id must be in [0, 2) "
                   "for num_processes=2; got 2")
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_path):
+  address = free_address()
+  processes = [start(tmp_path, 2, f"--config.data.cache_dir={data_cache}",
+                     "--config.trainer.num_train_steps=100000",
+                     "--config.trainer.checkpoint_every_steps=1000", coordinator_address=address,
+                     num_processes=2, process_id=i) for i in range(2)]
+  deadline = time.time() + 240
+  while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
+                                        and len(train_losses(tmp_path)) >= 3):
+    time.sleep(0.5)
+  processes[1].send_signal(signal.SIGTERM)  # A scheduler preempting one host.
+  finish(*processes)
+  stopped_at = max(train_losses(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [stopped_at]
