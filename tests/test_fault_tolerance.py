@@ -194,10 +194,15 @@ def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=2",
           f"--config.data.cache_dir={data_cache}"]
-  # Ignoring SIGXFSZ turns writes past the limit into EFBIG errors, as ENOSPC would be.
-  process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+  # An ignored SIGXFSZ (inherited: restore_signals=False) turns writes past the limit into
+  # EFBIG errors, as ENOSPC would be.
+  previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  try:
+    process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               restore_signals=False)
+  finally:
+    signal.signal(signal.SIGXFSZ, previous)
   checkpoints = tmp_path / "checkpoints"
   deadline = time.time() + 240
   while time.time() < deadline and not (checkpoints / "2").is_dir():

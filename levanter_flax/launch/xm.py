@@ -22,10 +22,14 @@ def run(experiment: Experiment, units: list[WorkUnit], target: str, workdir_root
                     "also need Docker") from None
   executor = {"local": xm_local.Local, "vertex": xm_local.Vertex,
               "kubernetes": xm_local.Kubernetes}[target]
+  extra = "" if target == "local" else "[gpu]"
   with xm_local.create_experiment(experiment_title=experiment.name) as xp:
     [executable] = xp.package([xm.python_container(
         executor_spec=executor.Spec(), path=str(_REPO),
-        entrypoint=xm.ModuleName("levanter_flax.main"))])
+        entrypoint=xm.ModuleName("levanter_flax.main"),
+        # xmanager's default image wants a requirements.txt; this project installs from setup.py.
+        docker_instructions=["ENV LANG=C.UTF-8", f"COPY {_REPO.name}/ /levanter_flax",
+                             "WORKDIR /levanter_flax", f"RUN python -m pip install -e '.{extra}'"])])
     for unit in units:
       args = {"workdir": f"{workdir_root}/{experiment.name}/{unit.name}", "config": experiment.config,
               **{f"config.{k}": v for k, v in unit.overrides.items()}}
