@@ -5,7 +5,9 @@ need. `to_run_config` is the edge: it checks every key and type and returns
 small frozen dataclasses, so no code below it touches a ConfigDict.
 """
 import dataclasses
+import importlib.util
 import json
+import pathlib
 import typing
 from typing import Any
 
@@ -16,6 +18,7 @@ from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
 from levanter_flax.models import gpt2
 from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax import optim
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
 
@@ -155,6 +158,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.hang_watchdog_seconds = 1800.0
 
   config.optimizer = ml_collections.ConfigDict()
+  # adamw, lion, adafactor or sophia_h; configs/optim/ holds presets (load_preset).
+  config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
   config.optimizer.warmup_steps = 200
   config.optimizer.min_learning_rate_ratio = 0.1  # Final LR as a fraction of the peak.
@@ -163,6 +168,10 @@ def default_config() -> ml_collections.ConfigDict:
   config.optimizer.beta1 = 0.9
   config.optimizer.beta2 = 0.95
   config.optimizer.epsilon = 1e-8
+  # sophia_h: a Hutchinson estimate of the Hessian's diagonal every this many
+  # steps, and the Hessian's scale in the update's denominator (the paper's gamma).
+  config.optimizer.hessian_update_interval = 10
+  config.optimizer.sophia_gamma = 0.01
 
   config.data = ml_collections.ConfigDict()
   # A directory written by `python -m levanter_flax.prepare`, or "stdlib": the
@@ -195,6 +204,20 @@ def default_config() -> ml_collections.ConfigDict:
   config.sharding.tensor_axis = "model"
   config.sharding.strict = False  # Refuse parameters that no rule matches.
   return config
+
+
+def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """get_config() of a config fragment such as configs/optim/sophia_h_large.py.
+
+  A config file merges it into a section: config.optimizer.update(load_preset(...)).
+  """
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  if spec is None or not path.is_file():
+    raise UserError(f"config preset {path} does not exist")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def _type_name(tp) -> str:
@@ -395,6 +418,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
                     f"({run.trainer.gradient_accumulation_steps})")
   if not 0 < run.data.validation_fraction < 1:
     raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
+  if run.optimizer.name not in optim.OPTIMIZERS:
+    raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
+                    f"got {run.optimizer.name!r}")
   if run.trainer.nan_policy not in ("halt", "skip"):
     raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; got {run.trainer.nan_policy!r}")
   if run.data.on_corrupt_record not in ("fail", "skip"):

@@ -1,8 +1,12 @@
-"""The optimizer: optax AdamW with warmup + cosine decay and global-norm clipping."""
+"""Optimizers: AdamW, Lion, Adafactor (optax) and Sophia-H, with warmup + cosine decay and clipping."""
 import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
+
+OPTIMIZERS = ("adamw", "lion", "adafactor", "sophia_h")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +19,9 @@ class OptimizerConfig:
   beta2: float
   epsilon: float
   min_learning_rate_ratio: float
+  name: str = "adamw"
+  hessian_update_interval: int = 10  # sophia_h: steps between Hessian estimates (the paper's k).
+  sophia_gamma: float = 0.01  # sophia_h: the Hessian's scale in the update's denominator.
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:
@@ -36,10 +43,88 @@ def decay_mask(params):
       lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
-def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+  """Clipping, then the named optimizer. Its update takes `loss_fn` (params -> loss) as an extra
+  argument, which only sophia_h uses."""
   clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 else optax.identity()
-  return optax.chain(
-      clip,
-      optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.epsilon,
-                  weight_decay=cfg.weight_decay, mask=decay_mask),
-  )
+  if cfg.name == "adamw":
+    update = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.epsilon,
+                         weight_decay=cfg.weight_decay, mask=decay_mask)
+  elif cfg.name == "lion":
+    update = optax.lion(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
+                        mask=decay_mask)
+  elif cfg.name == "adafactor":
+    # Its second-moment decay is a schedule of its own (1 - t^-0.8), and its step is relative
+    # to each parameter's scale: learning rates near 1e-2 are usual. beta1/beta2 do not apply.
+    # optax adds its decay after the learning rate, so it is scaled here to stay decoupled
+    # weight decay (lr * weight_decay * param), as in AdamW.
+    update = optax.adafactor(
+        schedule, weight_decay_mask=decay_mask,
+        weight_decay_rate=(lambda count: cfg.weight_decay * schedule(count)) if cfg.weight_decay else None)
+  elif cfg.name == "sophia_h":
+    update = sophia_h(schedule, b1=cfg.beta1, b2=cfg.beta2, gamma=cfg.sophia_gamma, eps=cfg.epsilon,
+                      weight_decay=cfg.weight_decay, update_interval=cfg.hessian_update_interval)
+  else:
+    raise ValueError(f"unknown optimizer {cfg.name!r}")  # config.py refuses it first.
+  return optax.chain(clip, update)
+
+
+def hessian_diagonal_estimate(loss_fn: Callable[[Any], jax.Array], params: Any, u: Any) -> Any:
+  """Hutchinson's u * (H u): its mean over Rademacher u is the Hessian's diagonal."""
+  _, hessian_u = jax.jvp(jax.grad(loss_fn), (params,), (u,))
+  return jax.tree.map(jnp.multiply, u, hessian_u)
+
+
+def rademacher_like(key: jax.Array, tree: Any) -> Any:
+  leaves, structure = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  return structure.unflatten([jax.random.rademacher(k, x.shape, x.dtype)
+                              for k, x in zip(keys, leaves)])
+
+
+class SophiaState(NamedTuple):
+  count: jax.Array
+  key: jax.Array
+  momentum: Any
+  hessian: Any
+
+
+def sophia_h(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.965, b2: float = 0.99,
+             gamma: float = 0.01, eps: float = 1e-12, weight_decay: float = 0.1,
+             update_interval: int = 10, clip_threshold: float = 1.0,
+             seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """Sophia with Hutchinson Hessian estimates (Liu et al., 2023, Algorithm 1).
+
+  m = b1 m + (1 - b1) g every step; every `update_interval` steps
+  h = b2 h + (1 - b2) u * (H u) on the loss `loss_fn` passed to update.
+  The step is lr * clip(m / max(gamma h, eps), clip_threshold), plus decoupled
+  weight decay lr * weight_decay * param on the decay_mask's parameters.
+  """
+  schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    # A raw uint32 key: orbax checkpoints it like any array.
+    return SophiaState(jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed), zeros, zeros)
+
+  def update(grads, state, params=None, *, loss_fn=None, **unused_extra_args):
+    if params is None or loss_fn is None:
+      raise ValueError("sophia_h needs params and loss_fn= in update()")
+    momentum = optax.tree.update_moment(grads, state.momentum, b1, 1)
+    key, sample_key = jax.random.split(state.key)
+    hessian = jax.lax.cond(
+        state.count % update_interval == 0,
+        lambda: optax.tree.update_moment(
+            hessian_diagonal_estimate(loss_fn, params, rademacher_like(sample_key, params)),
+            state.hessian, b2, 1),
+        lambda: state.hessian)
+    lr = schedule(state.count)
+    steps = jax.tree.map(
+        lambda m, h: jnp.clip(m / jnp.maximum(gamma * h, eps), -clip_threshold, clip_threshold),
+        momentum, hessian)
+    decay = decay_mask(params)
+    updates = jax.tree.map(lambda s, p, d: -lr * (s + (weight_decay * p if d else 0.0)),
+                           steps, params, decay)
+    return updates, SophiaState(optax.safe_increment(state.count), key, momentum, hessian)
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -106,7 +106,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     loss, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"], num_microbatches)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
+    hessian_tokens = batch["tokens"][::num_microbatches]
+    updates, opt_state = optimizer.update(
+        grads, state.opt_state, state.params,
+        loss_fn=lambda params: next_token_loss(model, params, hessian_tokens))
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,

@@ -57,6 +57,7 @@ def test_axes_accept_names_and_comma_lists():
     ("data", "mixture", {"web": {"dataset": "/d", "weight": 0}},
      "config key config.data.mixture.web must be dict(dataset=<directory>, weight=<positive number>)"),
     ("data", "mixture", {"web": {"path": "/d", "weight": 1}}, "config key config.data.mixture.web"),
+    ("optimizer", "name", "sgd", "config.optimizer.name must be one of adamw, lion, adafactor, sophia_h; got 'sgd'"),
     ("trainer", "hang_watchdog_seconds", -1.0, "config.trainer.hang_watchdog_seconds must be >= 0 (0: off)"),
     ("trainer", "profiler_num_steps", 0, "config key config.trainer.profiler_num_steps must be positive"),
 ])
