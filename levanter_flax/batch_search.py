@@ -19,10 +19,9 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import optim, partitioning, step
+from levanter_flax import models, optim, partitioning, step
 from levanter_flax.config import RunConfig, TrainerConfig, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
-from levanter_flax.models.gpt2 import GPT2LMHeadModel
 
 
 def memory_budget(trainer: TrainerConfig, device: jax.Device) -> int:
@@ -39,7 +38,7 @@ def memory_budget(trainer: TrainerConfig, device: jax.Device) -> int:
 def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device: int) -> int:
   """Per-device bytes of the train step compiled for a microbatch of `per_device` sequences."""
   schedule = optim.learning_rate_schedule(run.optimizer, 1)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(run.model),
+  steps = step.build_sharded_steps(models.build(run.model),
                                    optim.make_optimizer(run.optimizer, schedule), schedule,
                                    partitioner, run.model.seq_len)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -17,7 +17,9 @@ from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
 from levanter_flax.models import gpt2
+from levanter_flax import models
 from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax.models.llama import LlamaConfig
 from levanter_flax import optim
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
@@ -56,7 +58,7 @@ class TrainerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  model: GPT2Config
+  model: GPT2Config | LlamaConfig
   trainer: TrainerConfig
   optimizer: OptimizerConfig
   data: DataConfig
@@ -73,6 +75,7 @@ def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   config.model = ml_collections.ConfigDict()
+  config.model.architecture = "gpt2"  # Or "llama": config.model = llama_model_config().
   config.model.vocab_size = 50257  # GPT-2's; must cover the tokenizer's vocabulary.
   config.model.seq_len = 1024
   config.model.num_layers = 12
@@ -206,6 +209,35 @@ def default_config() -> ml_collections.ConfigDict:
   return config
 
 
+def llama_model_config() -> ml_collections.ConfigDict:
+  """The model section of a Llama (TinyLlama-1.1B's shape); set the sizes after.
+
+  A config file does config.model = llama_model_config() and
+  config.sharding.rules = llama.PARTITION_RULES. The compute keys (remat,
+  dtype, param_dtype, attention_impl, scan_layers, cross_entropy_block_size)
+  mean what they mean for GPT-2.
+  """
+  model = ml_collections.ConfigDict()
+  model.architecture = "llama"
+  model.vocab_size = 32000
+  model.seq_len = 2048
+  model.num_layers = 22
+  model.num_heads = 32
+  model.num_kv_heads = 4  # Grouped-query attention: each key/value head serves 8 query heads.
+  model.hidden_dim = 2048
+  model.intermediate_dim = 5632  # SwiGLU's width.
+  model.rope_theta = 10000.0
+  model.rms_norm_epsilon = 1e-5
+  model.initializer_range = 0.02
+  model.remat = "none"
+  model.dtype = "float32"
+  model.param_dtype = "float32"
+  model.attention_impl = "auto"
+  model.scan_layers = False
+  model.cross_entropy_block_size = 0
+  return model
+
+
 def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   """get_config() of a config fragment such as configs/optim/sophia_h_large.py.
 
@@ -329,6 +361,18 @@ def _section(cls, config: ml_collections.ConfigDict, name: str):
   return _fields(cls, section, name)
 
 
+def _model_section(config: ml_collections.ConfigDict):
+  """GPT2Config or LlamaConfig, as config.model.architecture says."""
+  section = config.get("model")
+  if not isinstance(section, ml_collections.ConfigDict):
+    raise UserError("config section config.model is missing")
+  architecture = section.get("architecture", "gpt2")
+  if architecture not in models.CONFIGS:
+    raise UserError(f"config.model.architecture must be one of {', '.join(models.CONFIGS)}; "
+                    f"got {architecture!r}")
+  return _fields(models.CONFIGS[architecture], section, "model")
+
+
 def _fields(cls, section: ml_collections.ConfigDict, path: str):
   """`cls` from the keys of `section`, each checked; `path` names it in errors ("trainer")."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -363,7 +407,8 @@ def _check_positive(run: RunConfig) -> None:
 
 
 # What a checkpoint's arrays and their meaning depend on; anything else may change on resume.
-MODEL_SHAPE_KEYS = ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_dim", "scan_layers")
+MODEL_SHAPE_KEYS = ("architecture", "vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
+                    "hidden_dim", "intermediate_dim", "scan_layers")
 
 
 def flat_dict(run: RunConfig) -> dict[str, Any]:
@@ -376,6 +421,7 @@ def flat_dict(run: RunConfig) -> dict[str, Any]:
 def model_shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   """'model.num_layers 12 -> 24' for each shape key that differs."""
   keys = sorted(f"model.{k}" for k in MODEL_SHAPE_KEYS)
+  saved = {"model.architecture": "gpt2", **saved}  # Written before there was a choice.
   return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
 
 
@@ -385,11 +431,16 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   for key in config.keys():
     if key not in sections:
       raise UserError(f"unknown config section config.{key}")
-  run = RunConfig(**{name: _section(cls, config, name) for name, cls in sections.items()})
+  run = RunConfig(**{name: _model_section(config) if name == "model" else _section(cls, config, name)
+                     for name, cls in sections.items()})
   _check_positive(run)
   if run.model.hidden_dim % run.model.num_heads:
     raise UserError(f"config.model.hidden_dim ({run.model.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({run.model.num_heads})")
+  num_kv_heads = getattr(run.model, "num_kv_heads", run.model.num_heads)
+  if run.model.num_heads % num_kv_heads:
+    raise UserError(f"config.model.num_heads ({run.model.num_heads}) must be a multiple of "
+                    f"config.model.num_kv_heads ({num_kv_heads})")
   for key in ("dtype", "param_dtype"):
     if getattr(run.model, key) not in ("float32", "bfloat16", "float16"):
       raise UserError(f"config.model.{key} must be float32, bfloat16 or float16; "

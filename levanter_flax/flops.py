@@ -38,7 +38,12 @@ def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: 
 
 def model_flops_per_token(num_layers: int, num_heads: int, head_dim: int, seq_len: int,
                           params: Any, causal: bool = True) -> float:
-  """flops_per_token for a GPT-2 params tree (arrays or shapes)."""
-  # Position embeddings are a lookup, not a matmul.
-  num_params = sum(x.size for x in jax.tree.leaves(params)) - params["wpe"]["embedding"].size
+  """flops_per_token for a GPT-2 or Llama params tree (arrays or shapes)."""
+  # Tables that are only looked up are no matmul: GPT-2's positions, an untied input embedding.
+  # (GPT-2's token embedding counts: it is also the LM head.)
+  lookups = sum(params[name]["embedding"].size for name in LOOKUP_TABLES if name in params)
+  num_params = sum(x.size for x in jax.tree.leaves(params)) - lookups
   return flops_per_token(num_params, num_layers, num_heads, head_dim, seq_len, causal)
+
+
+LOOKUP_TABLES = ("wpe", "embed_tokens")

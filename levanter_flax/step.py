@@ -67,7 +67,7 @@ def next_token_loss(model: nn.Module, params, tokens: jax.Array) -> jax.Array:
   block_size = model.config.cross_entropy_block_size
   if block_size:
     hidden = model.apply({"params": params}, tokens, return_hidden=True)[:, :-1]
-    return blockwise_cross_entropy(hidden, params["wte"]["embedding"], tokens[:, 1:], block_size)
+    return blockwise_cross_entropy(hidden, model.output_embedding(params), tokens[:, 1:], block_size)
   logits = model.apply({"params": params}, tokens)[:, :-1].astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 

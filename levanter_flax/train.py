@@ -10,14 +10,13 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import (batch_search, config, flops, metrics, monitoring, optim, partitioning,
-                           preemption, report, step)
+from levanter_flax import (batch_search, config, flops, metrics, models, monitoring, optim,
+                           partitioning, preemption, report, step)
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
 from levanter_flax.models import gpt2
-from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 
 def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
@@ -30,7 +29,7 @@ def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
                       f"must be divisible by {what} ({divisor})")
 
 
-def _check_backend(model: GPT2Config) -> None:
+def _check_backend(model) -> None:
   backend = jax.default_backend()
   if gpt2.attention_implementation(model) == "cudnn" and backend != "gpu":
     raise UserError(f"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; "
@@ -97,7 +96,7 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   sources = loader.load_sources(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
 
-  model = GPT2LMHeadModel(run.model)
+  model = models.build(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
   steps = step.build_sharded_steps(model, optimizer, schedule, partitioner, run.model.seq_len,

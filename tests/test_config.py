@@ -18,7 +18,8 @@ def test_shipped_configs_validate(name):
 
 
 def test_required_configs_exist():
-  assert {"gpt2_nano", "gpt2_small", "gpt2_small_fast", "gpt2_medium"} <= set(CONFIG_NAMES)
+  assert {"gpt2_nano", "gpt2_small", "gpt2_small_fast", "gpt2_medium", "llama_nano", "llama_1b",
+          "llama_7b"} <= set(CONFIG_NAMES)
 
 
 def test_gpt2_small_shape():
@@ -57,6 +58,8 @@ def test_axes_accept_names_and_comma_lists():
     ("data", "mixture", {"web": {"dataset": "/d", "weight": 0}},
      "config key config.data.mixture.web must be dict(dataset=<directory>, weight=<positive number>)"),
     ("data", "mixture", {"web": {"path": "/d", "weight": 1}}, "config key config.data.mixture.web"),
+    ("model", "architecture", "mamba", "config.model.architecture must be one of gpt2, llama; got 'mamba'"),
+    ("model", "num_kv_heads", 4, "unknown config key config.model.num_kv_heads"),
     ("optimizer", "name", "sgd", "config.optimizer.name must be one of adamw, lion, adafactor, sophia_h; got 'sgd'"),
     ("trainer", "hang_watchdog_seconds", -1.0, "config.trainer.hang_watchdog_seconds must be >= 0 (0: off)"),
     ("trainer", "profiler_num_steps", 0, "config key config.trainer.profiler_num_steps must be positive"),

@@ -49,6 +49,7 @@ class GPT2Config:
   num_layers: int
   num_heads: int
   hidden_dim: int
+  architecture: str = "gpt2"
   remat: str = "none"  # A key of REMAT_POLICIES.
   dtype: str = "float32"  # Compute.
   param_dtype: str = "float32"  # Storage, and what the optimizer updates.
@@ -82,7 +83,7 @@ def attention_implementation(cfg: GPT2Config) -> str:
   return "cudnn" if on_gpu and cfg.dtype in ("bfloat16", "float16") else "xla"
 
 
-def _constrain(x: jax.Array, *logical_axes) -> jax.Array:
+def constrain(x: jax.Array, *logical_axes) -> jax.Array:
   """Pins an activation's layout by logical axis names; a no-op outside a mesh.
 
   partitioning.Partitioner.activation_context maps the names to mesh axes
@@ -107,7 +108,7 @@ class CausalSelfAttention(nn.Module):
     batch, length, _ = x.shape
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
-    q, k, v = (_constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
+    q, k, v = (constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                        implementation=attention_implementation(cfg))
     out = out.reshape(batch, length, cfg.hidden_dim)
@@ -121,7 +122,7 @@ class MLP(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     x = _dense(4 * cfg.hidden_dim, cfg, "c_fc", cfg.initializer_range)(x)
-    x = _constrain(nn.gelu(x, approximate=True), "batch", "length", "mlp")
+    x = constrain(nn.gelu(x, approximate=True), "batch", "length", "mlp")
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(x)
 
 
@@ -132,7 +133,7 @@ class Block(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + CausalSelfAttention(self.config, name="attn")(_layer_norm(self.config, "ln_1")(x))
     x = x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
-    return _constrain(x, "batch", "length", "embed")
+    return constrain(x, "batch", "length", "embed")
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -152,7 +153,7 @@ class GPT2LMHeadModel(nn.Module):
                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte")
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wpe")
-    x = _constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
+    x = constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
     policy = REMAT_POLICIES[cfg.remat]
     block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
     if cfg.scan_layers:
@@ -166,4 +167,9 @@ class GPT2LMHeadModel(nn.Module):
     x = _layer_norm(cfg, "ln_f")(x)
     if return_hidden:
       return x
-    return _constrain(wte.attend(x), "batch", "length", "vocab")
+    return constrain(wte.attend(x), "batch", "length", "vocab")
+
+  @staticmethod
+  def output_embedding(params) -> jax.Array:
+    """The tied LM head as [vocab, hidden_dim]: the token embedding."""
+    return params["wte"]["embedding"]
