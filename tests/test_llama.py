@@ -91,7 +91,7 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
   q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
 
   def score(query_position, key_position):
-    rotate = lambda x, pos: rotary_embedding(x, jnp.array([pos]), 10000.0)
+    rotate = lambda x, pos: rotary_embedding(x, jnp.array([[pos]]), 10000.0)
     return float(jnp.sum(rotate(q, query_position) * rotate(k, key_position)))
   assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-4)
   assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-2)

@@ -14,6 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from levanter_flax.models.attention import causal_attention
+
 
 # Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
 # split by output column, attention-out and MLP-out by input row, so each block
@@ -93,6 +95,23 @@ def constrain(x: jax.Array, *logical_axes) -> jax.Array:
   return nn.with_logical_constraint(x, logical_axes)
 
 
+def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared) -> jax.Array:
+  """cfg.num_layers layers, each rematerialised per cfg.remat, unrolled (<name>_<i>) or as
+  one nn.scan over parameters stacked on a leading layer axis (<name>), e.g. h/attn/c_attn/kernel
+  of shape [L, D, 3D]; in decode mode the KV caches are stacked the same way. Every layer is
+  called as layer(x, shared): `shared` (the token mask, positions) is the same for all."""
+  layer = layer_cls if cfg.remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[cfg.remat])
+  if cfg.scan_layers:
+    layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
+                     variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                     in_axes=nn.broadcast, length=cfg.num_layers)
+    x, _ = layers(layer(cfg, decode, name=name), x, shared)
+    return x
+  for i in range(cfg.num_layers):
+    x = layer(cfg, decode, name=f"{name}_{i}")(x, shared)
+  return x
+
+
 def _residual_std(cfg: GPT2Config) -> float:
   # GPT-2 scales the layers that write into the residual stream so its
   # variance does not grow with depth.
@@ -101,16 +120,17 @@ def _residual_std(cfg: GPT2Config) -> float:
 
 class CausalSelfAttention(nn.Module):
   config: GPT2Config
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=attention_implementation(cfg))
+    out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
+                           decode=self.decode, token_mask=token_mask)
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
 
@@ -128,10 +148,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
   config: GPT2Config
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + CausalSelfAttention(self.config, name="attn")(_layer_norm(self.config, "ln_1")(x))
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    x = x + CausalSelfAttention(self.config, self.decode, name="attn")(
+        _layer_norm(self.config, "ln_1")(x), token_mask)
     x = x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
     return constrain(x, "batch", "length", "embed")
 
@@ -141,29 +163,27 @@ class GPT2LMHeadModel(nn.Module):
 
   With return_hidden it stops before the LM head and returns the final hidden
   states [batch, length, hidden_dim], for a loss that applies the tied
-  embedding itself, a block of the vocabulary at a time.
+  embedding itself, a block of the vocabulary at a time. With decode=True it
+  runs on a KV cache (see attention.py); positions [batch, length] and
+  token_mask then place left-padded prompts.
   """
   config: GPT2Config
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, return_hidden: bool = False) -> jax.Array:
+  def __call__(self, tokens: jax.Array, return_hidden: bool = False,
+               positions: jax.Array | None = None,
+               token_mask: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte")
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wpe")
-    x = constrain(wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None], "batch", "length", "embed")
-    policy = REMAT_POLICIES[cfg.remat]
-    block = Block if cfg.remat == "none" else nn.remat(Block, policy=policy)
-    if cfg.scan_layers:
-      # Parameters are stacked on a leading layer axis: h/attn/c_attn/kernel is [L, D, 3D].
-      layers = nn.scan(lambda module, carry, _: (module(carry), None), variable_axes={"params": 0},
-                       split_rngs={"params": True}, length=cfg.num_layers)
-      x, _ = layers(block(cfg, name="h"), x, None)
-    else:
-      for i in range(cfg.num_layers):
-        x = block(cfg, name=f"h_{i}")(x)
+    if positions is None:
+      positions = jnp.arange(tokens.shape[1])[None]
+    x = constrain(wte(tokens) + wpe(positions), "batch", "length", "embed")
+    x = stack_layers(Block, cfg, self.decode, "h", x, token_mask)
     x = _layer_norm(cfg, "ln_f")(x)
     if return_hidden:
       return x

@@ -13,7 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from levanter_flax.models.gpt2 import REMAT_POLICIES, attention_implementation, constrain
+from levanter_flax.models.attention import causal_attention
+from levanter_flax.models.gpt2 import attention_implementation, constrain, stack_layers
 
 # Tensor parallelism over `model`: Q/K/V, gate and up split by output column,
 # o_proj and down_proj by input row; embeddings and the head by vocabulary.
@@ -55,15 +56,16 @@ class LlamaConfig:
 
 
 def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotates x [batch, length, heads, head_dim] by its positions, half-split as in HF Llama.
+  """Rotates x [batch, length, heads, head_dim] by positions [batch or 1, length], half-split
+  as in HF Llama.
 
   Dimension pairs (i, i + head_dim/2) turn by position * theta^(-2i/head_dim),
   so a query-key product depends only on the two positions' difference.
   """
   half = x.shape[-1] // 2
   frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[:, None].astype(jnp.float32) * frequencies[None]  # [length, half]
-  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  angles = positions[..., None].astype(jnp.float32) * frequencies  # [batch, length, half]
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
   first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
   return rotated.astype(x.dtype)
@@ -81,12 +83,13 @@ def _rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
 
 class Attention(nn.Module):
   config: LlamaConfig
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               token_mask: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
-    positions = jnp.arange(length)
     q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj")(x).reshape(
         batch, length, cfg.num_heads, cfg.head_dim)
     k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name)(x).reshape(
@@ -95,8 +98,8 @@ class Attention(nn.Module):
     k = constrain(rotary_embedding(k, positions, cfg.rope_theta), "batch", "length", "heads", None)
     v = constrain(v, "batch", "length", "heads", None)
     # dot_product_attention shares each key/value head among num_heads / num_kv_heads queries.
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=attention_implementation(cfg))
+    out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
+                           decode=self.decode, token_mask=token_mask)
     return _dense(cfg.hidden_dim, cfg, "o_proj")(out.reshape(batch, length, cfg.hidden_dim))
 
 
@@ -114,10 +117,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
   config: LlamaConfig
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + Attention(self.config, name="self_attn")(_rms_norm(self.config, "input_layernorm")(x))
+  def __call__(self, x: jax.Array, positions_and_mask: tuple) -> jax.Array:
+    x = x + Attention(self.config, self.decode, name="self_attn")(
+        _rms_norm(self.config, "input_layernorm")(x), *positions_and_mask)
     x = x + MLP(self.config, name="mlp")(_rms_norm(self.config, "post_attention_layernorm")(x))
     return constrain(x, "batch", "length", "embed")
 
@@ -127,25 +132,24 @@ class LlamaForCausalLM(nn.Module):
 
   With return_hidden it returns the final normed hidden states instead, for a
   loss that applies `output_embedding` a block of the vocabulary at a time.
+  With decode=True it runs on a KV cache (see attention.py); positions
+  [batch, length] and token_mask then place left-padded prompts.
   """
   config: LlamaConfig
+  decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, return_hidden: bool = False) -> jax.Array:
+  def __call__(self, tokens: jax.Array, return_hidden: bool = False,
+               positions: jax.Array | None = None,
+               token_mask: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.initializers.normal(cfg.initializer_range),
                      name="embed_tokens")
     x = constrain(embed(tokens), "batch", "length", "embed")
-    layer = DecoderLayer if cfg.remat == "none" else nn.remat(DecoderLayer,
-                                                              policy=REMAT_POLICIES[cfg.remat])
-    if cfg.scan_layers:
-      layers = nn.scan(lambda module, carry, _: (module(carry), None), variable_axes={"params": 0},
-                       split_rngs={"params": True}, length=cfg.num_layers)
-      x, _ = layers(layer(cfg, name="layers"), x, None)
-    else:
-      for i in range(cfg.num_layers):
-        x = layer(cfg, name=f"layers_{i}")(x)
+    if positions is None:
+      positions = jnp.arange(tokens.shape[1])[None]
+    x = stack_layers(DecoderLayer, cfg, self.decode, "layers", x, (positions, token_mask))
     x = _rms_norm(cfg, "norm")(x)
     if return_hidden:
       return x

@@ -1,0 +1,37 @@
+"""Causal attention for both model families, with a KV cache for decoding.
+
+Training calls it on whole sequences. Decoding (`decode=True`) keeps each
+layer's keys and values in the "cache" collection: the first call with a
+sequence as long as the cache creates it, then each call writes its tokens at
+the cache index and attends to everything written so far that is a real token
+(`token_mask`: prompts of different lengths are left-padded).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     implementation: str, decode: bool = False,
+                     token_mask: jax.Array | None = None) -> jax.Array:
+  """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim]."""
+  if not decode:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  creating = not module.has_variable("cache", "keys")
+  keys = module.variable("cache", "keys", jnp.zeros, k.shape, k.dtype)
+  values = module.variable("cache", "values", jnp.zeros, v.shape, v.dtype)
+  real = module.variable("cache", "real", jnp.zeros, k.shape[:2], jnp.bool_)
+  index = module.variable("cache", "index", lambda: jnp.zeros([], jnp.int32))
+  if creating:  # model.init with a cache-sized input: shapes only.
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  start, length = index.value, q.shape[1]
+  if token_mask is None:
+    token_mask = jnp.ones(q.shape[:2], jnp.bool_)
+  keys.value = jax.lax.dynamic_update_slice(keys.value, k, (0, start, 0, 0))
+  values.value = jax.lax.dynamic_update_slice(values.value, v, (0, start, 0, 0))
+  real.value = jax.lax.dynamic_update_slice(real.value, token_mask, (0, start))
+  index.value = start + length
+  slots = jnp.arange(keys.value.shape[1])
+  visible = slots[None, :] <= start + jnp.arange(length)[:, None]  # [length, cache]: causal.
+  mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
+  return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)

@@ -1,0 +1,88 @@
+"""Sampling on a KV cache: greedy equals the full forward's argmax, filters, prompts, the CLI."""
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO
+from levanter_flax import models
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax.models.llama import LlamaConfig
+from levanter_flax.sample import SamplingConfig, choose, generate
+from levanter_flax.train import train_and_evaluate
+
+MODELS = {
+    "gpt2": GPT2Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=2, hidden_dim=16),
+    "llama": LlamaConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                         hidden_dim=16, intermediate_dim=24),
+    "llama_scanned": LlamaConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, hidden_dim=16, intermediate_dim=24,
+                                 scan_layers=True),
+}
+PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
+
+
+def full_forward_greedy(model, params, prompt, steps):
+  """The reference: the whole sequence through the model again for every new token."""
+  sequence = list(prompt)
+  for _ in range(steps):
+    logits = model.apply({"params": params}, jnp.asarray([sequence]))
+    sequence.append(int(jnp.argmax(logits[0, -1])))
+  return sequence[len(prompt):]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_decoding_on_the_cache_equals_the_full_forward_argmax(name):
+  cfg = MODELS[name]
+  model = models.build(cfg)
+  params = model.init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+  # Larger weights make the argmax depend on the context, not only the last token.
+  params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)
+  got = generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=10, temperature=0))
+  for prompt, continuation in zip(PROMPTS, got):
+    assert continuation == full_forward_greedy(model, params, prompt, 10)
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  keys = jax.random.split(jax.random.key(0), 300)
+  draw = lambda cfg: {int(choose(logits, k, cfg)[0]) for k in keys}
+  assert draw(SamplingConfig(temperature=1.0)) == {0, 1, 2, 3}
+  assert draw(SamplingConfig(temperature=1.0, top_k=2)) == {0, 1}
+  assert draw(SamplingConfig(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8.
+  assert draw(SamplingConfig(temperature=1.0, top_p=0.5)) == {0}
+
+
+def test_a_prompt_too_long_is_refused_or_truncated():
+  cfg = MODELS["gpt2"]
+  params = models.build(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  long_prompt = [list(range(1, 21))]
+  with pytest.raises(UserError, match=r"a prompt of 20 tokens plus max_new_tokens 8 exceeds the "
+                                      r"model's seq_len 24; .* --long_prompt=truncate to keep its "
+                                      r"last 16 tokens"):
+    generate(cfg, params, long_prompt, SamplingConfig(max_new_tokens=8, temperature=0))
+  truncated = generate(cfg, params, long_prompt,
+                       SamplingConfig(max_new_tokens=8, temperature=0, long_prompt="truncate"))
+  assert truncated == generate(cfg, params, [list(range(5, 21))],
+                               SamplingConfig(max_new_tokens=8, temperature=0))
+
+
+def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
+  tiny_config.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+                           "--prompt=def ", "--prompt=import os", "--max_new_tokens=6",
+                           "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "--- 'def '\ndef " in result.stdout and "--- 'import os'\nimport os" in result.stdout
+  missing = subprocess.run([sys.executable, "-m", "levanter_flax.sample",
+                            f"--workdir={tmp_path / 'nothing'}", "--prompt=x"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+  assert missing.returncode == 1
+  assert missing.stderr.strip().splitlines()[-1] == (
+      f"levanter_flax: error: {tmp_path / 'nothing'} has no config.json: not a levanter_flax workdir")
