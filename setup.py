@@ -22,13 +22,17 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         # clu's summary writer imports tensorboard without declaring it.
         "tensorboard",
+        # Hugging Face checkpoints: trainer.init_from_hf and export_hf.
+        "safetensors>=0.4,<1",
         # `python -m levanter_flax.report` draws its PNGs with it.
         "matplotlib>=3.8,<4",
         "absl-py",
         "numpy",
     ],
     extras_require={
-        "test": ["pytest"],
+        # The HF interop tests build small transformers models locally; torch pinned to the CPU
+        # build pip finds here (an unpinned torch pulls CUDA wheels of several GB).
+        "test": ["pytest", "torch==2.13.0", "transformers>=5.0,<6"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

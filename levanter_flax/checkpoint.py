@@ -1,4 +1,5 @@
 """Checkpoints with an orbax CheckpointManager: the train state and the data position, together."""
+import json
 import os
 import pathlib
 import re
@@ -143,6 +144,23 @@ def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
   finally:
     manager.close()
   return restored.state, restored.data
+
+
+def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
+  """(model config, params of the newest checkpoint, saved config.json) of a training workdir."""
+  from levanter_flax import models  # pylint: disable=g-import-not-at-top
+  try:
+    saved = json.loads((workdir / "config.json").read_text())
+  except OSError:
+    raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir") from None
+  fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+  model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+  if not steps:
+    raise UserError(f"{workdir}/checkpoints holds no checkpoint")
+  state = ocp.StandardCheckpointer().restore(
+      (workdir / "checkpoints" / str(steps[-1]) / "state").absolute())
+  return model_cfg, state["params"], saved
 
 
 def _first_line(error: Exception) -> str:

@@ -43,6 +43,7 @@ class TrainerConfig:
   keep_checkpoint_every_steps: int = 0
   load_checkpoint_path: str = ""
   load_checkpoint_items: str = "params"
+  init_from_hf: str = ""
   jax_compilation_cache_dir: str = ""
   jax_persistent_cache_min_compile_time_secs: float = 1.0
   peak_flops_per_device: float = 0.0
@@ -119,6 +120,9 @@ def default_config() -> ml_collections.ConfigDict:
   # checkpoints of its own.
   config.trainer.load_checkpoint_path = ""
   config.trainer.load_checkpoint_items = "params"
+  # Or start from a Hugging Face GPT-2 or Llama directory (config.json +
+  # safetensors) whose shape matches config.model; fresh optimizer and data.
+  config.trainer.init_from_hf = ""
   # An unreadable newest checkpoint is set aside and the one before it used;
   # when none can be read the run stops, unless this lets it start over.
   config.trainer.start_fresh_if_unusable = False
@@ -451,6 +455,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.trainer.load_checkpoint_items not in ("params", "state"):
     raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
                     f"got {run.trainer.load_checkpoint_items!r}")
+  if run.trainer.init_from_hf and run.trainer.load_checkpoint_path:
+    raise UserError("set config.trainer.init_from_hf or config.trainer.load_checkpoint_path, "
+                    "not both")
   if run.trainer.checkpoint_every_minutes < 0:
     raise UserError(f"config.trainer.checkpoint_every_minutes must be >= 0; "
                     f"got {run.trainer.checkpoint_every_minutes}")

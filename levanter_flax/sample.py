@@ -8,7 +8,6 @@ is greedy decoding; top_k and top_p restrict sampling to the likeliest tokens.
 """
 import dataclasses
 import functools
-import json
 import pathlib
 from typing import Any, Sequence
 
@@ -18,6 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from levanter_flax import models
+from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
 
@@ -100,22 +100,6 @@ def _decode_step(model, params, cache, tokens, positions, token_mask, key, *, cf
   return choose(logits[:, -1], key, cfg), variables["cache"]
 
 
-def load_run(workdir: pathlib.Path) -> tuple[Any, Any, str]:
-  """(model config, params of the newest checkpoint, tokenizer spec) of a training workdir."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  try:
-    saved = json.loads((workdir / "config.json").read_text())
-  except OSError:
-    raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir") from None
-  fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-  model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
-  steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
-  if not steps:
-    raise UserError(f"{workdir}/checkpoints holds no checkpoint to sample from")
-  state = ocp.StandardCheckpointer().restore((workdir / "checkpoints" / str(steps[-1]) / "state").absolute())
-  return model_cfg, state["params"], saved["data.tokenizer"]
-
-
 def main(argv: list[str]) -> None:
   del argv
   from levanter_flax.data.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
@@ -125,7 +109,8 @@ def main(argv: list[str]) -> None:
   try:
     if not flag.prompt:
       raise UserError("give at least one --prompt")
-    model_cfg, params, tokenizer_spec = load_run(pathlib.Path(flag.workdir))
+    model_cfg, params, saved = run_params(pathlib.Path(flag.workdir))
+    tokenizer_spec = saved["data.tokenizer"]
     tokenizer = load_tokenizer(tokenizer_spec)
     prompts = [tokenizer.encode(p).tolist() for p in flag.prompt]
     for prompt, continuation in zip(flag.prompt, generate(model_cfg, params, prompts, cfg)):

@@ -10,7 +10,7 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import (batch_search, config, flops, metrics, models, monitoring, optim,
+from levanter_flax import (batch_search, config, flops, hf, metrics, models, monitoring, optim,
                            partitioning, preemption, report, step)
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
@@ -110,7 +110,7 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   _check_resumed_config(run, workdir, resuming=checkpointer.latest_step is not None)
   try:
     with partitioner.activation_context(), preemption.StopSignal() as stop:
-      state, position = _initial_state(trainer, steps, checkpointer, sources)
+      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources)
       final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources,
                                   stop)
   finally:
@@ -118,9 +118,10 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
   return final_metrics
 
 
-def _initial_state(trainer, steps: step.ShardedSteps, checkpointer: Checkpointer,
+def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
                    sources: list[loader.Source]) -> tuple[step.TrainState, loader.DataPosition]:
-  """This run's newest usable checkpoint; else another run's (load_checkpoint_path); else init."""
+  """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
+  (init_from_hf) or another run's (load_checkpoint_path); else init."""
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
   restored = checkpointer.restore_newest_usable(abstract, trainer.start_fresh_if_unusable)
   if restored:
@@ -128,6 +129,9 @@ def _initial_state(trainer, steps: step.ShardedSteps, checkpointer: Checkpointer
     logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
     return state, position
   fresh = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
+  if trainer.init_from_hf:
+    logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
+    return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, model_cfg, steps)), fresh[1]
   if not trainer.load_checkpoint_path:
     return fresh
   state, position = load_other_run(pathlib.Path(trainer.load_checkpoint_path), abstract)
@@ -135,6 +139,24 @@ def _initial_state(trainer, steps: step.ShardedSteps, checkpointer: Checkpointer
   if trainer.load_checkpoint_items == "state":
     return state, loader.DataPosition.from_json(position)
   return fresh[0].replace(params=state.params), fresh[1]
+
+
+def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
+  """An HF checkpoint's weights, checked against this model and laid out on the mesh."""
+  hf_cfg, params = hf.load(path)
+  differences = hf.differences(hf_cfg, model_cfg)
+  if model_cfg.scan_layers:
+    differences.append("config.model.scan_layers must be False to load per-layer weights")
+  expected = steps.abstract_state.params
+  if not differences and jax.tree.structure(params) == jax.tree.structure(expected):
+    differences = [f"{partitioning.path_name(p)} {x.shape} (checkpoint) != {e.shape} (config)"
+                   for (p, x), e in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                        jax.tree.leaves(expected)) if x.shape != e.shape]
+  if differences:
+    raise UserError(f"config.trainer.init_from_hf {path} does not fit this model: "
+                    f"{'; '.join(differences)}")
+  return jax.device_put(jax.tree.map(lambda x, e: x.astype(e.dtype), params, expected),
+                        steps.state_shardings.params)
 
 
 def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loader.Source]):
