@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: a compiled GPT-2 train step on a mesh, and its timing.
+"""Shared by the benchmarks: a compiled train step (GPT-2 or Llama) on a mesh, and its timing.
 
 Uses only jax, flax and optax, so it runs on accelerator machines without
 TensorFlow or ml_collections.
@@ -10,8 +10,8 @@ import time
 import jax
 import numpy as np
 
-from levanter_flax import optim, partitioning, step
-from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax import models, optim, partitioning, step
+from levanter_flax.models.gpt2 import GPT2Config
 
 OPTIMIZER = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_decay=0.1,
                                   max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
@@ -45,10 +45,10 @@ def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("da
                        sharding: partitioning.ShardingConfig = DATA_PARALLEL,
                        optimizer: optim.OptimizerConfig = OPTIMIZER,
                        num_microbatches: int = 1) -> CompiledStep:
-  """GPT-2's train step compiled for `device_mesh`, with a random batch on the devices."""
+  """The model's train step compiled for `device_mesh`, with a random batch on the devices."""
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
   schedule = optim.learning_rate_schedule(optimizer, 1000)
-  steps = step.build_sharded_steps(GPT2LMHeadModel(model_cfg), optim.make_optimizer(optimizer, schedule),
+  steps = step.build_sharded_steps(models.build(model_cfg), optim.make_optimizer(optimizer, schedule),
                                    schedule, partitioner, model_cfg.seq_len, num_microbatches)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
   with partitioner.activation_context():

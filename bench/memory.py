@@ -16,7 +16,8 @@ import dataclasses
 import jax
 
 from common import compile_train_step
-from levanter_flax.models.gpt2 import REMAT_POLICIES, GPT2Config
+from levanter_flax.models.common import REMAT_POLICIES
+from levanter_flax.models.gpt2 import GPT2Config
 
 
 def main():

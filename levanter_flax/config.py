@@ -13,14 +13,13 @@ from typing import Any
 
 import ml_collections
 
+from levanter_flax import models, optim
 from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
-from levanter_flax.models import gpt2
-from levanter_flax import models
+from levanter_flax.models import common, gpt2
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
-from levanter_flax import optim
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
 
@@ -307,9 +306,9 @@ def _batch_size(key: str, value: Any) -> int | str:
 def _remat(key: str, value: Any) -> str:
   if isinstance(value, bool) or str(value).lower() in ("true", "false"):
     return "full" if str(value).lower() == "true" else "none"
-  if value not in gpt2.REMAT_POLICIES:
+  if value not in common.REMAT_POLICIES:
     raise UserError(f"config key {key} must be True, False or one of "
-                    f"{', '.join(gpt2.REMAT_POLICIES)}; got {value!r}")
+                    f"{', '.join(common.REMAT_POLICIES)}; got {value!r}")
   return value
 
 
@@ -449,9 +448,9 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
     if getattr(run.model, key) not in ("float32", "bfloat16", "float16"):
       raise UserError(f"config.model.{key} must be float32, bfloat16 or float16; "
                       f"got {getattr(run.model, key)!r}")
-  if run.model.attention_impl not in gpt2.ATTENTION_IMPLEMENTATIONS:
+  if run.model.attention_impl not in common.ATTENTION_IMPLEMENTATIONS:
     raise UserError(f"config.model.attention_impl must be one of "
-                    f"{', '.join(gpt2.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
+                    f"{', '.join(common.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
   if run.trainer.load_checkpoint_items not in ("params", "state"):
     raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
                     f"got {run.trainer.load_checkpoint_items!r}")

@@ -16,7 +16,7 @@ from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
-from levanter_flax.models import gpt2
+from levanter_flax.models import common
 
 
 def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
@@ -31,7 +31,7 @@ def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
 
 def _check_backend(model) -> None:
   backend = jax.default_backend()
-  if gpt2.attention_implementation(model) == "cudnn" and backend != "gpu":
+  if common.attention_implementation(model) == "cudnn" and backend != "gpu":
     raise UserError(f"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; "
                     f"this run's backend is {backend}")
   if model.remat == "offload" and backend == "cpu":

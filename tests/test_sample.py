@@ -28,12 +28,17 @@ PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-
 
 
 def full_forward_greedy(model, params, prompt, steps):
-  """The reference: the whole sequence through the model again for every new token."""
-  sequence = list(prompt)
-  for _ in range(steps):
-    logits = model.apply({"params": params}, jnp.asarray([sequence]))
-    sequence.append(int(jnp.argmax(logits[0, -1])))
-  return sequence[len(prompt):]
+  """The reference: the whole sequence through the model again for every new token.
+
+  Padded at the end to seq_len, so one compilation serves every length: a causal
+  model's logits at a position never see the tokens after it.
+  """
+  forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+  sequence = np.zeros((1, model.config.seq_len), np.int32)
+  sequence[0, :len(prompt)] = prompt
+  for position in range(len(prompt), len(prompt) + steps):
+    sequence[0, position] = int(jnp.argmax(forward(jnp.asarray(sequence))[0, position - 1]))
+  return sequence[0, len(prompt):len(prompt) + steps].tolist()
 
 
 @pytest.mark.parametrize("name", MODELS)

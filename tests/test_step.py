@@ -8,7 +8,8 @@ import optax
 import pytest
 
 from levanter_flax import flops, metrics, optim, partitioning, step
-from levanter_flax.models.gpt2 import REMAT_POLICIES, GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.common import REMAT_POLICIES
+from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from levanter_flax.models.attention import causal_attention
-from levanter_flax.models.gpt2 import attention_implementation, constrain, stack_layers
+from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 
 # Tensor parallelism over `model`: Q/K/V, gate and up split by output column,
 # o_proj and down_proj by input row; embeddings and the head by vocabulary.
