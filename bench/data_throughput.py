@@ -15,7 +15,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from common import compile_train_step
 from levanter_flax.data import DataConfig, loader

@@ -23,7 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common import compile_train_step, square_matmul_flops
-from levanter_flax import flops, step
+from levanter_flax import flops
 from levanter_flax.config import to_run_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")

@@ -90,7 +90,7 @@ def test_a_failing_unit_is_reported_while_the_other_finishes(data_cache, tmp_pat
 
 def test_the_xm_executor_says_how_to_install_xmanager(tmp_path):
   try:
-    import xmanager  # pylint: disable=unused-import
+    import xmanager  # noqa: F401  # pylint: disable=unused-import
     pytest.skip("xmanager is installed")
   except ImportError:
     pass

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config_file, train_losses
-from levanter_flax import models, partitioning, step
+from levanter_flax import models, step
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.models.llama import LlamaConfig, rotary_embedding
 from levanter_flax.train import train_and_evaluate

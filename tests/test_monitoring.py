@@ -96,7 +96,6 @@ def test_report_plots_runs_together_and_its_table_matches_the_metrics(tiny_confi
     got = dict(zip(columns, re.split(r"\s{2,}", row.strip())))
     records = read_metrics(tmp_path / run)
     evals = [m["eval/loss"] for m in records if "eval/loss" in m]
-    speeds = [m["train/tokens_per_second"] for m in records if "train/tokens_per_second" in m]
     assert got["run"] == run
     assert float(got["final eval loss"]) == pytest.approx(evals[-1], abs=1e-4)
     assert float(got["best eval loss"]) == pytest.approx(min(evals), abs=1e-4)
