@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from absl import logging
 
+from levanter_flax import models
 from levanter_flax.errors import UserError, ensure_writable_dir
 
 
@@ -148,7 +149,6 @@ def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
 
 def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
   """(model config, params of the newest checkpoint, saved config.json) of a training workdir."""
-  from levanter_flax import models  # pylint: disable=g-import-not-at-top
   try:
     saved = json.loads((workdir / "config.json").read_text())
   except OSError:

@@ -247,9 +247,9 @@ def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   A config file merges it into a section: config.optimizer.update(load_preset(...)).
   """
   path = pathlib.Path(path)
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  if spec is None or not path.is_file():
+  if not path.is_file():
     raise UserError(f"config preset {path} does not exist")
+  spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
