@@ -10,6 +10,8 @@ Killed and restarted with the same flags, it keeps the shards already written.
 import codecs
 import os
 import pathlib
+import re
+import warnings
 
 from absl import app, flags, logging
 
@@ -41,13 +43,31 @@ _NUM_WORKERS = flags.DEFINE_integer("num_workers", os.cpu_count(), "Parallel sha
 flags.mark_flags_as_required(["source", "output_dir"])
 
 
+def decode_escapes(value: str, flag: str) -> str:
+  r"""`value` with its backslash escapes ('\n', '\t', '\x0c', '\u2029') decoded.
+
+  The unicode_escape codec reads its input as Latin-1 bytes, which garbles
+  any other character ('§' becomes 'Â§'), so it sees only the ASCII runs.
+  """
+  decode = lambda match: codecs.decode(match.group(), "unicode_escape")
+  try:
+    with warnings.catch_warnings():  # An unknown escape ('\d') is refused, not kept.
+      warnings.simplefilter("error", DeprecationWarning)
+      return re.sub(r"[\x00-\x7f]+", decode, value)
+  except (UnicodeDecodeError, DeprecationWarning) as e:
+    # The warning's text is "decoding ... failed (DeprecationWarning: <reason>)".
+    reason = getattr(e, "reason", None) or str(e).split("Warning: ")[-1].removesuffix(")")
+    shown = value if value.isprintable() else repr(value)
+    raise UserError(f"--{flag}={shown}: bad escape ({reason})") from None
+
+
 def options_from_flags() -> prepare.PrepareOptions:
   if _TRAIN_TOKENIZER.value and _TOKENIZER.value != "byte":
     raise UserError("pass either --tokenizer or --train_tokenizer, not both")
   return prepare.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
-          separator=codecs.decode(_SEPARATOR.value, "unicode_escape"),
+          separator=decode_escapes(_SEPARATOR.value, "separator"),
           tfds_split=_TFDS_SPLIT.value, tfds_data_dir=_TFDS_DATA_DIR.value,
           on_decode_error=_ON_DECODE_ERROR.value),
       output_dir=pathlib.Path(_OUTPUT_DIR.value).expanduser(),

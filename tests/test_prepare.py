@@ -1,8 +1,14 @@
 """The prepare step: every source round-trips exactly, restarts keep finished shards, bad input is named."""
+import copy
 import gzip
 import json
+import os
+import pathlib
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +26,14 @@ def read_documents(directory, split=None) -> list[str]:
   splits = [split] if split else list(manifest["splits"])
   return [tokenizer.decode(tokens) for s in splits for shard in manifest["splits"][s]
           for tokens in tfrecord.read_shard(str(directory / shard["file"]), manifest["token_dtype"])]
+
+
+def prepare_again(directory, **options) -> pathlib.Path:
+  """prepare_texts(directory, ...) once more, on its input files as they are now."""
+  source = sources.SourceSpec(kind="text", inputs=(str(directory / "input" / "*.txt"),))
+  options = {"num_shards": 4, "validation_fraction": 0.2, **options}
+  return prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=directory / "data",
+                                                        **options))
 
 
 @pytest.mark.parametrize("vocab_size", [257, 50257, 128_256])
@@ -120,7 +134,11 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
   (directory / "shard-00002-of-00004.done.json").unlink()
   (directory / "train-00002-of-00004.tfrecord").unlink()
   (directory / "train-00002-of-00004.tfrecord.tmp-999").write_bytes(b"partial")
-  prepare_texts(tmp_path, texts)
+  # And what else a killed run leaves: temp files of a finished shard and of the JSON files.
+  (directory / "train-00001-of-00004.tfrecord.tmp-998").write_bytes(b"partial")
+  for name in ("shard-00002-of-00004.done.json", prepare.MANIFEST, prepare.ARGUMENTS):
+    (directory / f"{name}.tmp-999").write_text("{")
+  prepare_again(tmp_path)
   after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.glob("*.tfrecord")}
   assert after.keys() == before.keys()
   assert not list(directory.glob("*.tmp-*"))
@@ -129,20 +147,26 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
     assert (after[name][0] == before[name][0]) == ("00002" not in name), name
   assert sorted(read_documents(directory)) == sorted(texts)
   with pytest.raises(UserError, match="prepared with different arguments \\(num_shards\\)"):
-    prepare_texts(tmp_path, texts, num_shards=5)
-  with pytest.raises(UserError, match="prepared with different arguments \\(input_files\\)"):
+    prepare_again(tmp_path, num_shards=5)
+  with pytest.raises(UserError, match="prepared with different arguments "
+                     "\\(input_files, input_mtimes\\)"):
     prepare_texts(tmp_path, texts + ["one more"])
 
 
-def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path):
+def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
   (tmp_path / "input").mkdir()
   (tmp_path / "input" / "bad.txt").write_bytes(b"caf\xe9 au lait")
   (tmp_path / "input" / "good.txt").write_text("plain")
+  (tmp_path / "input" / "empty.txt").write_text(" \n")
   spec = sources.SourceSpec(kind="text", inputs=(str(tmp_path / "input" / "*.txt"),))
   directory = prepare.prepare_dataset(prepare.PrepareOptions(
       source=spec, output_dir=tmp_path / "out", validation_fraction=0.0))
   assert sorted(read_documents(directory)) == ["caf\ufffd au lait", "plain"]
   assert prepare.load_manifest(directory)["source"]["invalid_utf8_documents"] == 1
+  warnings = [r.getMessage() for r in caplog.records
+              if r.levelname == "WARNING" and r.getMessage().startswith("Prepared")]
+  assert warnings == [f"Prepared {directory}: 1 documents had invalid UTF-8 (bad bytes replaced by "
+                      f"U+FFFD), 1 empty documents were skipped (counts in its manifest.json)"]
   strict = sources.SourceSpec(kind="text", inputs=spec.inputs, on_decode_error="error")
   with pytest.raises(UserError, match=r"bad.txt: invalid UTF-8 at byte 3"):
     prepare.prepare_dataset(prepare.PrepareOptions(source=strict, output_dir=tmp_path / "out2"))
@@ -170,6 +194,12 @@ def test_bad_sources_are_named(tmp_path):
     prepare.prepare_dataset(prepare.PrepareOptions(
         source=sources.SourceSpec(kind="text", inputs=("/nowhere/*.txt",)),
         output_dir=tmp_path / "out2"))
+  with pytest.raises(UserError, match=r"tokenizer '.*missing.json' is neither 'byte' nor"):
+    prepare.prepare_dataset(prepare.PrepareOptions(
+        source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "0" / "a.jsonl"),)),
+        output_dir=tmp_path / "out3", tokenizer=str(tmp_path / "missing.json")))
+  # Bad input is found before anything is created.
+  assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
 
 
 def run_prepare(*args):
@@ -195,3 +225,220 @@ def test_command_line_trains_a_tokenizer_and_names_bad_input(tmp_path):
   assert result.stderr.strip().splitlines()[-1] == (
       "levanter_flax: error: input glob '/nowhere/*.jsonl' matches no files")
   assert "Traceback" not in result.stderr
+  assert not (tmp_path / "x").exists()
+
+
+def test_command_line_separator_keeps_non_ascii_and_names_a_bad_escape(tmp_path):
+  (tmp_path / "a.txt").write_text("one§\ntwo✂§\nthrée")
+  flags = ["--source=text", f"--input={tmp_path}/a.txt", "--num_shards=1",
+           "--validation_fraction=0", "--num_workers=1"]
+  result = run_prepare(*flags, "--separator=§\\n", f"--output_dir={tmp_path}/out")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(read_documents(tmp_path / "out")) == ["one", "thrée", "two✂"]
+  for separator, reason in (("\\x", "truncated \\xXX escape"),
+                            ("✂\\d", "invalid escape sequence '\\d'")):
+    result = run_prepare(*flags, f"--separator={separator}", f"--output_dir={tmp_path}/bad")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"levanter_flax: error: --separator={separator}: bad escape ({reason})")
+    assert "Traceback" not in result.stderr
+  assert not (tmp_path / "bad").exists()
+
+
+def test_an_input_edited_in_place_is_noticed(tmp_path):
+  texts = random_documents(8)
+  prepare_texts(tmp_path, texts)
+  prepare_again(tmp_path)  # Unchanged inputs: the same dataset.
+  edited = tmp_path / "input" / "0003.txt"
+  before = edited.stat()
+  edited.write_text(texts[3][::-1], encoding="utf-8")  # The same size.
+  # File times advance by clock ticks of some milliseconds: an edit made this soon after the
+  # first write may not move the mtime, which one made by a person would.
+  os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+  assert edited.stat().st_size == before.st_size
+  with pytest.raises(UserError, match=r"prepared with different arguments \(input_mtimes\)"):
+    prepare_again(tmp_path)
+  # A directory prepared before mtimes were recorded is checked on its sizes alone.
+  arguments = tmp_path / "data" / prepare.ARGUMENTS
+  arguments.write_text(json.dumps({k: v for k, v in json.loads(arguments.read_text()).items()
+                                   if k != "input_mtimes"}))
+  prepare_again(tmp_path)
+
+
+# A prepare that writes slowly (0.1 s a document) and says when it starts writing shards.
+_SLOW_PREPARE = """
+import logging, pathlib, sys, time
+from levanter_flax.data import prepare, sources, tfrecord
+logging.basicConfig(level=logging.INFO)
+write, run_shards = tfrecord.ShardWriter.write, prepare._run_shards
+tfrecord.ShardWriter.write = lambda self, tokens: (time.sleep(0.1), write(self, tokens))
+prepare._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))
+prepare.prepare_dataset(prepare.PrepareOptions(
+    source=sources.SourceSpec(kind="text", inputs=(sys.argv[1],)),
+    output_dir=pathlib.Path(sys.argv[2]), num_shards=4, validation_fraction=0.2), wait=True)
+"""
+
+
+def wait_until(condition, process: subprocess.Popen, timeout: float = 120) -> None:
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert process.poll() is None, "it ended early"
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+def test_concurrent_prepares_take_turns(tmp_path):
+  """A second prepare into a directory being written waits for the first, then finds it done.
+
+  What every trainer process does with the built-in corpus; before the lock,
+  the second deleted the first one's temp files and the first failed.
+  """
+  texts = random_documents(40)
+  (tmp_path / "input").mkdir()
+  for i, text in enumerate(texts):
+    (tmp_path / "input" / f"{i:04d}.txt").write_text(text, encoding="utf-8")
+  output = tmp_path / "data"
+  command = [sys.executable, "-c", _SLOW_PREPARE, str(tmp_path / "input" / "*.txt"), str(output)]
+  run = lambda: subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+  first = run()
+  processes = [first]
+  try:
+    wait_until(lambda: list(output.glob("*.tfrecord.tmp-*")), first)  # The first is writing.
+    processes.append(run())
+    results = [p.communicate(timeout=300) for p in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  for process, (_, stderr) in zip(processes, results):
+    assert process.returncode == 0, stderr[-3000:]
+  assert [stdout for stdout, _ in results] == ["writing\n", ""]
+  assert f"Waiting for pid {first.pid} on {socket.gethostname()} (since " in results[1][1]
+  assert sorted(read_documents(output)) == sorted(texts)
+  assert not list(output.glob("*.tmp-*"))
+
+
+# Holds a directory's lock until its stdin closes.
+_HOLD_LOCK = """
+import pathlib, sys
+from levanter_flax import locks
+lock = locks.DirectoryLock(pathlib.Path(sys.argv[1]), "dataset directory")
+lock.acquire()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_command_line_refuses_a_directory_another_prepare_is_writing(tmp_path):
+  (tmp_path / "a.txt").write_text("one document")
+  output = tmp_path / "data"
+  output.mkdir()
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(output)], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "locked\n"
+    result = run_prepare("--source=text", f"--input={tmp_path}/a.txt", f"--output_dir={output}",
+                         "--validation_fraction=0", "--num_shards=1")
+  finally:
+    holder.communicate(timeout=60)  # Closing its stdin ends it.
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      f"levanter_flax: error: dataset directory {output} is in use by pid {holder.pid} on "
+      f"{socket.gethostname()} (since ")
+  assert "Traceback" not in result.stderr
+  assert [p.name for p in output.iterdir()] == [".lock"]  # Nothing touched.
+  # The lock went with its holder.
+  prepare.prepare_dataset(prepare.PrepareOptions(
+      source=sources.SourceSpec(kind="text", inputs=(str(tmp_path / "a.txt"),)),
+      output_dir=output, validation_fraction=0.0, num_shards=1))
+  assert read_documents(output) == ["one document"]
+
+
+def children(pid: int) -> list[int]:
+  found = []
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # Gone meanwhile.
+      continue
+    if parent == pid:
+      found.append(int(stat.parent.name))
+  return found
+
+
+def running(pid: int) -> bool:
+  """Not gone, nor a zombie (this machine's init may never reap the orphans)."""
+  try:
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+  except (OSError, IndexError):
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_prepare(tmp_path):
+  # Enough documents that a shard takes longer than the wait below: an orphaned worker would
+  # write on to the end of its shard, and only then fail to report it.
+  (tmp_path / "a.txt").write_text("\n".join(f"document {i}" for i in range(1_000_000)))
+  output = tmp_path / "out"
+  with open(tmp_path / "log.txt", "w") as log:
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "levanter_flax.prepare", "--source=text", f"--input={tmp_path}/a.txt",
+         "--separator=\\n", f"--output_dir={output}", "--num_shards=8", "--num_workers=2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+  workers = []
+  try:
+    # Both workers are writing (their temp files are named by pid): set up, and busy.
+    writers = lambda: {int(p.name.rsplit("-", 1)[1]) for p in output.glob("*.tfrecord.tmp-*")}
+    wait_until(lambda: len(writers()) == 2, parent)
+    workers = children(parent.pid)
+    assert writers() <= set(workers)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 3
+    while any(map(running, workers)) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not [pid for pid in workers if running(pid)], (tmp_path / "log.txt").read_text()[-3000:]
+  finally:
+    parent.kill()
+    for pid in workers:  # Orphans of a failed test.
+      if running(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_malformed_manifests_are_named(tmp_path):
+  directory = prepare_texts(tmp_path, random_documents(8))
+  path = directory / prepare.MANIFEST
+  good = json.loads(path.read_text())
+  (tmp_path / "outside.tfrecord").write_bytes(b"")
+  delete = object()
+  cases = [
+      (("splits",), delete, "is malformed: 'splits' has no train list"),
+      (("splits", "validation"), delete, "is malformed: 'splits' has no validation list"),
+      (("tokenizer",), delete, "is malformed: no 'tokenizer' object"),
+      (("tokenizer", "eos_id"), delete, "is malformed: 'tokenizer' lacks eos_id"),
+      (("token_dtype",), "float32", "is malformed: 'token_dtype' is 'float32', not uint16 or int32"),
+      (("splits", "train", 1, "num_tokens"), delete, "is malformed: splits.train[1] lacks num_tokens"),
+      (("splits", "validation", 0), "x.tfrecord", "is malformed: no splits.validation[0] object"),
+      (("splits", "train", 0, "file"), "../outside.tfrecord",
+       "lists shard file '../outside.tfrecord', which is outside its directory"),
+      (("splits", "train", 2, "file"), str(tmp_path / "outside.tfrecord"),
+       f"lists shard file '{tmp_path}/outside.tfrecord', which is outside its directory"),
+  ]
+  for keys, value, problem in cases:
+    manifest = copy.deepcopy(good)
+    *parents, last = keys
+    entry = manifest
+    for key in parents:
+      entry = entry[key]
+    if value is delete:
+      del entry[last]
+    else:
+      entry[last] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as error:
+      prepare.load_manifest(directory)
+    assert str(error.value).startswith(f"dataset manifest {path} {problem}"), keys
+    assert "\n" not in str(error.value)
+  path.write_text("[]")
+  with pytest.raises(UserError, match=f"dataset manifest {path} is not a JSON object"):
+    prepare.load_manifest(directory)

@@ -77,3 +77,14 @@ def test_config_with_another_tokenizer_is_refused(tmp_path, bpe_file):
   config.data.tokenizer = str(tmp_path / "missing.json")
   with pytest.raises(UserError, match="is neither 'byte' nor an existing tokenizer.json"):
     loader.load_sources(to_run_config(config).data)
+
+
+@pytest.mark.parametrize("content", ["not json", '{"version": "1.0"}'])
+def test_a_broken_tokenizer_json_is_named(tmp_path, content):
+  path = tmp_path / "tokenizer.json"
+  path.write_text(content)
+  with pytest.raises(UserError) as error:
+    load_tokenizer(str(path))
+  assert str(error.value).startswith(
+      f"cannot load tokenizer {path}: not a Hugging Face tokenizer.json (")
+  assert "\n" not in str(error.value)

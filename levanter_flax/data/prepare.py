@@ -4,18 +4,23 @@ Shard i of N holds the source's documents i, i+N, i+2N, ... (or whole files,
 when there are at least N), so N workers write N shards independently. Each
 finished shard is marked by a small `.done.json` written after its TFRecord
 files, and the manifest comes last; a restarted run with the same arguments
-keeps finished shards and redoes only the rest.
+keeps finished shards and redoes only the rest. One process at a time writes
+a directory: it holds the directory's lock (locks.DirectoryLock) throughout.
 """
+import ctypes
 import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
 import pathlib
+import signal
+import sys
 import zlib
 
 from absl import logging
 
+from levanter_flax import locks
 from levanter_flax.data import sources, tfrecord
 from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError, ensure_writable_dir
@@ -24,6 +29,7 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ARGUMENTS = "prepare_args.json"
 TRAINED_TOKENIZER = "tokenizer.json"
+SPLITS = ("train", "validation")
 DEFAULT_CACHE_DIR = "~/.cache/levanter_flax"
 
 
@@ -89,19 +95,90 @@ def _write_shard_task(args) -> int:
   return args[-1]
 
 
-def _check_arguments(options: PrepareOptions, files: list[str]) -> None:
-  """Refuses to mix shards made with different arguments or inputs in one directory."""
+_PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
+
+
+def _die_with_parent(parent_pid: int) -> None:
+  """Pool initializer: a worker is killed when its parent dies, even by kill -9.
+
+  Otherwise the workers of a killed prepare write on to the end of their
+  shards (hours, on a big corpus) for nobody. The signal fires when the
+  thread that started the worker exits; that thread (the caller's, or the
+  pool's worker handler, for a replacement) lives as long as the pool.
+  Linux only.
+  """
+  if not sys.platform.startswith("linux"):
+    return
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    logging.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive its "
+                    "parent", ctypes.get_errno())
+  # A parent that died before the prctl never signals: we were adopted by another process.
+  if os.getppid() != parent_pid:
+    os._exit(1)  # pylint: disable=protected-access
+
+
+def _stat(path: str) -> os.stat_result:
+  try:
+    return os.stat(path)
+  except OSError as e:  # Gone since the glob matched it.
+    raise UserError(f"cannot read input file {path}: {e.strerror or e}") from e
+
+
+def _input_fingerprint(options: PrepareOptions, files: list[str]) -> dict:
+  """What identifies the input files' contents, from one stat() per file.
+
+  Hashing the contents would read a TB-sized corpus in full on every start
+  (hours, and again in every trainer process that asks for the built-in
+  corpus); a stat is cheap however big the files. Sizes catch appended or
+  truncated files, and the modification time (ns) an edit in place of the same
+  size: every write sets it. A copy that does not keep mtimes (cp without -p)
+  is then refused, which errs on the safe side. The stdlib corpus is left to
+  its sizes: a reinstall of the same Python gives new mtimes to the same files.
+  """
+  stats = [_stat(f) for f in files]
+  listing = json.dumps([(f, s.st_size) for f, s in zip(files, stats)])
+  fingerprint = {"input_files": hashlib.sha256(listing.encode()).hexdigest()}
+  if options.source.kind != "stdlib":
+    mtimes = json.dumps([s.st_mtime_ns for s in stats])
+    fingerprint["input_mtimes"] = hashlib.sha256(mtimes.encode()).hexdigest()
+  return fingerprint
+
+
+def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> None:
+  """Refuses to mix shards made with different arguments or inputs in one directory.
+
+  With `record` (only under the directory's lock), a new directory's arguments
+  are written down for the next run to compare.
+  """
   path = options.output_dir / ARGUMENTS
-  listing = json.dumps([(f, os.path.getsize(f)) for f in files])
-  wanted = options.arguments() | {"input_files": hashlib.sha256(listing.encode()).hexdigest()}
-  if path.exists():
+  if not path.exists():
+    if record:
+      _write_json_atomically(path, wanted)
+    return
+  try:
     previous = json.loads(path.read_text())
-    changed = sorted(k for k in set(wanted) | set(previous) if wanted.get(k) != previous.get(k))
-    if changed:
-      raise UserError(f"{options.output_dir} was prepared with different arguments "
-                      f"({', '.join(changed)}); use a new --output_dir")
-  else:
-    _write_json_atomically(path, wanted)
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path}: {e}; use a new --output_dir") from e
+  if "input_mtimes" not in previous:  # Prepared before mtimes were recorded: sizes alone.
+    wanted = {k: v for k, v in wanted.items() if k != "input_mtimes"}
+  changed = sorted(k for k in set(wanted) | set(previous) if wanted.get(k) != previous.get(k))
+  if changed:
+    raise UserError(f"{options.output_dir} was prepared with different arguments "
+                    f"({', '.join(changed)}); use a new --output_dir")
+
+
+# What a killed writer leaves: shards' and JSON files' temp files (see
+# _write_json_atomically, tfrecord.ShardWriter, tokenizers.train_bpe).
+_TEMP_FILES = ("*.tfrecord.tmp-*", "*.done.json.tmp-*", f"{MANIFEST}.tmp-*",
+               f"{ARGUMENTS}.tmp-*", f"{TRAINED_TOKENIZER}.tmp")
+
+
+def _remove_temp_files(directory: pathlib.Path) -> None:
+  """Deletes temp files of killed runs; only under the lock, where no writer is alive."""
+  for pattern in _TEMP_FILES:
+    for stale in directory.glob(pattern):
+      stale.unlink(missing_ok=True)
 
 
 def _tokenizer_spec(options: PrepareOptions, files: list[str]) -> str:
@@ -125,10 +202,6 @@ def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) 
   if len(todo) < options.num_shards:
     logging.info("Keeping %d finished shards in %s", options.num_shards - len(todo),
                  options.output_dir)
-  for index in todo:  # Temp files of a killed run, never renamed into place.
-    for split in ("train", "validation"):
-      for stale in options.output_dir.glob(_shard_name(split, index, options.num_shards) + ".tmp-*"):
-        stale.unlink()
   tasks = [(options, files, tokenizer_spec, i) for i in todo]
   if options.num_workers <= 1 or len(tasks) <= 1:
     for task in tasks:
@@ -136,7 +209,8 @@ def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) 
     return
   # Spawned, not forked: the parent may hold jax or tokenizer threads.
   context = multiprocessing.get_context("spawn")
-  with context.Pool(min(options.num_workers, len(tasks))) as pool:
+  with context.Pool(min(options.num_workers, len(tasks)), initializer=_die_with_parent,
+                    initargs=(os.getpid(),)) as pool:
     for finished in pool.imap_unordered(_write_shard_task, tasks):
       logging.info("Wrote shard %d of %d", finished + 1, options.num_shards)
 
@@ -151,7 +225,7 @@ def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_f
   if not stats.documents:
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped)")
-  splits = {split: [shard[split] for shard in done] for split in ("train", "validation")}
+  splits = {split: [shard[split] for shard in done] for split in SPLITS}
   for split, shards in splits.items():
     if not sum(s["num_documents"] for s in shards) and (split == "train" or
                                                         options.validation_fraction > 0):
@@ -169,26 +243,51 @@ def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_f
   return manifest
 
 
-def prepare_dataset(options: PrepareOptions) -> pathlib.Path:
-  """Writes the dataset unless it is already complete; returns its directory."""
-  ensure_writable_dir(options.output_dir, "dataset directory")
-  files = sources.resolve_files(options.source)
-  _check_arguments(options, files)
-  if (options.output_dir / MANIFEST).exists():
-    return options.output_dir
-  tokenizer_spec = _tokenizer_spec(options, files)
-  tokenizer = identity(load_tokenizer(tokenizer_spec))
-  _run_shards(options, files, tokenizer_spec)
-  manifest = _write_manifest(options, tokenizer, len(files))
+def _log_summary(options: PrepareOptions, manifest: dict) -> None:
+  source = manifest["source"]
   logging.info("Prepared %s: %s documents, %s train tokens", options.output_dir,
-               f"{manifest['source']['documents']:,}",
+               f"{source['documents']:,}",
                f"{sum(s['num_tokens'] for s in manifest['splits']['train']):,}")
+  if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
+    logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
+                    "%d empty documents were skipped (counts in its %s)", options.output_dir,
+                    source["invalid_utf8_documents"], source["empty_documents_skipped"], MANIFEST)
+
+
+def prepare_dataset(options: PrepareOptions, wait: bool = False) -> pathlib.Path:
+  """Writes the dataset unless it is already complete; returns its directory.
+
+  While another process writes the directory, this one waits for it with
+  `wait`, and is otherwise refused with a UserError naming it.
+  """
+  # The inputs first, so that a mistyped glob or tokenizer leaves no directory behind.
+  files = sources.resolve_files(options.source)
+  if not options.train_tokenizer_vocab_size:
+    load_tokenizer(options.tokenizer)
+  wanted = options.arguments() | _input_fingerprint(options, files)
+  if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
+    _check_arguments(options, wanted, record=False)
+    return options.output_dir
+  ensure_writable_dir(options.output_dir, "dataset directory")
+  with locks.locked(options.output_dir, "dataset directory", wait=wait):
+    _remove_temp_files(options.output_dir)
+    _check_arguments(options, wanted, record=True)
+    if (options.output_dir / MANIFEST).exists():  # Finished by the process we waited for.
+      return options.output_dir
+    tokenizer_spec = _tokenizer_spec(options, files)
+    tokenizer = identity(load_tokenizer(tokenizer_spec))
+    _run_shards(options, files, tokenizer_spec)
+    manifest = _write_manifest(options, tokenizer, len(files))
+  _log_summary(options, manifest)
   return options.output_dir
 
 
 def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
                     num_shards: int) -> pathlib.Path:
-  """The Python-stdlib corpus, prepared under `cache_dir` on first use."""
+  """The Python-stdlib corpus, prepared under `cache_dir` on first use.
+
+  Every trainer process asks for it: one prepares it while the others wait.
+  """
   tokenizer_id = identity(load_tokenizer(tokenizer))
   name = "-".join([sources.stdlib_name(),
                    tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
@@ -198,11 +297,49 @@ def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
     logging.info("Tokenizing the Python stdlib corpus into %s", directory)
   return prepare_dataset(PrepareOptions(
       source=sources.SourceSpec(kind="stdlib"), output_dir=directory, tokenizer=tokenizer,
-      num_shards=num_shards, validation_fraction=validation_fraction))
+      num_shards=num_shards, validation_fraction=validation_fraction), wait=True)
+
+
+# What the trainer reads from a manifest, and of which type.
+_TOKENIZER_FIELDS = {"kind": str, "sha256": str, "vocab_size": int, "eos_id": int}
+_SHARD_FIELDS = {"file": str, "num_documents": int, "num_tokens": int, "num_text_bytes": int}
+
+
+def _lacks(value, where: str, fields: dict[str, type]) -> str:
+  """What `value`, called `where`, lacks of `fields` (name -> type), or ""."""
+  if not isinstance(value, dict):
+    return f"no {where} object"
+  missing = [k for k, kind in fields.items() if not isinstance(value.get(k), kind)]
+  return f"{where} lacks {', '.join(missing)}" if missing else ""
+
+
+def _manifest_problem(manifest: dict) -> str:
+  """What makes a manifest (of the right version) unusable, or ""."""
+  if problem := _lacks(manifest.get("tokenizer"), "'tokenizer'", _TOKENIZER_FIELDS):
+    return problem
+  if manifest.get("token_dtype") not in ("uint16", "int32"):
+    return f"'token_dtype' is {manifest.get('token_dtype')!r}, not uint16 or int32"
+  splits = manifest.get("splits")
+  for split in SPLITS:
+    if not isinstance(splits, dict) or not isinstance(splits.get(split), list):
+      return f"'splits' has no {split} list"
+    for i, shard in enumerate(splits[split]):
+      if problem := _lacks(shard, f"splits.{split}[{i}]", _SHARD_FIELDS):
+        return problem
+  return ""
+
+
+def _is_inside(file: str) -> bool:
+  """Whether a shard's file names one in the dataset directory: relative, without '..'.
+
+  Lexical only: a shard the user symlinked onto another disk is still read.
+  """
+  parts = pathlib.PurePath(file).parts
+  return bool(parts) and not pathlib.PurePath(file).is_absolute() and ".." not in parts
 
 
 def load_manifest(directory: pathlib.Path) -> dict:
-  """Reads a dataset's manifest and checks that every shard it lists exists."""
+  """Reads a dataset's manifest and checks its fields and that every shard it lists exists."""
   path = directory / MANIFEST
   if not path.exists():
     raise UserError(f"{directory} is not a prepared dataset (no {MANIFEST}); "
@@ -211,15 +348,22 @@ def load_manifest(directory: pathlib.Path) -> dict:
     manifest = json.loads(path.read_text())
   except (OSError, ValueError) as e:
     raise UserError(f"cannot read dataset manifest {path}: {e}") from e
+  if not isinstance(manifest, dict):
+    raise UserError(f"dataset manifest {path} is not a JSON object; prepare the data again")
   if manifest.get("format_version") != FORMAT_VERSION:
     raise UserError(f"{path} has format_version {manifest.get('format_version')}; "
                     f"this trainer reads version {FORMAT_VERSION}; prepare the data again")
-  for shards in manifest["splits"].values():
-    for shard in shards:
+  if problem := _manifest_problem(manifest):
+    raise UserError(f"dataset manifest {path} is malformed: {problem}; prepare the data again")
+  for split in SPLITS:
+    for shard in manifest["splits"][split]:
+      if not _is_inside(shard["file"]):
+        raise UserError(f"dataset manifest {path} lists shard file {shard['file']!r}, which is "
+                        f"outside its directory")
       if not (directory / shard["file"]).exists():
         raise UserError(f"shard {directory / shard['file']} listed in {path} is missing")
   return manifest
 
 
 def manifest_tokenizer(manifest: dict) -> TokenizerIdentity:
-  return TokenizerIdentity(**manifest["tokenizer"])
+  return TokenizerIdentity(**{k: manifest["tokenizer"][k] for k in _TOKENIZER_FIELDS})

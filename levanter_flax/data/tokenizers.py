@@ -51,7 +51,12 @@ class HuggingFaceTokenizer:
 
   def __init__(self, path: pathlib.Path):
     import tokenizers  # pylint: disable=g-import-not-at-top
-    self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    try:
+      self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exceptions.
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise UserError(f"cannot load tokenizer {path}: not a Hugging Face tokenizer.json "
+                      f"({reason})") from None
     self.sha256 = _sha256(path)
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
     found = [self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES]
