@@ -23,7 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common import compile_train_step, square_matmul_flops
-from levanter_flax import flops
+from levanter_flax import flops, models
 from levanter_flax.config import to_run_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
@@ -33,13 +33,14 @@ flags.mark_flag_as_required("config")
 
 
 def lm_head_seconds(run, params) -> float:
-  """Forward + backward of the tied LM head and its float32 cross-entropy at the run's shape."""
+  """Forward + backward of the LM head (tied or not) and its float32 cross-entropy at the run's
+  shape."""
   model = run.model
   batch = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
   rng = np.random.default_rng(0)
   hidden = jnp.asarray(rng.standard_normal((batch, model.seq_len, model.hidden_dim)), model.dtype)
   labels = jnp.asarray(rng.integers(0, model.vocab_size, (batch, model.seq_len)))
-  embedding = params["wte"]["embedding"]
+  embedding = models.build(model).output_embedding(params)  # [vocab, hidden_dim]
 
   def loss(hidden, embedding):
     logits = jnp.einsum("btd,vd->btv", hidden, embedding.astype(model.dtype)).astype(jnp.float32)

@@ -40,8 +40,9 @@ def model_flops_per_token(num_layers: int, num_heads: int, head_dim: int, seq_le
                           params: Any, causal: bool = True) -> float:
   """flops_per_token for a GPT-2 or Llama params tree (arrays or shapes)."""
   # Tables that are only looked up are no matmul: GPT-2's positions, an untied input embedding.
-  # (GPT-2's token embedding counts: it is also the LM head.)
-  lookups = sum(params[name]["embedding"].size for name in LOOKUP_TABLES if name in params)
+  # (A tied GPT-2's token embedding counts: it is also the LM head.)
+  tables = LOOKUP_TABLES + (("wte",) if "lm_head" in params else ())
+  lookups = sum(params[name]["embedding"].size for name in tables if name in params)
   num_params = sum(x.size for x in jax.tree.leaves(params)) - lookups
   return flops_per_token(num_params, num_layers, num_heads, head_dim, seq_len, causal)
 

@@ -49,6 +49,13 @@ def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return jax.random.categorical(key, logits, axis=-1)
 
 
+def check_top_k(cfg: SamplingConfig, vocab_size: int) -> None:
+  """lax.top_k cannot take more tokens than there are; say so before anything is compiled."""
+  if cfg.top_k > vocab_size:
+    raise UserError(f"--top_k {cfg.top_k} exceeds the model's vocabulary of {vocab_size} tokens; "
+                    f"use at most {vocab_size}, or 0 for no limit")
+
+
 def left_pad(prompts: Sequence[Sequence[int]], seq_len: int, cfg: SamplingConfig):
   """(tokens, token_mask, positions), each [batch, longest prompt]."""
   room = seq_len - cfg.max_new_tokens
@@ -76,6 +83,7 @@ def left_pad(prompts: Sequence[Sequence[int]], seq_len: int, cfg: SamplingConfig
 def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
              cfg: SamplingConfig) -> list[list[int]]:
   """Each prompt's continuation: max_new_tokens token ids."""
+  check_top_k(cfg, model_cfg.vocab_size)
   tokens, mask, positions = left_pad(prompts, model_cfg.seq_len, cfg)
   model = models.build(model_cfg, decode=True)
   cache_len = tokens.shape[1] + cfg.max_new_tokens

@@ -1,5 +1,8 @@
 """Hugging Face interop: checkpoints built locally with transformers (no download), both ways."""
+import dataclasses
 import json
+import re
+import stat
 import subprocess
 import sys
 
@@ -15,15 +18,29 @@ from levanter_flax import hf, models
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
+from levanter_flax.models.llama import rope_frequencies
 from levanter_flax.train import train_and_evaluate
 
+def _llama(**changes):
+  return transformers.LlamaConfig(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **changes})
+
+
+# Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
+# of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64, "rope_theta": 500.0}
 HF_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2,
                                             n_head=4),
-    "llama": lambda: transformers.LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "gpt2_untied": lambda: transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=32,
+                                                   n_layer=2, n_head=4, tie_word_embeddings=False),
+    "llama": _llama,
+    "llama_rope_linear": lambda: _llama(
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}),
+    "llama_rope_llama3": lambda: _llama(rope_parameters=dict(LLAMA3)),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 
@@ -35,6 +52,8 @@ def hf_model(name: str, seed: int = 0):
     for key, tensor in model.state_dict().items():
       if "norm" in key or "ln_" in key:
         tensor.add_(0.3 * torch.randn_like(tensor))
+      if "q_proj" in key or "k_proj" in key:  # Peaked attention, so positions (RoPE) matter.
+        tensor.mul_(6.0)
   return model.eval()
 
 
@@ -66,6 +85,112 @@ def test_an_export_loads_in_transformers_with_the_same_logits(name, tmp_path):
 def _saved(model, directory):
   model.save_pretrained(directory)
   return directory
+
+
+@pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])
+def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
+  model = hf_model(name)
+  directory = _saved(model, tmp_path)
+  cfg, params = hf.load(directory)
+  unscaled = models.build(dataclasses.replace(cfg, rope_type="default"))
+  assert np.max(np.abs(np.asarray(unscaled.apply({"params": params}, TOKENS))
+                       - hf_logits(model))) > 1e-2  # The scaling is not a no-op at this size.
+  # transformers 4.x wrote rope_scaling, with "type" in older files, and rope_theta beside it.
+  config = json.loads((directory / "config.json").read_text())
+  rope = config.pop("rope_parameters")
+  config["rope_theta"] = rope.pop("rope_theta")
+  rope["type"] = rope.pop("rope_type")
+  (directory / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}))
+  assert hf.load(directory)[0] == cfg
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 8.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.1's.
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.2's.
+])
+def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
+                                    max_position_embeddings=131072,
+                                    rope_parameters={**rope, "rope_theta": 500000.0})
+  theirs, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+  config.architectures = ["LlamaForCausalLM"]
+  config.save_pretrained(tmp_path)
+  ours = rope_frequencies(hf.read_config(tmp_path))
+  np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}},
+     r"Llama config rope_parameters.rope_type='yarn' is not supported \(only default, linear, "
+     r"llama3\)"),
+    ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"Llama config rope_scaling.type='dynamic' is not supported"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5.0}},
+     r"lacks 'rope_parameters.low_freq_factor' for LlamaForCausalLM"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": "4", "rope_theta": 5.0}},
+     r"rope_parameters.factor must be a positive number, got '4'"),
+    ("llama", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
+    ("llama", {"hidden_act": "gelu"}, r"Llama config hidden_act='gelu' is not supported"),
+    ("llama", {"tie_word_embeddings": True}, r"Llama config tie_word_embeddings=True"),
+    ("llama", {"num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2.5"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True},
+     r"GPT-2 config scale_attn_by_inverse_layer_idx=True is not supported \(only False\)"),
+    ("gpt2", {"scale_attn_weights": False}, r"GPT-2 config scale_attn_weights=False"),
+    ("gpt2", {"n_inner": 100}, r"GPT-2 config n_inner=100 is not supported \(only 4 x n_embd, 128"),
+    ("gpt2", {"add_cross_attention": True}, r"GPT-2 config add_cross_attention=True"),
+    ("gpt2", {"n_layer": "two"}, r"n_layer must be a positive integer, got 'two'"),
+    ("gpt2", {"layer_norm_epsilon": [1e-5]}, r"layer_norm_epsilon must be a positive number"),
+    ("gpt2", {"tie_word_embeddings": "no"}, r"tie_word_embeddings must be true or false, got 'no'"),
+])
+def test_configs_we_cannot_represent_are_refused_by_key(tmp_path, name, changes, message):
+  config = json.loads(HF_CONFIGS[name]().to_json_string())
+  config["architectures"] = [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[name]]
+  (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+  with pytest.raises(UserError, match=re.escape(str(tmp_path / "config.json")) + ".*" + message):
+    hf.load(tmp_path)
+
+
+def test_bfloat16_tensors_load_and_integer_ones_are_refused(tmp_path):
+  model = hf_model("llama")
+  model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+  cfg, params = hf.load(tmp_path / "bf16")
+  widened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16",
+                                                               dtype=torch.float32).eval()
+  ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
+  assert np.max(np.abs(ours - hf_logits(widened))) <= 1e-4
+
+  directory = _saved(hf_model("llama"), tmp_path / "int8")
+  [file] = directory.glob("*.safetensors")
+  tensors = load_file(str(file))
+  tensors["model.layers.1.mlp.up_proj.weight"] = np.ones((48, 32), np.int8)
+  save_file(tensors, str(file), metadata={"format": "pt"})
+  with pytest.raises(UserError, match=r"tensor model.layers.1.mlp.up_proj.weight has dtype I8; "
+                                      r"only floating point \(F16, BF16, F32, F64\)"):
+    hf.load(directory)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", r"model.safetensors is truncated or not a safetensors file: Error while "
+                 r"deserializing header: incomplete metadata"),
+    ("garbage", r"model.safetensors is truncated or not a safetensors file: Error while "
+                r"deserializing header"),
+    ("empty", r"model.safetensors is truncated or not a safetensors file: Error while "
+              r"deserializing header: header too small"),
+    ("not_json", r"model.safetensors is truncated or not a safetensors file: Error while "
+                 r"deserializing header"),
+])
+def test_a_damaged_safetensors_file_is_named(tmp_path, damage, message):
+  directory = _saved(hf_model("gpt2"), tmp_path)
+  file = directory / "model.safetensors"
+  data = file.read_bytes()
+  file.write_bytes({"truncate": data[:len(data) // 2], "garbage": b"<html>Not Found</html>" * 3,
+                    "empty": b"", "not_json": (5).to_bytes(8, "little") + b"\xff\xfe{[x"}[damage])
+  with pytest.raises(UserError, match=message):
+    hf.load(directory)
 
 
 def test_an_unsupported_architecture_is_named(tmp_path):
@@ -112,22 +237,62 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, tmp_pat
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(source).save_pretrained(tmp_path / "hf")
   tiny_llama.trainer.init_from_hf = str(tmp_path / "hf")
-  tiny_llama.optimizer.learning_rate = 0.0  # The one step leaves the weights as loaded.
+  # One step this small (0 is refused) leaves float32 weights exactly as loaded.
+  tiny_llama.optimizer.learning_rate = 1e-30
   train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")
   _, trained, _ = run_params(tmp_path / "run")
   _, loaded = hf.load(tmp_path / "hf")
   for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(a), b)
 
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.export_hf",
-                           f"--workdir={tmp_path / 'run'}", f"--output_dir={tmp_path / 'out'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  result = export(tmp_path / "run", tmp_path / "out")
   assert result.returncode == 0, result.stderr[-3000:]
+  for name in ("model.safetensors", "config.json"):  # Readable by others, not 0600.
+    assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o644, name
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
   assert np.max(np.abs(hf_logits(exported) - hf_logits(original))) <= 1e-4
+
+  assert_one_error_line(export(tmp_path / "run", tmp_path / "out"),
+                        f"--output_dir {tmp_path / 'out'} is not empty; pass --overwrite")
+  # A sharded checkpoint was there before: none of its files may survive next to ours.
+  stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+  for name in stale:
+    (tmp_path / "out" / name).write_text("stale")
+  result = export(tmp_path / "run", tmp_path / "out", "--overwrite")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert not any((tmp_path / "out" / name).exists() for name in stale)
+  assert hf.load(tmp_path / "out")[0] == hf.read_config(tmp_path / "hf")
 
   tiny_llama.model.num_layers = 3
   with pytest.raises(UserError, match=r"config.trainer.init_from_hf .* does not fit this model: "
                                       r"model.num_layers 2 \(checkpoint\) != 3 \(config\)"):
     train_and_evaluate(to_run_config(tiny_llama), tmp_path / "other")
+
+
+def export(workdir, output_dir, *flags):
+  return subprocess.run([sys.executable, "-m", "levanter_flax.export_hf", f"--workdir={workdir}",
+                         f"--output_dir={output_dir}", *flags],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def assert_one_error_line(result, message):
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("levanter_flax: error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("output, message", [
+    ("run", "--output_dir {run} is inside the training run's --workdir {run}"),
+    ("run/hf", "--output_dir {run}/hf is inside the training run's --workdir {run}"),
+    ("other_run", "--output_dir {other_run} holds a training run (config.json and checkpoints/)"),
+])
+def test_export_never_writes_into_a_training_run(tmp_path, output, message):
+  for run in ("run", "other_run"):
+    (tmp_path / run / "checkpoints").mkdir(parents=True)
+    (tmp_path / run / "config.json").write_text("{}")
+  paths = {"run": tmp_path / "run", "other_run": tmp_path / "other_run"}
+  result = export(paths["run"], tmp_path / output, "--overwrite")
+  assert_one_error_line(result, message.format(**paths))
+  assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "config.json"]

@@ -7,7 +7,8 @@ import pytest
 from conftest import load_config_file, train_losses
 from levanter_flax import models, step
 from levanter_flax.config import mesh, to_run_config
-from levanter_flax.models.llama import LlamaConfig, rotary_embedding
+from levanter_flax.errors import UserError
+from levanter_flax.models.llama import LlamaConfig, rope_frequencies, rotary_embedding
 from levanter_flax.train import train_and_evaluate
 
 SMALL = LlamaConfig(vocab_size=61, seq_len=16, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -91,10 +92,19 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
   q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
 
   def score(query_position, key_position):
-    rotate = lambda x, pos: rotary_embedding(x, jnp.array([[pos]]), 10000.0)
+    frequencies = rope_frequencies(dataclasses_replace(SMALL, rope_theta=10000.0))  # head_dim 8.
+    rotate = lambda x, pos: rotary_embedding(x, jnp.array([[pos]]), frequencies)
     return float(jnp.sum(rotate(q, query_position) * rotate(k, key_position)))
   assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-4)
   assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-2)
+
+
+def test_an_unknown_rope_type_in_the_config_is_refused():
+  config = load_config_file("llama_nano")
+  config.model.rope_type = "yarn"
+  with pytest.raises(UserError, match=r"config.model.rope_type must be one of default, linear, "
+                                      r"llama3; got 'yarn'"):
+    to_run_config(config)
 
 
 def test_blockwise_cross_entropy_uses_the_untied_head():

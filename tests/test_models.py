@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config_file
+from levanter_flax import flops, step
 from levanter_flax.config import to_run_config
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
@@ -56,7 +57,8 @@ def _reference_gpt2(params, tokens, cfg: GPT2Config) -> np.ndarray:
     x = x + dense(attended, block["attn"]["c_proj"])
     h = gelu(dense(layer_norm(x, block["ln_2"]), block["mlp"]["c_fc"]))
     x = x + dense(h, block["mlp"]["c_proj"])
-  return layer_norm(x, p["ln_f"]) @ p["wte"]["embedding"].T
+  head = p["lm_head"]["kernel"] if "lm_head" in p else p["wte"]["embedding"].T
+  return layer_norm(x, p["ln_f"]) @ head
 
 
 @pytest.mark.parametrize("remat, attention_impl", [
@@ -103,3 +105,23 @@ def test_scanned_layers_equal_the_unrolled_model():
   assert jax.tree.structure(scanned.init(jax.random.key(0), tokens)["params"]) == jax.tree.structure(stacked)
   np.testing.assert_allclose(scanned.apply({"params": stacked}, tokens),
                              GPT2LMHeadModel(cfg).apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_an_untied_head_is_its_own_matrix_in_logits_loss_and_flops():
+  tied = GPT2Config(vocab_size=97, seq_len=16, num_layers=2, num_heads=4, hidden_dim=32)
+  cfg = dataclasses.replace(tied, tie_word_embeddings=False)
+  model = GPT2LMHeadModel(cfg)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+  params = model.init(jax.random.key(0), tokens)["params"]
+  assert params["lm_head"]["kernel"].shape == (32, 97) and "bias" not in params["lm_head"]
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(5), x.shape), params)
+  np.testing.assert_allclose(np.asarray(model.apply({"params": params}, tokens), np.float64),
+                             _reference_gpt2(params, np.asarray(tokens), cfg), rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(model.output_embedding(params), params["lm_head"]["kernel"].T)
+  blockwise = GPT2LMHeadModel(dataclasses.replace(cfg, cross_entropy_block_size=16))
+  assert float(step.next_token_loss(blockwise, params, tokens)) == pytest.approx(
+      float(step.next_token_loss(model, params, tokens)), rel=1e-5)
+  # The token embedding becomes a lookup and the head a matmul: the same FLOPs as tied.
+  tied_params = GPT2LMHeadModel(tied).init(jax.random.key(0), tokens)["params"]
+  count = lambda p: flops.model_flops_per_token(2, 4, 8, 16, p)
+  assert count(params) == count(tied_params)

@@ -195,3 +195,13 @@ def test_layout_errors_from_the_command_line(data_cache, tmp_path, args, fragmen
   result = run_main(f"--config={NANO}", f"--workdir={tmp_path}", f"--config.data.cache_dir={data_cache}",
                     *args)
   assert_one_line_error(result, fragment)
+
+
+def test_an_untied_gpt2_head_is_split_by_vocabulary_like_the_embedding():
+  untied = dataclasses.replace(MODEL, tie_word_embeddings=False)
+  steps = build(Partitioner(make_mesh((("data", 4), ("model", 2))),
+                            sharding_config(**TENSOR_PARALLEL)), untied)
+  params = {path_name(p): s for p, s in
+            jax.tree_util.tree_leaves_with_path(steps.state_shardings.params)}
+  assert tuple(params["lm_head/kernel"].spec) == (None, "model")  # [hidden, vocab].
+  assert tuple(params["wte/embedding"].spec) == ("model", None)

@@ -63,6 +63,15 @@ def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
   assert draw(SamplingConfig(temperature=1.0, top_p=0.5)) == {0}
 
 
+def test_a_top_k_beyond_the_vocabulary_is_refused():
+  cfg = MODELS["gpt2"]
+  params = models.build(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  with pytest.raises(UserError, match=r"--top_k 51 exceeds the model's vocabulary of 50 tokens; "
+                                      r"use at most 50, or 0 for no limit"):
+    generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=2, top_k=51))
+  assert len(generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=2, top_k=50))[0]) == 2
+
+
 def test_a_prompt_too_long_is_refused_or_truncated():
   cfg = MODELS["gpt2"]
   params = models.build(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
@@ -91,3 +100,9 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   assert missing.returncode == 1
   assert missing.stderr.strip().splitlines()[-1] == (
       f"levanter_flax: error: {tmp_path / 'nothing'} has no config.json: not a levanter_flax workdir")
+  too_many = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+                             "--prompt=x", "--top_k=100000"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+  assert too_many.returncode == 1 and "Traceback" not in too_many.stderr, too_many.stderr[-3000:]
+  assert too_many.stderr.strip().splitlines()[-1].startswith(
+      "levanter_flax: error: --top_k 100000 exceeds the model's vocabulary of ")

@@ -1,7 +1,8 @@
 """GPT-2 in Flax Linen, laid out like OpenAI's so its weights map one to one.
 
 Learned positions, pre-LayerNorm blocks, tanh-approximated GELU, biases
-everywhere, tied input/output embeddings, and GPT-2's initialisation: N(0, 0.02)
+everywhere, input/output embeddings tied (or, with tie_word_embeddings=False, a
+separate bias-free `lm_head` as in HF's untied GPT-2), and GPT-2's initialisation: N(0, 0.02)
 with the residual projections scaled by 1/sqrt(2 * num_layers). Parameter names
 follow the Hugging Face checkpoint (wte, wpe, h_<i>/attn/c_attn, ...), which is
 also what the partition rules match; with scan_layers the blocks' parameters
@@ -20,7 +21,7 @@ from levanter_flax.models.common import attention_implementation, constrain, sta
 
 # Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
 # split by output column, attention-out and MLP-out by input row, so each block
-# needs one all-reduce per matmul pair; embeddings are split by vocabulary.
+# needs one all-reduce per matmul pair; embeddings and an untied head are split by vocabulary.
 # Anything unmatched (LayerNorms, position embeddings, row-split biases) is replicated.
 PARTITION_RULES = (
     (r"wte/embedding$", ("model", None)),
@@ -30,6 +31,7 @@ PARTITION_RULES = (
     (r"mlp/c_fc/kernel$", (None, "model")),
     (r"mlp/c_fc/bias$", ("model",)),
     (r"mlp/c_proj/kernel$", ("model", None)),
+    (r"lm_head/kernel$", (None, "model")),  # Only with tie_word_embeddings=False.
 )
 
 
@@ -49,6 +51,8 @@ class GPT2Config:
   cross_entropy_block_size: int = 0  # > 0: the loss never holds all logits; see step.py.
   layer_norm_epsilon: float = 1e-5
   initializer_range: float = 0.02
+  # False: the LM head is its own [hidden_dim, vocab] matrix, `lm_head`, not the token embedding.
+  tie_word_embeddings: bool = True
 
   @property
   def head_dim(self) -> int:
@@ -116,8 +120,8 @@ class GPT2LMHeadModel(nn.Module):
   """Maps tokens [batch, length] to next-token logits [batch, length, vocab].
 
   With return_hidden it stops before the LM head and returns the final hidden
-  states [batch, length, hidden_dim], for a loss that applies the tied
-  embedding itself, a block of the vocabulary at a time. With decode=True it
+  states [batch, length, hidden_dim], for a loss that applies
+  `output_embedding` itself, a block of the vocabulary at a time. With decode=True it
   runs on a KV cache (see attention.py); positions [batch, length] and
   token_mask then place left-padded prompts.
   """
@@ -141,9 +145,17 @@ class GPT2LMHeadModel(nn.Module):
     x = _layer_norm(cfg, "ln_f")(x)
     if return_hidden:
       return x
-    return constrain(wte.attend(x), "batch", "length", "vocab")
+    if cfg.tie_word_embeddings:
+      logits = wte.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                        param_dtype=cfg.param_dtype, kernel_init=embed_init, name="lm_head")(x)
+    return constrain(logits, "batch", "length", "vocab")
 
   @staticmethod
   def output_embedding(params) -> jax.Array:
-    """The tied LM head as [vocab, hidden_dim]: the token embedding."""
+    """The LM head as [vocab, hidden_dim]: the token embedding, unless an untied head exists."""
+    # Static (step.py calls it with params alone), so the params say whether the head is tied.
+    if "lm_head" in params:
+      return params["lm_head"]["kernel"].T
     return params["wte"]["embedding"]

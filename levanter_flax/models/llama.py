@@ -1,18 +1,22 @@
 """A Llama-family decoder in Flax Linen, named like the Hugging Face checkpoint.
 
 RMSNorm before each sublayer, rotary position embeddings (RoPE) on queries
-and keys, grouped-query attention (num_kv_heads key/value heads shared by
+and keys (optionally rescaled: HF's "linear" and "llama3" rope types),
+grouped-query attention (num_kv_heads key/value heads shared by
 num_heads query heads), a SwiGLU MLP, no biases, and an untied LM head.
 Parameter names follow transformers' LlamaForCausalLM without the `model.`
 prefix (embed_tokens, layers_<i>/self_attn/q_proj, ..., norm, lm_head); with
 scan_layers the blocks' parameters are stacked under `layers`.
 """
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from levanter_flax.errors import UserError
 from levanter_flax.models.attention import causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 
@@ -28,6 +32,7 @@ PARTITION_RULES = (
     (r"lm_head/kernel$", (None, "model")),
     (r"(input_layernorm|post_attention_layernorm|norm)/scale$", (None,)),  # Replicated: small.
 )
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,15 @@ class LlamaConfig:
   intermediate_dim: int
   architecture: str = "llama"
   rope_theta: float = 10000.0
+  # RoPE frequency scaling, as HF's rope_parameters: "default" (none), "linear" (every frequency
+  # / rope_factor) or "llama3" (Llama 3.1's: wavelengths longer than rope_original_seq_len /
+  # rope_low_freq_factor / rope_factor, shorter than rope_original_seq_len / rope_high_freq_factor
+  # kept, a smooth ramp between). The rope_* fields below are read only by those types.
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_seq_len: int = 8192  # HF's original_max_position_embeddings: the pretraining one.
   rms_norm_epsilon: float = 1e-5
   initializer_range: float = 0.02
   remat: str = "none"
@@ -50,21 +64,52 @@ class LlamaConfig:
   scan_layers: bool = False
   cross_entropy_block_size: int = 0
 
+  def __post_init__(self):
+    # config.py builds this from config.model; an unknown rope type must not silently mean none.
+    if self.rope_type not in ROPE_TYPES:
+      raise UserError(f"config.model.rope_type must be one of {', '.join(ROPE_TYPES)}; "
+                      f"got {self.rope_type!r}")
+    if self.rope_type != "default" and not self.rope_factor > 0:
+      raise UserError(f"config.model.rope_factor must be positive; got {self.rope_factor!r}")
+    low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+    if self.rope_type == "llama3" and not 0 < low < high:  # The ramp divides by high - low.
+      raise UserError(f"config.model.rope_low_freq_factor ({self.rope_low_freq_factor}) must be "
+                      f"positive and below rope_high_freq_factor ({self.rope_high_freq_factor})")
+
   @property
   def head_dim(self) -> int:
     return self.hidden_dim // self.num_heads
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+  """The rotation rate of each dimension pair, [head_dim / 2] float32: theta^(-2i/head_dim),
+  rescaled per cfg.rope_type the way transformers' modeling_rope_utils does."""
+  half = cfg.head_dim // 2
+  frequencies = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+  if cfg.rope_type == "linear":  # Positions / factor, folded into the rates.
+    frequencies = frequencies / cfg.rope_factor
+  elif cfg.rope_type == "llama3":
+    # Long wavelengths (slow pairs) are interpolated by the factor, short ones kept as trained;
+    # in between, the rate blends the two linearly in original_seq_len / wavelength.
+    wavelengths = 2 * math.pi / frequencies
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_seq_len
+    smooth = (original / wavelengths - low) / (high - low)
+    blended = (1 - smooth) * frequencies / cfg.rope_factor + smooth * frequencies
+    frequencies = np.where(wavelengths > original / low, frequencies / cfg.rope_factor,
+                           np.where(wavelengths < original / high, frequencies, blended))
+  return frequencies.astype(np.float32)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray) -> jax.Array:
   """Rotates x [batch, length, heads, head_dim] by positions [batch or 1, length], half-split
   as in HF Llama.
 
-  Dimension pairs (i, i + head_dim/2) turn by position * theta^(-2i/head_dim),
+  Dimension pairs (i, i + head_dim/2) turn by position * frequencies[i] (rope_frequencies),
   so a query-key product depends only on the two positions' difference.
   """
   half = x.shape[-1] // 2
-  frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[..., None].astype(jnp.float32) * frequencies  # [batch, length, half]
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies)  # [b, length, half]
   cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
   first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
@@ -94,8 +139,9 @@ class Attention(nn.Module):
         batch, length, cfg.num_heads, cfg.head_dim)
     k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name)(x).reshape(
         batch, length, cfg.num_kv_heads, cfg.head_dim) for name in ("k_proj", "v_proj"))
-    q = constrain(rotary_embedding(q, positions, cfg.rope_theta), "batch", "length", "heads", None)
-    k = constrain(rotary_embedding(k, positions, cfg.rope_theta), "batch", "length", "heads", None)
+    frequencies = rope_frequencies(cfg)
+    q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
+    k = constrain(rotary_embedding(k, positions, frequencies), "batch", "length", "heads", None)
     v = constrain(v, "batch", "length", "heads", None)
     # dot_product_attention shares each key/value head among num_heads / num_kv_heads queries.
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
