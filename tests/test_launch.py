@@ -1,4 +1,5 @@
 """Experiments: sweeps of work units, the local executor, and what bad input gets."""
+import json
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ from conftest import REPO
 from levanter_flax.errors import UserError
 from levanter_flax.launch import Experiment, product, sweep, zipit
 from levanter_flax.launch.experiment import work_units
+from levanter_flax.launch.local import is_done
 from test_main import NANO, TINY
 
 
@@ -31,6 +33,11 @@ def test_work_units_carry_shared_and_swept_overrides_as_flags():
   assert unit.name == "000_learning_rate=0.001"
   assert unit.flags(NANO) == [f"--config={NANO}", "--config.trainer.num_train_steps=5",
                               "--config.model.remat=full", "--config.optimizer.learning_rate=0.001"]
+  # What its trainer will save as config.json: the config file with these overrides applied.
+  assert {k: unit.resolved[k] for k in ("trainer.num_train_steps", "model.remat",
+                                        "optimizer.learning_rate", "model.num_layers")} == {
+      "trainer.num_train_steps": 5, "model.remat": "full", "optimizer.learning_rate": 0.001,
+      "model.num_layers": 4}
 
 
 def test_an_unknown_key_in_a_work_unit_is_named_before_anything_runs():
@@ -40,8 +47,67 @@ def test_an_unknown_key_in_a_work_unit_is_named_before_anything_runs():
     work_units(experiment)
 
 
-def write_experiment(path, units) -> str:
-  shared = {k[len("--config."):]: v for k, v in (a.split("=", 1) for a in TINY)}
+def test_a_bad_override_value_is_named_with_its_unit_before_anything_runs():
+  with pytest.raises(UserError, match=r"^work unit 1 \(trainer.seed=one\) of experiment e: flag "
+                                      r"--config.trainer.seed=one: invalid literal for int\(\)"):
+    work_units(Experiment("e", NANO, [{"trainer.seed": 1}, {"trainer.seed": "one"}]))
+  with pytest.raises(UserError, match=r"^work unit 0 \(no overrides\) of experiment e: config key "
+                                      r"config.model.remat must be True, False or one of"):
+    work_units(Experiment("e", NANO, [], overrides={"model.remat": "sometimes"}))
+
+
+def save_config(workdir, config) -> None:
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "config.json").write_text(json.dumps(config))
+
+
+def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path):
+  [unit] = work_units(Experiment("e", NANO, [], overrides={"trainer.num_train_steps": 5}))
+  wanted, workdir = unit.resolved, tmp_path / "unit"
+  assert not is_done(workdir, wanted)
+  (workdir / "checkpoints" / "5").mkdir(parents=True)
+  assert not is_done(workdir, wanted)  # No config.json: the trainer resumes (and checks) them.
+  save_config(workdir, wanted)
+  assert is_done(workdir, wanted)
+  # Saved before the key existed: that run did what its default does.
+  save_config(workdir, {k: v for k, v in wanted.items() if k != "trainer.hang_watchdog_seconds"})
+  assert is_done(workdir, wanted)
+  save_config(workdir, {**wanted, "trainer.num_train_steps": 3})
+  assert not is_done(workdir, wanted)  # More steps: the run continues.
+  for saved, diff in (({"trainer.num_train_steps": 10}, "trainer.num_train_steps 10 -> 5"),
+                      ({"trainer.seed": 1, "trainer.num_train_steps": 3},
+                       "trainer.num_train_steps 3 -> 5, trainer.seed 1 -> 0"),
+                      ({"trainer.seed": None}, "trainer.seed None -> 0")):  # It has no default.
+    save_config(workdir, {k: v for k, v in {**wanted, **saved}.items() if v is not None})
+    with pytest.raises(UserError) as refused:
+      is_done(workdir, wanted)
+    assert str(refused.value) == (
+        f"{workdir} holds a run of another config ({diff}); only a larger trainer.num_train_steps "
+        f"can continue it: use a new --root or experiment name for this one")
+  (workdir / "config.json").write_text("{not json")
+  with pytest.raises(UserError, match=r"^cannot read .*config.json: Expecting property name"):
+    is_done(workdir, wanted)
+
+
+def test_an_auto_batch_size_unit_is_done_with_the_size_its_run_chose(tmp_path):
+  plain, targeted = work_units(Experiment(
+      "e", NANO, [{}, {"trainer.target_batch_size": 32}],
+      overrides={"trainer.batch_size": "auto", "trainer.num_train_steps": 5}))
+  (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+  chose = lambda unit, size, steps: save_config(tmp_path, {
+      **unit.resolved, "trainer.batch_size": size, "trainer.gradient_accumulation_steps": steps})
+  chose(plain, 24, 1)
+  assert is_done(tmp_path, plain.resolved)
+  chose(targeted, 32, 4)
+  assert is_done(tmp_path, targeted.resolved)
+  chose(targeted, 16, 1)  # Auto with a target reaches exactly the target.
+  with pytest.raises(UserError, match=r"\(trainer.batch_size 16 -> auto\)"):
+    is_done(tmp_path, targeted.resolved)
+
+
+def write_experiment(path, units, shared=None) -> str:
+  tiny = {k[len("--config."):]: v for k, v in (a.split("=", 1) for a in TINY)}
+  shared = {**tiny, **(shared or {})}
   path.write_text(f"""
 from levanter_flax.launch import Experiment
 
@@ -71,6 +137,37 @@ def test_local_experiment_runs_its_units_and_a_rerun_skips_them(data_cache, tmp_
   assert again.returncode == 0, again.stderr[-3000:]
   assert again.stdout.count("] done in an earlier launch") == 2
   assert "started" not in again.stdout
+
+
+def test_a_changed_shared_override_extends_or_refuses_a_finished_unit(data_cache, tmp_path):
+  shared = {"data.cache_dir": str(data_cache), "trainer.batch_size": 8}
+  units = [{"trainer.seed": 1}, {"trainer.seed": 2, "optimizer.learning_rate": 0.003}]
+  experiment = lambda **more: write_experiment(tmp_path / "exp.py", units, {**shared, **more})
+  runs = tmp_path / "runs"
+  refused_dir = runs / "tiny" / "000_seed=1"
+  longer_dir = runs / "tiny" / "001_seed=2,learning_rate=0.003"
+  first = launch(experiment(**{"trainer.num_train_steps": 1}), runs, "--max_parallel=2")
+  assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+  # Unit 1 sets its own learning rate, so only unit 0 sees the new shared one: it is refused,
+  # naming the change; unit 1 only needs more steps: its finished run resumes and goes on.
+  second = launch(experiment(**{"trainer.num_train_steps": 2, "optimizer.learning_rate": 0.01}),
+                  runs, "--max_parallel=2")
+  assert second.returncode == 1, second.stdout + second.stderr[-3000:]
+  assert [line for line in second.stdout.splitlines() if line.startswith("[000_")] == [
+      f"[000_seed=1] refused: {refused_dir} holds a run of another config (optimizer.learning_rate "
+      f"0.003 -> 0.01, trainer.num_train_steps 1 -> 2); only a larger trainer.num_train_steps "
+      f"can continue it: use a new --root or experiment name for this one"]
+  assert "earlier launch" not in second.stdout
+  assert "[001_seed=2,learning_rate=0.003] finished (exit 0)" in second.stdout
+  assert (longer_dir / "checkpoints" / "2").is_dir()
+  table = second.stdout.split("unit ", 1)[1]
+  assert [line.split()[:3] for line in table.splitlines()[1:]] == [
+      ["000_seed=1", "refused", "-"], ["001_seed=2,learning_rate=0.003", "finished", "0"]]
+  assert second.stderr.strip().splitlines()[-1] == (
+      "levanter_flax: error: 1 of 2 work units did not finish: 000_seed=1 (refused)")
+  starts = [line for line in (refused_dir / "log.txt").read_text().splitlines()
+            if line.startswith("$ ")]
+  assert len(starts) == 1  # Not started again.
 
 
 def test_a_failing_unit_is_reported_while_the_other_finishes(data_cache, tmp_path):

@@ -2,7 +2,9 @@ r"""python -m levanter_flax.launch EXPERIMENT_FILE [--executor=local|xm] [--max_
 
 EXPERIMENT_FILE defines get_experiment() -> levanter_flax.launch.Experiment.
 Every work unit's overrides are checked against the config before anything
-starts. Exit status 0 when every unit is finished (now or earlier), else 1.
+starts. Exit status 0 when every unit is finished (now or earlier), else 1:
+a unit failed, was interrupted, or was refused because its workdir holds a
+run of another config.
 """
 import pathlib
 
@@ -35,7 +37,8 @@ def main(argv: list[str]) -> None:
   except UserError as e:
     exit_with_error(str(e))
   print(local.status_table(outcomes))
-  unfinished = [o.unit.name for o in outcomes if o.state not in ("finished", "skipped")]
+  unfinished = [f"{o.unit.name} ({o.state})" for o in outcomes
+                if o.state not in ("finished", "skipped")]
   if unfinished:
     exit_with_error(f"{len(unfinished)} of {len(outcomes)} work units did not finish: "
                     f"{', '.join(unfinished)}")

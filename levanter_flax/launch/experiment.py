@@ -7,7 +7,10 @@ import re
 from typing import Any, Mapping, Sequence
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
+from levanter_flax.config import flat_dict, to_run_config
 from levanter_flax.errors import UserError
 
 Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
@@ -45,10 +48,17 @@ class WorkUnit:
   index: int
   name: str  # Also its workdir's name: the index and the swept values.
   overrides: dict[str, Any]
+  # The config its run saves as <workdir>/config.json (config.flat_dict), except that
+  # trainer.batch_size may still be "auto" here: the trainer saves what that resolved to.
+  resolved: dict[str, Any]
 
   def flags(self, config: str) -> list[str]:
     """The command-line flags of `python -m levanter_flax.main` for this unit."""
-    return [f"--config={config}", *(f"--config.{k}={_flag_value(v)}" for k, v in self.overrides.items())]
+    return _flags(config, self.overrides)
+
+
+def _flags(config: str, overrides: Overrides) -> list[str]:
+  return [f"--config={config}", *(f"--config.{k}={_flag_value(v)}" for k, v in overrides.items())]
 
 
 def _flag_value(value: Any) -> str:
@@ -71,17 +81,37 @@ def load_experiment(path: pathlib.Path) -> Experiment:
 
 
 def work_units(experiment: Experiment) -> list[WorkUnit]:
-  """The units with their overrides checked against the config file's keys."""
+  """The units with their overrides checked against the config file: keys, then values."""
   config = _load_module(pathlib.Path(experiment.config), "config file").get_config()
   units = []
   for index, swept in enumerate(experiment.work_units or [{}]):
     overrides = {**experiment.overrides, **swept}
+    where = f"work unit {index} ({_describe(swept)}) of experiment {experiment.name}"
     for key in overrides:
       if not _has_key(config, key):
-        raise UserError(f"work unit {index} ({_describe(swept)}) of experiment {experiment.name} "
-                        f"overrides unknown config key config.{key}")
-    units.append(WorkUnit(index, _unit_name(index, swept), overrides))
+        raise UserError(f"{where} overrides unknown config key config.{key}")
+    resolved = _resolve(_flags(experiment.config, overrides), where)
+    units.append(WorkUnit(index, _unit_name(index, swept), overrides, resolved))
   return units
+
+
+def _resolve(unit_flags: list[str], where: str) -> dict[str, Any]:
+  """The flat config of a unit's run, read from its flags the way levanter_flax.main reads them.
+
+  Parsing the very flags the unit will get, with config_flags, gives each
+  value the type the trainer will see ("0.001" -> float, "auto" stays a str).
+  """
+  argv = ["levanter_flax.main", *unit_flags]
+  values = flags.FlagValues()  # Not absl's FLAGS: those hold the launcher's own flags.
+  config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
+  try:
+    values(argv)
+    return flat_dict(to_run_config(values.config))
+  except UserError as e:
+    raise UserError(f"{where}: {e}") from None
+  except Exception as e:  # pylint: disable=broad-except  # config_flags' errors for a bad value.
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise UserError(f"{where}: {message}") from None
 
 
 def _has_key(config: ml_collections.ConfigDict, key: str) -> bool:

@@ -1,10 +1,12 @@
 """Runs an experiment's work units as local subprocesses, a few at a time.
 
 Each unit trains in <root>/<experiment>/<unit>/ with its output in log.txt
-there. A unit is done when its run wrote the checkpoint of its last step, so
-a rerun skips done units and resumes the others from their checkpoints. An
-interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint and
-stop cleanly.
+there. A unit is done when the config.json there is the unit's config and its
+run wrote the checkpoint of its last step, so a rerun skips done units and
+resumes the others from their checkpoints. A workdir whose run had another
+config is refused, unless only trainer.num_train_steps grew: the run extends.
+An interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint
+and stop cleanly.
 """
 import dataclasses
 import json
@@ -13,27 +15,74 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
+from levanter_flax import config
+from levanter_flax.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
+
+# batch_size="auto" is resolved by the trainer before it saves config.json (batch_search.py):
+# these keys hold what it chose, not what the unit asked for.
+_CHOSEN_BY_AUTO = ("trainer.batch_size", "trainer.gradient_accumulation_steps")
 
 
 @dataclasses.dataclass
 class Outcome:
   unit: WorkUnit
   workdir: pathlib.Path
-  state: str = "pending"  # pending, running, finished, skipped, failed, interrupted.
+  state: str = "pending"  # pending, running, finished, skipped, refused, failed, interrupted.
   returncode: Optional[int] = None
   seconds: float = 0.0
 
 
-def is_done(workdir: pathlib.Path) -> bool:
-  """Whether the run in `workdir` checkpointed its last step (trainer.num_train_steps)."""
-  try:
-    last_step = json.loads((workdir / "config.json").read_text())["trainer.num_train_steps"]
-  except (OSError, ValueError, KeyError):
+def is_done(workdir: pathlib.Path, wanted: dict[str, Any]) -> bool:
+  """Whether `workdir` holds the finished run of the config `wanted` (WorkUnit.resolved).
+
+  False for a new workdir, an unfinished run of `wanted`, and a run that only
+  needs more steps. A run of any other config, or an unreadable config.json,
+  raises a UserError: those checkpoints are not this config's, and resuming
+  them would mix the two.
+  """
+  saved = _saved_config(workdir)
+  if saved is None:  # Nothing trained yet, or no restore succeeded; the trainer checks the rest.
     return False
-  return (workdir / "checkpoints" / str(last_step)).is_dir()
+  wanted = _as_the_trainer_saves(saved, wanted)
+  steps = "trainer.num_train_steps"
+  changed = config.changes(saved, wanted)
+  if not changed:
+    return (workdir / "checkpoints" / str(wanted[steps])).is_dir()
+  if config.changes(saved, wanted, [steps]) == changed and saved[steps] < wanted[steps]:
+    return False  # The trainer resumes and goes on to the new last step.
+  raise UserError(f"{workdir} holds a run of another config ({', '.join(changed)}); only a "
+                  f"larger {steps} can continue it: use a new --root or experiment name for "
+                  f"this one")
+
+
+def _as_the_trainer_saves(saved: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
+  """`wanted` with batch_size "auto" replaced by the size in `saved`, if auto could pick it."""
+  chosen = saved.get("trainer.batch_size")
+  target = wanted.get("trainer.target_batch_size")
+  if (wanted.get("trainer.batch_size") != "auto" or not isinstance(chosen, int)
+      or (target and chosen != target)):  # With a target, auto reaches exactly it.
+    return wanted
+  return {**wanted, **{k: saved.get(k) for k in _CHOSEN_BY_AUTO}}
+
+
+def _saved_config(workdir: pathlib.Path) -> Optional[dict[str, Any]]:
+  """The config.json that the trainer in `workdir` saved, or None if there is none."""
+  path = workdir / "config.json"
+  try:
+    saved = json.loads(path.read_text())
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    # Its checkpoints cannot be matched to a config (and the trainer fails on it as it resumes).
+    raise UserError(f"cannot read {path}: {e}; remove it to continue the run there unchecked, "
+                    f"or use a new --root or experiment name") from None
+  if not isinstance(saved, dict):
+    raise UserError(f"{path} is not a JSON object; remove it to continue the run there "
+                    f"unchecked, or use a new --root or experiment name")
+  return saved
 
 
 def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_parallel: int,
@@ -41,7 +90,13 @@ def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_p
   """Runs the units not done yet, at most `max_parallel` at once; returns every unit's outcome."""
   outcomes = [Outcome(u, root / experiment.name / u.name) for u in units]
   for outcome in outcomes:
-    if is_done(outcome.workdir):
+    try:
+      done = is_done(outcome.workdir, outcome.unit.resolved)
+    except UserError as e:  # This unit only: the others still run.
+      outcome.state = "refused"
+      _say(outcome, f"refused: {e}")
+      continue
+    if done:
       outcome.state = "skipped"
       _say(outcome, "done in an earlier launch")
   pending = [o for o in outcomes if o.state == "pending"]
@@ -83,7 +138,7 @@ def _start(experiment: Experiment, outcome: Outcome) -> subprocess.Popen:
 def _finish(outcome: Outcome, returncode: int, interrupted: bool) -> None:
   outcome.seconds = time.monotonic() - outcome.seconds
   outcome.returncode = returncode
-  if returncode == 0 and is_done(outcome.workdir):
+  if returncode == 0 and _finished(outcome):
     outcome.state = "finished"
   elif returncode == 0 or interrupted:
     outcome.state = "interrupted"
@@ -91,6 +146,14 @@ def _finish(outcome: Outcome, returncode: int, interrupted: bool) -> None:
     outcome.state = "failed"
   detail = f"exit {returncode}" + (f", see {outcome.workdir / 'log.txt'}" if returncode else "")
   _say(outcome, f"{outcome.state} ({detail}) after {outcome.seconds:.0f} s")
+
+
+def _finished(outcome: Outcome) -> bool:
+  try:
+    return is_done(outcome.workdir, outcome.unit.resolved)
+  except UserError as e:  # The run saved a config other than the unit's: not this unit's result.
+    _say(outcome, str(e))
+    return False
 
 
 def _say(outcome: Outcome, what: str) -> None:
