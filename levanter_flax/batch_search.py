@@ -2,14 +2,20 @@
 
     python -m levanter_flax.batch_search --config=configs/gpt2_small.py [--config.x=y ...]
 
-Each candidate per-device microbatch is compiled (on abstract arrays, so
-nothing is allocated) and XLA's memory analysis gives the bytes it needs
-per device: arguments + outputs - donated buffers + temporaries. Doubling
-finds a bound, bisection the largest that fits the budget. The budget is
-trainer.memory_fraction of the device's memory, or trainer.memory_budget_bytes
-where the backend reports none (CPU). Gradient accumulation then reaches
-trainer.target_batch_size. `trainer.batch_size="auto"` runs this at the
-start of training.
+Each candidate is compiled exactly as it will run (on abstract arrays, so
+nothing is allocated): its global batch, its gradient_accumulation_steps,
+hence the accumulator and the stacked microbatches too. XLA's memory analysis
+gives the bytes it needs per device: arguments + outputs - donated buffers +
+temporaries. The budget is trainer.memory_fraction of the device's memory, or
+trainer.memory_budget_bytes where the backend reports none (CPU).
+
+Without trainer.target_batch_size, candidates are per-device microbatches with
+no accumulation: doubling finds a bound, bisection the largest that fits. With
+it, candidates are the splits of the target into k equal microbatches that the
+data-parallel devices share evenly, and bisection finds the smallest k that
+fits. Both assume memory grows with the microbatch; whatever they return was
+itself compiled and fits. `trainer.batch_size="auto"` runs this at the start
+of training.
 """
 import dataclasses
 from typing import Callable
@@ -35,21 +41,34 @@ def memory_budget(trainer: TrainerConfig, device: jax.Device) -> int:
   return trainer.memory_budget_bytes
 
 
-def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device: int) -> int:
-  """Per-device bytes of the train step compiled for a microbatch of `per_device` sequences."""
-  schedule = optim.learning_rate_schedule(run.optimizer, 1)
+def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device: int,
+               accumulation: int = 1) -> int:
+  """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
+
+  Built as train.py builds it, so that the accumulator and the whole batch
+  (per_device x data-parallel size x accumulation sequences) are counted.
+  """
+  schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   steps = step.build_sharded_steps(models.build(run.model),
                                    optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, run.model.seq_len)
+                                   partitioner, run.model.seq_len, accumulation)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        steps.abstract_state, steps.state_shardings)
   batch = {"tokens": jax.ShapeDtypeStruct(
-      (per_device * partitioner.data_parallel_size, run.model.seq_len), np.int32,
+      (per_device * partitioner.data_parallel_size * accumulation, run.model.seq_len), np.int32,
       sharding=steps.batch_sharding)}
   with partitioner.activation_context():
     memory = steps.train_step.lower(state, batch).compile().memory_analysis()
   return (memory.argument_size_in_bytes + memory.output_size_in_bytes
           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:
+  """The largest n in [low, high) with fits(n), given fits(low) and that nothing from high fits."""
+  while high - low > 1:
+    middle = (low + high) // 2
+    low, high = (middle, high) if fits(middle) else (low, middle)
+  return low
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
@@ -59,11 +78,36 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
   low = 1
   while low * 2 <= limit and fits(low * 2):
     low *= 2
-  high = min(low * 2, limit + 1)  # fits(high) is False or beyond the limit.
-  while high - low > 1:
-    middle = (low + high) // 2
-    low, high = (middle, high) if fits(middle) else (low, middle)
-  return low
+  return _bisect(fits, low, min(low * 2, limit + 1))  # fits(low * 2) is False or beyond the limit.
+
+
+def microbatch_choices(target: int, data_parallel: int) -> list[int]:
+  """Per-device microbatches that split `target` into equal microbatches, ascending.
+
+  k microbatches of target / k sequences each need k | target and
+  data_parallel | target / k: exactly the divisors of target / data_parallel.
+  """
+  if target % data_parallel:
+    raise UserError(f"config.trainer.target_batch_size ({target}) must be divisible by the "
+                    f"activation axis size ({data_parallel})")
+  per_device_total = target // data_parallel
+  return [n for n in range(1, per_device_total + 1) if not per_device_total % n]
+
+
+def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
+                                  data_parallel: int) -> tuple[int, int]:
+  """(per-device microbatch, accumulation steps) that reach `target` in the fewest steps that fit.
+
+  Every choice is tried with the accumulation it will run with. Bisection over
+  the choices: 1 + ceil(log2(choices)) calls of fits. (0, 0) if none fits.
+  """
+  choices = microbatch_choices(target, data_parallel)
+  accumulation = lambda i: target // (choices[i] * data_parallel)
+  fits_choice = lambda i: fits(choices[i], accumulation(i))
+  if not fits_choice(0):
+    return 0, 0
+  best = _bisect(fits_choice, 0, len(choices))
+  return choices[best], accumulation(best)
 
 
 def resolve(run: RunConfig, partitioner: partitioning.Partitioner) -> TrainerConfig:
@@ -71,30 +115,27 @@ def resolve(run: RunConfig, partitioner: partitioning.Partitioner) -> TrainerCon
   trainer = run.trainer
   budget = memory_budget(trainer, jax.devices()[0])
   data_parallel = partitioner.data_parallel_size
-  target = trainer.target_batch_size
-  tried = {}
+  needs = {}
 
-  def fits(per_device: int) -> bool:
-    tried[per_device] = step_bytes(run, partitioner, per_device)
-    logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device; "
-                 "budget %s", per_device, per_device * data_parallel, f"{tried[per_device]:,}",
-                 f"{budget:,}")
-    return tried[per_device] <= budget
-  limit = target // data_parallel if target else 4096
-  per_device = largest_fitting(fits, max(limit, 1))
+  def fits(per_device: int, accumulation: int) -> bool:
+    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation)
+    logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device "
+                 "with gradient_accumulation_steps=%d (%d sequences per step); budget %s",
+                 per_device, per_device * data_parallel, f"{needs[per_device]:,}", accumulation,
+                 per_device * data_parallel * accumulation, f"{budget:,}")
+    return needs[per_device] <= budget
+
+  if trainer.target_batch_size:
+    per_device, accumulation = smallest_fitting_accumulation(fits, trainer.target_batch_size,
+                                                             data_parallel)
+  else:
+    per_device, accumulation = largest_fitting(lambda n: fits(n, 1), 4096), 1
   if not per_device:
     raise UserError(f"not even 1 sequence per device fits the memory budget of {budget:,} bytes: "
-                    f"the step needs {tried[1]:,}; use remat, ZeRO-3 (sharding.parameter_axis) "
+                    f"the step needs {needs[1]:,}; use remat, ZeRO-3 (sharding.parameter_axis) "
                     f"or a larger budget")
-  if not target:
-    return dataclasses.replace(trainer, batch_size=per_device * data_parallel,
-                               gradient_accumulation_steps=1)
-  for steps in range(1, target + 1):
-    microbatch, rest = divmod(target, steps)
-    if not rest and microbatch % data_parallel == 0 and microbatch // data_parallel <= per_device:
-      return dataclasses.replace(trainer, batch_size=target, gradient_accumulation_steps=steps)
-  raise UserError(f"config.trainer.target_batch_size ({target}) cannot be split into "
-                  f"microbatches of at most {per_device} per device over {data_parallel} devices")
+  return dataclasses.replace(trainer, batch_size=per_device * data_parallel * accumulation,
+                             gradient_accumulation_steps=accumulation)
 
 
 def main(argv):

@@ -1,12 +1,15 @@
 """Automatic batch size: the largest microbatch under the budget, by compiled memory analysis."""
 import dataclasses
+import math
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from conftest import REPO
-from levanter_flax import batch_search
+from levanter_flax import batch_search, models, optim, step
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.partitioning import Partitioner, make_mesh
@@ -37,10 +40,59 @@ def test_search_finds_the_largest_microbatch_under_the_budget(run_and_partitione
   trainer = dataclasses.replace(run.trainer, batch_size="auto", memory_budget_bytes=budget)
   resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
   assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (3 * 8, 1)
-  # Reaching a target of 48 sequences with at most 3 per device over 8 devices: 2 x 24.
-  trainer = dataclasses.replace(trainer, target_batch_size=48)
+
+
+def test_accumulation_search_tries_only_real_splits_and_is_exact():
+  for target in (8, 48, 56, 64, 96):
+    choices = batch_search.microbatch_choices(target, 8)
+    for threshold in range(0, target // 8 + 2):
+      tried = []
+
+      def fits(per_device, accumulation, threshold=threshold, tried=tried):
+        tried.append((per_device, accumulation))
+        return per_device <= threshold
+      found = batch_search.smallest_fitting_accumulation(fits, target, 8)
+      # Each compile is a configuration the run could use: the whole target in equal microbatches.
+      assert all(n * 8 * k == target for n, k in tried), (target, tried)
+      assert len(tried) <= 1 + math.ceil(math.log2(len(choices)))
+      best = max((n for n in choices if n <= threshold), default=0)
+      assert found == ((best, target // (8 * best)) if best else (0, 0)), (target, threshold)
+  with pytest.raises(UserError, match=r"^config.trainer.target_batch_size \(12\) must be divisible "
+                                      r"by the activation axis size \(8\)$"):
+    batch_search.smallest_fitting_accumulation(lambda n, k: True, 12, 8)
+
+
+def compiled_bytes(run, partitioner, per_device: int, accumulation: int) -> int:
+  """The real step's per-device bytes, built here as train.py builds it, not by step_bytes."""
+  schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
+  steps = step.build_sharded_steps(models.build(run.model),
+                                   optim.make_optimizer(run.optimizer, schedule), schedule,
+                                   partitioner, run.model.seq_len, accumulation)
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       steps.abstract_state, steps.state_shardings)
+  tokens = jax.ShapeDtypeStruct((per_device * partitioner.data_parallel_size * accumulation,
+                                 run.model.seq_len), np.int32, sharding=steps.batch_sharding)
+  with partitioner.activation_context():
+    memory = steps.train_step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def test_target_search_counts_the_accumulation_the_step_will_run(run_and_partitioner):
+  run, partitioner = run_and_partitioner
+  # A target of 48 over 8 devices: 1, 2, 3 or 6 per device in 6, 3, 2 or 1 microbatches.
+  two_by_three = compiled_bytes(run, partitioner, 2, 3)
+  three_by_two = compiled_bytes(run, partitioner, 3, 2)
+  three_alone = compiled_bytes(run, partitioner, 3, 1)
+  budget = (max(two_by_three, three_alone) + three_by_two) // 2
+  # Compiled without accumulation, 3 per device fits, so a search that leaves the
+  # accumulator out would run 3 x 2, which does not; 2 x 3 is the largest that fits.
+  assert two_by_three <= budget < three_by_two, (two_by_three, budget, three_by_two)
+  assert three_alone <= budget, (three_alone, budget)
+  trainer = dataclasses.replace(run.trainer, batch_size="auto", memory_budget_bytes=budget,
+                                target_batch_size=48)
   resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
-  assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (48, 2)
+  assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (48, 3)
 
 
 def test_budget_errors_are_named(run_and_partitioner):
