@@ -74,7 +74,8 @@ def main():
   numpy_rate = tokens_per_second(dataset.as_numpy_iterator(), args.num_batches)
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   arrays = loader.TrainBatches(sources, cfg, seq_len=args.seq_len, local_batch_size=args.batch_size,
-                               seed=0, position=start, sharding=sharding)
+                               seed=0, position=start, sharding=sharding,
+                               vocab_size=sources[0].manifest["tokenizer"]["vocab_size"])
   array_rate = tokens_per_second((batch for batch, _ in arrays), args.num_batches)
   arrays.close()
   mixed = loader.train_dataset(mixture, seq_len=args.seq_len, local_batch_size=args.batch_size,

@@ -3,9 +3,10 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from absl import logging
@@ -26,7 +27,7 @@ class Checkpointer:
   def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0):
     self.directory = ensure_writable_dir(directory.absolute(), "checkpoint directory")
     self._manager = ocp.CheckpointManager(
-        directory.absolute(), item_names=("state", "data"),
+        directory.absolute(), item_handlers=_item_handlers(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
                                              create=True, cleanup_tmp_directories=True))
     self._temporary: list[int] = []  # Written as temporary, oldest first.
@@ -36,44 +37,76 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def restore_newest_usable(self, abstract_state: Any,
-                            start_fresh_if_unusable: bool = False) -> Optional[tuple[Any, dict]]:
+  def restore_newest_usable(self, abstract_state: Any, start_fresh_if_unusable: bool = False,
+                            config_changes: Sequence[str] = ()) -> Optional[tuple[Any, dict]]:
     """The newest checkpoint that restores, as (state, data position); None if there is none.
 
-    Arrays land on the shardings in `abstract_state`. A checkpoint that fails
-    to restore (damaged or missing files) is renamed `<step>.unreadable`, kept
-    for inspection, with a warning, and the next older one is tried. If none
-    restores, that is an error unless `start_fresh_if_unusable`.
+    Arrays land on the shardings in `abstract_state`. A checkpoint that is
+    damaged (a missing or truncated file, unreadable metadata) is renamed
+    `<step>.unreadable`, kept for inspection, with a warning, and the next
+    older one is tried; if none is left, that is an error unless
+    `start_fresh_if_unusable`. A checkpoint that holds another state than this
+    run builds, or that fails to read for any other reason (permissions, a
+    storage outage), is left alone and stops the run: it is not damage.
+    `config_changes` ("key old -> new") are named when the state differs.
+    Every process reaches the same verdict on each checkpoint.
     """
-    unreadable = []
+    damaged = []
     for step in sorted(self._manager.all_steps(), reverse=True):
+      restored, failure = None, None
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-      except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
-        logging.warning("Checkpoint %s cannot be restored: %s", self.directory / str(step),
-                        _first_line(e))
-        unreadable.append(step)
+        restored = self._restore(step, abstract_state, config_changes)
+      except _Damaged as e:
+        logging.warning("Checkpoint %s is damaged: %s", self.directory / str(step), e)
+      except UserError as e:
+        failure = e
+      verdicts = _gathered(_FAILED if failure else _DAMAGED if restored is None else _RESTORED)
+      if _FAILED in verdicts:
+        raise failure or UserError(f"process {verdicts.index(_FAILED)} cannot read checkpoint "
+                                   f"{self.directory / str(step)}; see its log")
+      if _DAMAGED in verdicts:
+        damaged.append(step)
         continue
-      self._set_aside(unreadable)
-      if unreadable:
-        logging.warning("Resuming from checkpoint %d instead of the newer, unreadable %s (kept as "
-                        "<step>.unreadable in %s)", step, unreadable, self.directory)
+      self._set_aside(damaged)
+      if damaged:
+        logging.warning("Resuming from checkpoint %d instead of the newer, damaged %s (kept as "
+                        "<step>.unreadable in %s)", step, damaged, self.directory)
       return restored.state, restored.data
-    if unreadable and not start_fresh_if_unusable:
-      raise UserError(f"none of the checkpoints {unreadable} in {self.directory} can be restored; "
-                      f"set config.trainer.start_fresh_if_unusable=True to set them aside and "
-                      f"start from step 0")
-    self._set_aside(unreadable)
+    if damaged and not start_fresh_if_unusable:
+      raise UserError(f"the checkpoints {damaged} in {self.directory} are all damaged; set "
+                      f"config.trainer.start_fresh_if_unusable=True to set them aside and start "
+                      f"from step 0")
+    self._set_aside(damaged)
     return None
+
+  def _restore(self, step: int, abstract_state: Any, config_changes: Sequence[str]) -> Any:
+    """One checkpoint; raises _Damaged for damage and a UserError for anything else."""
+    path = self.directory / str(step)
+    try:
+      saved = self._manager.item_metadata(step)["state"]
+    except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+      raise _classified(e, path) from None
+    if saved is None:
+      raise _Damaged("its state metadata is missing")
+    mismatch = _shape_differences(saved, abstract_state)
+    if mismatch:
+      changed = f"; the config changed: {', '.join(config_changes)}" if config_changes else ""
+      raise UserError(f"checkpoint {path} holds another state than this run builds "
+                      f"({'; '.join(mismatch)}){changed}; restore the settings it was written "
+                      f"with, or use a new --workdir")
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+      raise _classified(e, path) from None
 
   def _set_aside(self, steps: list[int]) -> None:
     if not steps:
       return
-    if jax.process_index() == 0:  # Every process found the same ones; one renames them.
+    if jax.process_index() == 0:  # Every process reached the same verdict; one renames.
       for step in steps:
-        (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
-    multihost_utils.sync_global_devices("levanter_flax: unreadable checkpoints set aside")
+        (self.directory / str(step)).rename(_free_name(self.directory, f"{step}.unreadable"))
+    multihost_utils.sync_global_devices("levanter_flax: damaged checkpoints set aside")
     self._manager.reload()
 
   def save(self, step: int, state: Any, data_position: dict, temporary: bool = False) -> None:
@@ -128,6 +161,85 @@ class Checkpointer:
     self._manager.close()
 
 
+def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
+  """Named up front, so a checkpoint's metadata can be read before anything is restored."""
+  return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+
+
+class _Damaged(Exception):
+  """A checkpoint's files are missing, truncated or garbled: it can never be read."""
+
+
+# Tensorstore's status codes that mean the bytes on disk are wrong or gone. Others
+# (PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) say
+# the storage failed this time; the checkpoint may be fine.
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def _classified(error: Exception, path: pathlib.Path) -> Exception:
+  """_Damaged if `error` means the checkpoint's files are bad, else a UserError naming it."""
+  reason = _first_line(error)
+  for cause in _causes(error):
+    if isinstance(cause, (json.JSONDecodeError, FileNotFoundError, EOFError)):
+      return _Damaged(_first_line(cause))
+    if isinstance(cause, OSError):  # Permissions, I/O errors, timeouts: the storage, not the data.
+      reason = cause.strerror or reason
+      break
+    code = re.match(r"([A-Z_]{4,}): ", str(cause))
+    if code:
+      if code.group(1) in _DAMAGE_CODES:
+        return _Damaged(_first_line(cause))
+      reason = _first_line(cause)
+      break
+  return UserError(f"cannot read checkpoint {path}: {reason}; it was left as it is. "
+                   f"Run again once the storage is readable; if the checkpoint is damaged, move "
+                   f"it away (mv {path} {path}.unreadable)")
+
+
+_RESTORED, _DAMAGED, _FAILED = 0, 1, 2  # One process's verdict on one checkpoint.
+
+
+def _gathered(verdict: int) -> list[int]:
+  """Every process's verdict, in process order: all decide alike from the same list."""
+  if jax.process_count() == 1:
+    return [verdict]
+  return multihost_utils.process_allgather(np.array(verdict)).tolist()
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """'opt_state/1/0/mu/wte/embedding' -> shape, alike for dicts, lists and dataclasses."""
+  def name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return {name(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _shape_differences(saved: Any, wanted: Any, limit: int = 3) -> list[str]:
+  """The first few leaves that the checkpoint lacks, has extra, or holds in another shape."""
+  saved, wanted = _leaf_shapes(saved), _leaf_shapes(wanted)
+  differences = [f"{k}: missing in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+  differences += [f"{k}: not in this run's state" for k in sorted(saved.keys() - wanted.keys())]
+  differences += [f"{k}: {saved[k]} in the checkpoint, {wanted[k]} here"
+                  for k in sorted(wanted.keys() & saved.keys()) if saved[k] != wanted[k]]
+  more = f", and {len(differences) - limit} more" if len(differences) > limit else ""
+  return differences[:limit] + ([more.lstrip(", ")] if more else [])
+
+
+def _free_name(directory: pathlib.Path, name: str) -> pathlib.Path:
+  """`name`, or `name.2`, `name.3`, ... whichever does not exist yet."""
+  candidate, number = directory / name, 1
+  while candidate.exists():
+    number += 1
+    candidate = directory / f"{name}.{number}"
+  return candidate
+
+
 def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
   """(state, data position) from one checkpoint of another run: path is <workdir>/checkpoints/<step>."""
   path = path.expanduser().absolute()
@@ -148,19 +260,34 @@ def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
 
 
 def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
-  """(model config, params of the newest checkpoint, saved config.json) of a training workdir."""
+  """(model config, params of the newest readable checkpoint, saved config.json) of a workdir.
+
+  A damaged checkpoint is skipped with a warning, and left where it is.
+  """
   try:
     saved = json.loads((workdir / "config.json").read_text())
   except OSError:
     raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir") from None
+  except ValueError as e:
+    raise UserError(f"{workdir / 'config.json'} is not JSON: {e}") from None
   fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
   model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
-  steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+  steps = sorted((int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()),
+                 reverse=True)
   if not steps:
     raise UserError(f"{workdir}/checkpoints holds no checkpoint")
-  state = ocp.StandardCheckpointer().restore(
-      (workdir / "checkpoints" / str(steps[-1]) / "state").absolute())
-  return model_cfg, state["params"], saved
+  for step in steps:
+    path = (workdir / "checkpoints" / str(step)).absolute()
+    try:
+      state = ocp.StandardCheckpointer().restore(path / "state")
+    except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+      verdict = _classified(e, path)
+      if isinstance(verdict, UserError):
+        raise verdict from None
+      logging.warning("Checkpoint %s is damaged (%s); using the one before it", path, verdict)
+      continue
+    return model_cfg, state["params"], saved
+  raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
 
 
 def _first_line(error: Exception) -> str:

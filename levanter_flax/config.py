@@ -8,8 +8,9 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import typing
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import ml_collections
 
@@ -37,6 +38,7 @@ class TrainerConfig:
   device_mesh: tuple[tuple[str, int], ...]
   gradient_accumulation_steps: int = 1
   nan_policy: str = "halt"
+  max_consecutive_skipped_steps: int = 10
   start_fresh_if_unusable: bool = False
   checkpoint_every_minutes: float = 0.0
   keep_checkpoint_every_steps: int = 0
@@ -97,6 +99,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.model.cross_entropy_block_size = 0
   config.model.layer_norm_epsilon = 1e-5
   config.model.initializer_range = 0.02
+  # The LM head is the token embedding (GPT-2's way). False: a separate lm_head matrix
+  # (vocab_size x hidden_dim more parameters), as in HF checkpoints with tie_word_embeddings=false.
+  config.model.tie_word_embeddings = True
 
   config.trainer = ml_collections.ConfigDict()
   # Global, in sequences; or "auto": the largest microbatch that fits in memory
@@ -122,8 +127,11 @@ def default_config() -> ml_collections.ConfigDict:
   # Or start from a Hugging Face GPT-2 or Llama directory (config.json +
   # safetensors) whose shape matches config.model; fresh optimizer and data.
   config.trainer.init_from_hf = ""
-  # An unreadable newest checkpoint is set aside and the one before it used;
-  # when none can be read the run stops, unless this lets it start over.
+  # A damaged newest checkpoint (missing, truncated or garbled files) is set
+  # aside as <step>.unreadable and the one before it used; when all are
+  # damaged the run stops, unless this lets it start over. A checkpoint of
+  # another model or optimizer, or one the storage fails to read, is never
+  # set aside: the run stops naming it.
   config.trainer.start_fresh_if_unusable = False
   config.trainer.seed = 0
   # Axis name -> size; -1 takes all remaining devices.
@@ -131,6 +139,8 @@ def default_config() -> ml_collections.ConfigDict:
   # A step with a non-finite loss or gradient never updates the params; then
   # "halt" stops the run naming the step, "skip" warns, counts it and goes on.
   config.trainer.nan_policy = "halt"
+  # With "skip": this many skipped steps in a row mean the run has diverged; it halts.
+  config.trainer.max_consecutive_skipped_steps = 10
   # Splits each batch into this many microbatches, summed inside one jitted step.
   config.trainer.gradient_accumulation_steps = 1
   # Compiled programs are kept here across runs (a shared path serves many
@@ -230,6 +240,15 @@ def llama_model_config() -> ml_collections.ConfigDict:
   model.hidden_dim = 2048
   model.intermediate_dim = 5632  # SwiGLU's width.
   model.rope_theta = 10000.0
+  # RoPE scaling for longer contexts, as Hugging Face's rope_parameters: "default"
+  # (none), "linear" (positions / rope_factor) or "llama3" (Llama 3.1's: low
+  # frequencies / rope_factor, a ramp between the two frequency factors, measured
+  # against rope_original_seq_len). Changes what the weights compute.
+  model.rope_type = "default"
+  model.rope_factor = 1.0
+  model.rope_low_freq_factor = 1.0
+  model.rope_high_freq_factor = 4.0
+  model.rope_original_seq_len = 8192
   model.rms_norm_epsilon = 1e-5
   model.initializer_range = 0.02
   model.remat = "none"
@@ -409,9 +428,59 @@ def _check_positive(run: RunConfig) -> None:
         raise UserError(f"config key config.{section}.{field.name} must be positive, got {value}")
 
 
-# What a checkpoint's arrays and their meaning depend on; anything else may change on resume.
-MODEL_SHAPE_KEYS = ("architecture", "vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
-                    "hidden_dim", "intermediate_dim", "scan_layers")
+def _between(low: float, high: float, low_open: bool = False, high_open: bool = False):
+  def check(value: float) -> bool:
+    return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+  return check
+
+
+# Numeric keys beyond "positive": each key's valid range, as words for the error.
+_RANGES = {
+    "trainer.checkpoint_every_minutes": (_between(0, float("inf")), ">= 0 (0: never)"),
+    "trainer.hang_watchdog_seconds": (_between(0, float("inf")), ">= 0 (0: off)"),
+    "trainer.memory_fraction": (_between(0, 1, low_open=True), "in (0, 1]"),
+    "trainer.peak_flops_per_device": (_between(0, float("inf")), ">= 0 (0: look it up)"),
+    "trainer.jax_persistent_cache_min_compile_time_secs": (_between(0, float("inf")), ">= 0"),
+    "trainer.distributed.num_processes": (_between(0, float("inf")), ">= 0 (0: detect)"),
+    "trainer.distributed.process_id": (_between(-1, float("inf")), ">= -1 (-1: detect)"),
+    "optimizer.learning_rate": (_between(0, float("inf"), low_open=True), "> 0"),
+    "optimizer.warmup_steps": (_between(0, float("inf")), ">= 0"),
+    "optimizer.min_learning_rate_ratio": (_between(0, 1), "in [0, 1]"),
+    "optimizer.weight_decay": (_between(0, float("inf")), ">= 0"),
+    "optimizer.max_grad_norm": (_between(0, float("inf")), ">= 0 (0: no clipping)"),
+    "optimizer.beta1": (_between(0, 1, high_open=True), "in [0, 1)"),
+    "optimizer.beta2": (_between(0, 1, high_open=True), "in [0, 1)"),
+    "optimizer.epsilon": (_between(0, float("inf"), low_open=True), "> 0"),
+    "optimizer.hessian_update_interval": (_between(1, float("inf")), ">= 1"),
+    "optimizer.sophia_gamma": (_between(0, float("inf"), low_open=True), "> 0"),
+    "data.validation_fraction": (_between(0, 1, low_open=True, high_open=True), "in (0, 1)"),
+    "data.num_train_shards": (_between(1, float("inf")), ">= 1"),
+    "data.reader_groups": (_between(0, float("inf")), ">= 0 (0: one per process)"),
+}
+
+
+def _check_ranges(run: RunConfig) -> None:
+  flat = flat_dict(run)
+  flat |= {f"trainer.distributed.{k}": v for k, v in flat["trainer.distributed"].items()}
+  for key, (valid, words) in _RANGES.items():
+    if not valid(flat[key]):
+      raise UserError(f"config.{key} must be {words}; got {flat[key]}")
+
+
+def _check_rules(rules) -> None:
+  for pattern, _ in rules:
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise UserError(f"config.sharding.rules: {pattern!r} is not a valid regex: {e}") from None
+
+
+# What a checkpoint's arrays and their meaning depend on: a resume that changes one is refused
+# before anything is restored. Anything else may change on resume, and is logged.
+STATE_KEYS = ("model.architecture", "model.vocab_size", "model.seq_len", "model.num_layers",
+              "model.num_heads", "model.num_kv_heads", "model.hidden_dim", "model.intermediate_dim",
+              "model.scan_layers", "model.param_dtype", "model.tie_word_embeddings",
+              "optimizer.name")
 
 
 def flat_dict(run: RunConfig) -> dict[str, Any]:
@@ -421,11 +490,36 @@ def flat_dict(run: RunConfig) -> dict[str, Any]:
                                 for key, value in fields.items()}))
 
 
-def model_shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-  """'model.num_layers 12 -> 24' for each shape key that differs."""
-  keys = sorted(f"model.{k}" for k in MODEL_SHAPE_KEYS)
-  saved = {"model.architecture": "gpt2", **saved}  # Written before there was a choice.
+def defaults(architecture: str) -> dict[str, Any]:
+  """Every key that has a default, with it, as config.json holds it.
+
+  A config.json written before a key existed means the key's default: its run
+  did what the default does.
+  """
+  sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+  sections["model"] = models.CONFIGS[architecture]
+  found = {}
+  for section, cls in sections.items():
+    for field in dataclasses.fields(cls):
+      if field.default is not dataclasses.MISSING:
+        found[f"{section}.{field.name}"] = field.default
+  return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                for k, v in found.items()}))
+
+
+def changes(saved: dict[str, Any], now: dict[str, Any],
+            keys: Optional[Sequence[str]] = None) -> list[str]:
+  """'model.num_layers 12 -> 24' for each key (of `keys`, or any) whose value differs."""
+  architecture = saved.get("model.architecture", "gpt2")  # The only family before there was a key.
+  missing = defaults(architecture if architecture in models.CONFIGS else "gpt2")
+  saved = {**{k: v for k, v in missing.items() if k in now}, **saved}
+  keys = sorted(set(saved) | set(now) if keys is None else keys)
   return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
+
+
+def state_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """The changes that make a checkpoint written under `saved` unusable under `now`."""
+  return changes(saved, now, [k for k in STATE_KEYS if k in now or k in saved])
 
 
 def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
@@ -437,6 +531,8 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   run = RunConfig(**{name: _model_section(config) if name == "model" else _section(cls, config, name)
                      for name, cls in sections.items()})
   _check_positive(run)
+  _check_ranges(run)
+  _check_rules(run.sharding.rules)
   if run.model.hidden_dim % run.model.num_heads:
     raise UserError(f"config.model.hidden_dim ({run.model.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({run.model.num_heads})")
@@ -457,24 +553,14 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.trainer.init_from_hf and run.trainer.load_checkpoint_path:
     raise UserError("set config.trainer.init_from_hf or config.trainer.load_checkpoint_path, "
                     "not both")
-  if run.trainer.checkpoint_every_minutes < 0:
-    raise UserError(f"config.trainer.checkpoint_every_minutes must be >= 0; "
-                    f"got {run.trainer.checkpoint_every_minutes}")
-  if run.trainer.hang_watchdog_seconds < 0:
-    raise UserError(f"config.trainer.hang_watchdog_seconds must be >= 0 (0: off); "
-                    f"got {run.trainer.hang_watchdog_seconds}")
   if run.trainer.profiler and run.trainer.profiler_start_step > run.trainer.num_train_steps:
     raise UserError(f"config.trainer.profiler_start_step ({run.trainer.profiler_start_step}) is "
                     f"after the last step, config.trainer.num_train_steps "
                     f"({run.trainer.num_train_steps})")
-  if not 0 < run.trainer.memory_fraction <= 1:
-    raise UserError(f"config.trainer.memory_fraction must be in (0, 1]; got {run.trainer.memory_fraction}")
   if run.trainer.batch_size != "auto" and run.trainer.batch_size % run.trainer.gradient_accumulation_steps:
     raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
                     f"config.trainer.gradient_accumulation_steps "
                     f"({run.trainer.gradient_accumulation_steps})")
-  if not 0 < run.data.validation_fraction < 1:
-    raise UserError(f"config.data.validation_fraction must be in (0, 1); got {run.data.validation_fraction}")
   if run.optimizer.name not in optim.OPTIMIZERS:
     raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
                     f"got {run.optimizer.name!r}")
@@ -483,9 +569,6 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.data.on_corrupt_record not in ("fail", "skip"):
     raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
                     f"got {run.data.on_corrupt_record!r}")
-  if run.data.reader_groups < 0:
-    raise UserError(f"config.data.reader_groups must be >= 0 (0: one per process); "
-                    f"got {run.data.reader_groups}")
   if run.data.mixture and run.data.dataset != "stdlib":
     raise UserError("set config.data.dataset or config.data.mixture, not both")
   return run

@@ -1,25 +1,40 @@
 """Metric writers (TensorBoard, console, metrics.jsonl) and throughput accounting."""
 import json
+import os
 import pathlib
 import time
 from typing import Any, Mapping
 
 import jax
 import numpy as np
+from absl import logging
 from clu import metric_writers
+
+from levanter_flax.errors import UserError
 
 
 class JsonlWriter(metric_writers.MetricWriter):
-  """Appends one JSON object per write_scalars call: {"step": N, "time": unix seconds, name: value, ...}."""
+  """Appends one JSON object per write_scalars call: {"step": N, "time": unix seconds, name: value, ...}.
+
+  A run killed mid-write leaves a torn last line; it is cut off on open, so
+  the records that follow start on a line of their own.
+  """
 
   def __init__(self, path: pathlib.Path):
-    self._file = open(path, "a", encoding="utf-8")
+    try:
+      _cut_torn_tail(path)
+      self._file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise UserError(f"cannot write the metrics file {path}: {e.strerror or e}") from None
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     record = {"step": int(step), "time": time.time()}
     record.update({k: float(np.asarray(v)) for k, v in scalars.items()})
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    except OSError as e:
+      raise UserError(f"cannot write the metrics file {self._file.name}: {e.strerror or e}") from None
 
   def write_summaries(self, step, values, metadata=None): pass
   def write_images(self, step, images): pass
@@ -36,14 +51,34 @@ class JsonlWriter(metric_writers.MetricWriter):
     self._file.close()
 
 
+def _cut_torn_tail(path: pathlib.Path) -> None:
+  """Truncates `path` after its last newline, if anything follows it."""
+  if not path.exists():
+    return
+  with open(path, "rb+") as f:
+    size = f.seek(0, os.SEEK_END)
+    tail_start = size
+    while tail_start > 0:  # Back to the last newline, a block at a time.
+      block_start = max(tail_start - 4096, 0)
+      f.seek(block_start)
+      newline = f.read(tail_start - block_start).rfind(b"\n")
+      if newline >= 0:
+        tail_start = block_start + newline + 1
+        break
+      tail_start = block_start
+    if tail_start < size:
+      logging.warning("%s ends in a torn record (%d bytes, from a run that was killed while "
+                      "writing it); cutting it off", path, size - tail_start)
+      f.truncate(tail_start)
+
+
 def create_writer(workdir: pathlib.Path) -> metric_writers.MetricWriter:
   """TensorBoard + console on the first process; every other process only logs."""
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(str(workdir), just_logging=True)
+  jsonl = JsonlWriter(workdir / "metrics.jsonl")  # First: it names a file it cannot write.
   return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(str(workdir), asynchronous=False),
-      JsonlWriter(workdir / "metrics.jsonl"),
-  ])
+      metric_writers.create_default_writer(str(workdir), asynchronous=False), jsonl])
 
 
 class Throughput:

@@ -11,7 +11,7 @@ import pathlib
 import statistics
 from typing import Optional, Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -44,11 +44,18 @@ def load_run(workdir: pathlib.Path, name: str) -> Run:
     raise UserError(f"{workdir} has no metrics.jsonl: not a levanter_flax workdir, or its run "
                     f"has not logged a step yet")
   records = []
-  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+  text = path.read_text(encoding="utf-8", errors="replace")
+  lines = text.splitlines()
+  for number, line in enumerate(lines, 1):
     try:
       record = json.loads(line)
       int(record["step"])
     except (ValueError, KeyError, TypeError):
+      if number == len(lines) and not text.endswith("\n"):
+        # A run killed while writing; its next start cuts this line off.
+        logging.warning("%s:%d is a torn last record (the run was killed while writing it); "
+                        "skipped", path, number)
+        continue
       raise UserError(f"{path}:{number} is not a metrics record: {line[:80]!r}") from None
     records.append(record)
   if not records:

@@ -10,8 +10,8 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from levanter_flax import (batch_search, config, flops, hf, metrics, models, monitoring, optim,
-                           partitioning, preemption, report, step)
+from levanter_flax import (batch_search, config, flops, hf, locks, metrics, models, monitoring,
+                           optim, partitioning, preemption, report, step)
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
@@ -49,22 +49,43 @@ def _use_compilation_cache(trainer) -> None:
                     trainer.jax_persistent_cache_min_compile_time_secs)
 
 
-def _check_resumed_config(run: RunConfig, workdir: pathlib.Path, resuming: bool) -> None:
-  """Refuses to resume into a different model; logs other changes; saves the config."""
+def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
+  """Refuses to resume into another model or optimizer state; returns the other changes.
+
+  Checked before anything is restored, so a changed optimizer is never taken
+  for a damaged checkpoint.
+  """
   path = workdir / "config.json"
-  now = config.flat_dict(run)
-  if resuming and path.exists():
+  if not path.exists():
+    return []
+  try:
     saved = json.loads(path.read_text())
-    shape_changes = config.model_shape_changes(saved, now)
-    if shape_changes:
-      raise UserError(f"cannot resume the checkpoints in {workdir} with a different model: "
-                      f"{', '.join(shape_changes)}; use a new --workdir")
-    for key in sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)):
-      logging.warning("Resuming with %s changed: %s -> %s", key, saved.get(key), now.get(key))
-  if jax.process_index() == 0:  # The workdir is shared; one writer.
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(json.dumps(now, indent=2))
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {path}, the config the checkpoints were written with: {e}; "
+                    f"restore it, or use a new --workdir") from None
+  now = config.flat_dict(run)
+  refused = config.state_changes(saved, now)
+  if refused:
+    raise UserError(f"cannot resume the checkpoints in {workdir} with a different model or "
+                    f"optimizer: {', '.join(refused)}; use a new --workdir")
+  changed = config.changes(saved, now)
+  for change in changed:
+    logging.warning("Resuming with %s", change)
+  return changed
+
+
+def _save_config(run: RunConfig, workdir: pathlib.Path) -> None:
+  """<workdir>/config.json: what the checkpoints were written with, for the next resume."""
+  if jax.process_index() > 0:  # The workdir is shared; one writer.
+    return
+  path = workdir / "config.json"
+  tmp = path.with_name(f"{path.name}.tmp")
+  try:
+    tmp.write_text(json.dumps(config.flat_dict(run), indent=2))
     tmp.replace(path)
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -75,14 +96,23 @@ def _check_vocab(source: loader.Source, vocab_size: int) -> None:
 
 
 def _mean(history: list[dict]) -> dict[str, float]:
-  history = jax.device_get(history)
+  history = jax.device_get(history)  # Never empty: callers check.
   return {k: float(np.mean([m[k] for m in history])) for k in history[0]}
 
 
 def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
-  """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics."""
-  trainer = run.trainer
+  """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics.
+
+  The workdir is locked first: a second run in it is refused rather than
+  merged with this one.
+  """
   workdir = ensure_writable_dir(workdir, "workdir")
+  with locks.locked_for_job(workdir, "workdir"):
+    return _build_and_train(run, workdir)
+
+
+def _build_and_train(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
+  trainer = run.trainer
   _check_backend(run.model)
   _use_compilation_cache(trainer)
   mesh = partitioning.make_mesh(trainer.device_mesh)
@@ -107,10 +137,18 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
 
   checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints,
                               trainer.keep_checkpoint_every_steps)
-  _check_resumed_config(run, workdir, resuming=checkpointer.latest_step is not None)
+  config_changes = (_check_resumed_config(run, workdir)
+                    if checkpointer.latest_step is not None else [])
   try:
     with partitioner.activation_context(), preemption.StopSignal() as stop:
-      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources)
+      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
+                                       config_changes)
+      if int(state.step) >= trainer.num_train_steps:
+        logging.warning("Already finished: the newest checkpoint is step %d, and "
+                        "config.trainer.num_train_steps is %d; raise it to train on",
+                        int(state.step), trainer.num_train_steps)
+        return {}
+      _save_config(run, workdir)
       final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources,
                                   stop)
   finally:
@@ -119,11 +157,13 @@ def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float
 
 
 def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
-                   sources: list[loader.Source]) -> tuple[step.TrainState, loader.DataPosition]:
+                   sources: list[loader.Source],
+                   config_changes: list[str]) -> tuple[step.TrainState, loader.DataPosition]:
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
   (init_from_hf) or another run's (load_checkpoint_path); else init."""
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
-  restored = checkpointer.restore_newest_usable(abstract, trainer.start_fresh_if_unusable)
+  restored = checkpointer.restore_newest_usable(abstract, trainer.start_fresh_if_unusable,
+                                                config_changes)
   if restored:
     state, position = restored[0], loader.DataPosition.from_json(restored[1])
     logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
@@ -174,8 +214,14 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   def evaluate(params) -> dict[str, float]:
     results = {}
     for source, dataset in zip(evaluated, datasets):
-      batches = loader.eval_batches(dataset, source, steps.batch_sharding)
-      loss = _mean([steps.eval_step(params, batch) for batch in batches])["eval/loss"]
+      batches = loader.eval_batches(dataset, source, steps.batch_sharding,
+                                     run.model.vocab_size)
+      losses = [steps.eval_step(params, batch) for batch in batches]
+      if not losses:
+        raise UserError(f"eval: the validation split of {source.directory} holds no whole batch "
+                        f"of {run.model.seq_len}-token windows although its manifest lists "
+                        f"documents: its shards are empty or unreadable")
+      loss = _mean(losses)["eval/loss"]
       prefix = "eval" if len(sources) == 1 else f"eval/{source.name}"
       bits_per_byte = loss / np.log(2) * source.validation_tokens_per_byte
       results |= {f"{prefix}/loss": loss, f"{prefix}/perplexity": float(np.exp(loss)),
@@ -207,13 +253,14 @@ class _NonFiniteSteps:
   """Counts steps whose update was skipped for a non-finite loss or gradient; halts per policy.
 
   Each step's flag is read one step later, when it is long computed, so the
-  check never stalls the pipeline.
+  check never stalls the pipeline. Under "skip", a run of more than
+  `max_consecutive` skipped steps means divergence, and halts too.
   """
 
-  def __init__(self, policy: str, checkpointer: Checkpointer):
-    self._policy, self._checkpointer = policy, checkpointer
+  def __init__(self, policy: str, max_consecutive: int, checkpointer: Checkpointer):
+    self._policy, self._max_consecutive, self._checkpointer = policy, max_consecutive, checkpointer
     self._pending = None
-    self.count = 0
+    self.count = self._consecutive = 0
 
   def check(self, step_num: int, step_metrics: dict) -> None:
     previous, self._pending = self._pending, (step_num, step_metrics["train/nonfinite"])
@@ -227,12 +274,19 @@ class _NonFiniteSteps:
 
   def _report(self, step_num: int, flag) -> None:
     if not float(flag):
+      self._consecutive = 0
       return
     self.count += 1
+    self._consecutive += 1
+    newest = self._checkpointer.latest_step
     if self._policy == "halt":
       raise UserError(f"non-finite loss or gradients at step {step_num}; stopped "
                       f"(config.trainer.nan_policy='halt'). The newest checkpoint is step "
-                      f"{self._checkpointer.latest_step}; 'skip' would drop such updates and go on")
+                      f"{newest}; 'skip' would drop such updates and go on")
+    if self._consecutive > self._max_consecutive:
+      raise UserError(f"non-finite loss or gradients in {self._consecutive} steps in a row, up to "
+                      f"step {step_num}: more than config.trainer.max_consecutive_skipped_steps "
+                      f"({self._max_consecutive}); stopped. The newest checkpoint is step {newest}")
     logging.warning("Step %d: non-finite loss or gradients; its update was skipped", step_num)
 
 
@@ -250,7 +304,8 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
           steps.abstract_state.params),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
-  nonfinite = _NonFiniteSteps(trainer.nan_policy, checkpointer)
+  nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
+                              checkpointer)
   profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
                                      trainer.profiler_num_steps if trainer.profiler else 0)
   history, data_wait, last_metrics, last_save = [], 0.0, {}, time.monotonic()
@@ -258,7 +313,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
   with contextlib.closing(loader.TrainBatches(
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
-      groups=_reader_groups(run))) as train_batches, \
+      vocab_size=run.model.vocab_size, groups=_reader_groups(run))) as train_batches, \
       contextlib.closing(metrics.create_writer(workdir)) as writer, \
       monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
@@ -293,19 +348,19 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
         writer.write_scalars(step_num, last_metrics)
         history, data_wait = [], 0.0
       report_progress(step_num)
+      by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
+      by_time = (trainer.checkpoint_every_minutes
+                 and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
+      if by_step or by_time:  # Before eval: a failing eval must not cost the step's checkpoint.
+        with _phase(report_progress, "checkpoint"):
+          checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
+        last_save = time.monotonic()
       if step_num % trainer.eval_every_steps == 0 or finished:
         with _phase(report_progress, "eval"):
           eval_metrics = evaluate(state.params)
         writer.write_scalars(step_num, eval_metrics)
         last_metrics |= eval_metrics
         throughput.reset(step_num)
-      by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
-      by_time = (trainer.checkpoint_every_minutes
-                 and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
-      if by_step or by_time:
-        with _phase(report_progress, "checkpoint"):
-          checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
-        last_save = time.monotonic()
       profile.after_step(step_num, state)  # The window's last eval and checkpoint are in it.
       watchdog.step_finished(step_num)
       if stopping:

@@ -63,6 +63,15 @@ def test_axes_accept_names_and_comma_lists():
     ("optimizer", "name", "sgd", "config.optimizer.name must be one of adamw, lion, adafactor, sophia_h; got 'sgd'"),
     ("trainer", "hang_watchdog_seconds", -1.0, "config.trainer.hang_watchdog_seconds must be >= 0 (0: off)"),
     ("trainer", "profiler_num_steps", 0, "config key config.trainer.profiler_num_steps must be positive"),
+    ("trainer", "max_consecutive_skipped_steps", 0,
+     "config key config.trainer.max_consecutive_skipped_steps must be positive"),
+    ("optimizer", "learning_rate", -1e-3, "config.optimizer.learning_rate must be > 0; got -0.001"),
+    ("optimizer", "warmup_steps", -5, "config.optimizer.warmup_steps must be >= 0; got -5"),
+    ("optimizer", "hessian_update_interval", 0, "config.optimizer.hessian_update_interval must be >= 1"),
+    ("optimizer", "beta2", 1.0, "config.optimizer.beta2 must be in [0, 1); got 1.0"),
+    ("optimizer", "min_learning_rate_ratio", 2.0, "config.optimizer.min_learning_rate_ratio must be in [0, 1]"),
+    ("data", "num_train_shards", 0, "config.data.num_train_shards must be >= 1; got 0"),
+    ("sharding", "rules", (("h_(", (None,)),), "config.sharding.rules: 'h_(' is not a valid regex"),
 ])
 def test_bad_values_are_named(section, key, value, message):
   config = default_config()

@@ -1,4 +1,6 @@
 """Runs end cleanly on SIGTERM/SIGINT and never apply or save a non-finite update."""
+import errno
+import logging
 import pathlib
 import re
 import resource
@@ -13,8 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, read_metrics, train_losses
+from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
+from levanter_flax import report
 from levanter_flax.config import mesh, to_run_config
+from levanter_flax.data.prepare import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
 from test_main import NANO, TINY
@@ -34,10 +38,19 @@ def test_halt_stops_at_the_first_non_finite_step(tiny_config, tmp_path):
 
 
 def test_skip_drops_non_finite_updates_and_saves_finite_params(tiny_config, tmp_path):
+  tiny_config.trainer.max_consecutive_skipped_steps = 100
   final = train_and_evaluate(diverging(tiny_config, "skip"), tmp_path)
   assert final["train/skipped_steps"] > 0
   saved = ocp.StandardCheckpointer().restore((tmp_path / "checkpoints" / "10" / "state").absolute())
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved["params"]))
+
+
+def test_skip_halts_after_too_many_skipped_steps_in_a_row(tiny_config, tmp_path):
+  tiny_config.trainer.max_consecutive_skipped_steps = 3
+  with pytest.raises(UserError, match=r"non-finite loss or gradients in 4 steps in a row, up to "
+                                      r"step \d+: more than config.trainer."
+                                      r"max_consecutive_skipped_steps \(3\); stopped"):
+    train_and_evaluate(diverging(tiny_config, "skip"), tmp_path)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -67,23 +80,72 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
       stopped_at + 1, stopped_at + 2]
 
 
-def test_resume_refuses_a_changed_model_shape_and_allows_safe_changes(tiny_config, tmp_path):
+def checkpoint_files(workdir: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(workdir)): p.read_bytes()
+          for p in sorted((workdir / "checkpoints").rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   saved = (tmp_path / "config.json").read_text()
   assert '"model.num_layers": 2' in saved
+  checkpoints = checkpoint_files(tmp_path)
   tiny_config.model.num_layers = 3
   tiny_config.model.hidden_dim = 128
-  with pytest.raises(UserError, match=r"cannot resume .* with a different model: "
+  with pytest.raises(UserError, match=r"cannot resume .* with a different model or optimizer: "
                                       r"model.hidden_dim 64 -> 128, model.num_layers 2 -> 3"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   tiny_config.model.num_layers = 2
   tiny_config.model.hidden_dim = 64
+  # Not damage: even with start_fresh_if_unusable, nothing is set aside or overwritten.
+  tiny_config.optimizer.name = "lion"
+  tiny_config.trainer.start_fresh_if_unusable = True
+  with pytest.raises(UserError, match=r"with a different model or optimizer: optimizer.name "
+                                      r"adamw -> lion; use a new --workdir"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert checkpoint_files(tmp_path) == checkpoints
+  assert (tmp_path / "config.json").read_text() == saved
+  tiny_config.optimizer.name = "adamw"
   tiny_config.optimizer.learning_rate = 1e-3
   tiny_config.trainer.num_train_steps = 3
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert max(train_losses(tmp_path)) == 3
   assert '"optimizer.learning_rate": 0.001' in (tmp_path / "config.json").read_text()
+
+
+def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path):
+  """A change no config key check knows of: adafactor's state gains a decay with weight_decay."""
+  tiny_config.optimizer.name = "adafactor"
+  tiny_config.optimizer.weight_decay = 0.0
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.start_fresh_if_unusable = True
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  checkpoints = checkpoint_files(tmp_path)
+  tiny_config.optimizer.weight_decay = 0.1
+  tiny_config.trainer.num_train_steps = 3
+  with pytest.raises(UserError, match=r"checkpoint .*/checkpoints/2 holds another state than this "
+                                      r"run builds \(opt_state/.*\); the config changed: "
+                                      r"optimizer.weight_decay 0.0 -> 0.1, trainer.num_train_steps "
+                                      r"2 -> 3; restore the settings"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert checkpoint_files(tmp_path) == checkpoints
+
+
+def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, monkeypatch):
+  tiny_config.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  checkpoints = checkpoint_files(tmp_path)
+
+  def unavailable(*args, **kwargs):
+    raise OSError(errno.EIO, "Input/output error")
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", unavailable)
+  tiny_config.trainer.num_train_steps = 3
+  tiny_config.trainer.start_fresh_if_unusable = True
+  with pytest.raises(UserError, match=r"cannot read checkpoint .*/checkpoints/2: Input/output "
+                                      r"error; it was left as it is"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert checkpoint_files(tmp_path) == checkpoints
 
 
 # A failed orbax restore leaves its read coroutines unawaited; Python reports each one.
@@ -123,12 +185,19 @@ def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   for step in ("1", "2"):
     corrupt(tmp_path / "checkpoints" / step)
-  with pytest.raises(UserError, match=r"none of the checkpoints \[2, 1\] in .* can be restored; "
-                                      r"set config.trainer.start_fresh_if_unusable=True"):
+  with pytest.raises(UserError, match=r"the checkpoints \[2, 1\] in .* are all damaged; set "
+                                      r"config.trainer.start_fresh_if_unusable=True"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   tiny_config.trainer.start_fresh_if_unusable = True
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {"1.unreadable", "2.unreadable", "1", "2"}
+  # The same steps damaged again: set aside under new names, and the run makes progress.
+  for step in ("1", "2"):
+    corrupt(tmp_path / "checkpoints" / step)
+  tiny_config.trainer.num_train_steps = 3
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {
+      "1.unreadable", "2.unreadable", "1.unreadable.2", "2.unreadable.2", "2", "3"}
 
 
 def test_time_based_checkpoints_replace_each_other_and_periodic_ones_stay(tiny_config, tmp_path):
@@ -250,3 +319,115 @@ def test_every_process_agrees_to_stop_when_one_is_signalled():
   for process, (stdout, stderr) in zip(processes, results):
     assert process.returncode == 0, stderr[-3000:]
     assert stdout.splitlines()[-1] == "False True", stdout[-3000:]
+
+
+def start_main(*args) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(workdir: pathlib.Path, count: int, process: subprocess.Popen) -> None:
+  deadline = time.time() + 240
+  while time.time() < deadline and process.poll() is None and not (
+      (workdir / "metrics.jsonl").exists() and len(train_losses(workdir)) >= count):
+    time.sleep(0.2)
+  assert process.poll() is None, process.communicate()[1][-3000:]
+
+
+def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache, tmp_path):
+  args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
+          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=2",
+          f"--config.data.cache_dir={data_cache}"]
+  first = start_main(*args)
+  wait_for_steps(tmp_path, 3, first)
+  second = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+                           "--config.trainer.seed=1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert second.returncode == 1
+  assert "Traceback" not in second.stderr
+  assert re.fullmatch(
+      rf"levanter_flax: error: workdir {tmp_path} is in use by pid {first.pid} on "
+      rf"{re.escape(socket.gethostname())} \(since \d{{4}}-\d\d-\d\dT[\d:]+\+00:00\); wait for it "
+      rf"to finish or stop it \(its lock, {tmp_path}/.lock, goes when it exits\)",
+      second.stderr.strip().splitlines()[-1]), second.stderr[-3000:]
+  assert all(m.get("run/started_at_step", 0) == 0 for m in read_metrics(tmp_path))
+  first.kill()  # Its lock dies with it: the next run resumes.
+  first.wait()
+  stopped_at = max(train_losses(tmp_path))
+  resumed = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+                            f"--config.trainer.num_train_steps={stopped_at + 2}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert max(train_losses(tmp_path)) == stopped_at + 2
+
+
+def test_rerunning_a_finished_run_says_so_and_a_longer_one_goes_on(data_cache, tmp_path):
+  args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
+          "--config.trainer.num_train_steps=3", f"--config.data.cache_dir={data_cache}"]
+  for _ in range(2):
+    result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert "Already finished: the newest checkpoint is step 3, and config.trainer.num_train_steps " \
+         "is 3" in result.stderr
+  assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3]
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+                           "--config.trainer.num_train_steps=4"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3, 4]
+
+
+def test_a_failing_eval_is_one_line_and_the_step_is_checkpointed_first(tiny_config, tmp_path):
+  directory = prepare_texts(tmp_path / "data", random_documents(60))
+  for shard in load_manifest(directory)["splits"]["validation"]:
+    (directory / shard["file"]).write_bytes(b"")  # Listed with documents, holding none.
+  tiny_config.data.dataset = str(directory)
+  tiny_config.model.seq_len = 16
+  tiny_config.trainer.num_train_steps = 4
+  tiny_config.trainer.eval_every_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 2
+  with pytest.raises(UserError, match=rf"eval: the validation split of {directory} holds no "
+                                      rf"whole batch of 16-token windows"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["2"]
+
+
+def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config, tmp_path, caplog):
+  tiny_config.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 3, "train/lo')  # What kill -9 during a write leaves.
+  with caplog.at_level(logging.WARNING):
+    run = report.load_run(tmp_path, "run")
+  assert "metrics.jsonl:" in caplog.text and "torn last record" in caplog.text
+  assert max(run.series["train/loss"]) == 2
+  tiny_config.trainer.num_train_steps = 3
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  records = read_metrics(tmp_path)  # Every line is JSON again.
+  assert [r["run/started_at_step"] for r in records if "run/started_at_step" in r] == [0, 2]
+  assert max(train_losses(tmp_path)) == 3
+
+
+def test_a_full_disk_at_start_is_one_line(data_cache, tmp_path):
+  """Files cannot grow past one block (ulimit -f, SIGXFSZ ignored): the first real write fails.
+
+  (Not 0 bytes: TensorFlow's import itself needs a tiny temporary file.)
+  """
+  limited = ["sh", "-c", 'trap "" XFSZ; ulimit -f 1; exec "$0" "$@"', sys.executable]
+  result = subprocess.run([*limited, "-m", "levanter_flax.main", f"--config={NANO}",
+                           f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
+                           "--config.trainer.num_train_steps=2",
+                           f"--config.data.cache_dir={data_cache}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      f"levanter_flax: error: cannot write {tmp_path}/config.json: File too large")
+
+
+def test_an_unwritable_metrics_file_is_one_line(tiny_config, tmp_path):
+  (tmp_path / "metrics.jsonl").mkdir()  # As root, a directory is what cannot be opened for append.
+  with pytest.raises(UserError, match=f"cannot write the metrics file {tmp_path}/metrics.jsonl: "
+                                      f"Is a directory"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)

@@ -131,38 +131,97 @@ def test_mixture_draws_each_source_at_its_weight_and_resumes(datasets):
   np.testing.assert_array_equal(resumed_ids, ids[777:785])
 
 
-def corrupt_copy(directory: pathlib.Path, destination: pathlib.Path) -> tuple[pathlib.Path, str]:
+def damaged_copy(directory: pathlib.Path, destination: pathlib.Path, damage,
+                 shard_index: int = 1) -> tuple[pathlib.Path, dict]:
+  """A copy of the dataset with one train shard hurt by damage(path); returns that shard's entry."""
   shutil.copytree(directory, destination)
-  shard = prepare.load_manifest(destination)["splits"]["train"][1]["file"]
-  data = bytearray((destination / shard).read_bytes())
+  entry = prepare.load_manifest(destination)["splits"]["train"][shard_index]
+  damage(destination / entry["file"])
+  return destination, entry
+
+
+def flip_a_byte(path: pathlib.Path) -> None:
+  data = bytearray(path.read_bytes())
   data[len(data) // 2] ^= 0xFF
-  (destination / shard).write_bytes(bytes(data))
-  return destination, shard
+  path.write_bytes(bytes(data))
 
 
-def train_batches(directory, on_corrupt_record):
+def cut_in_half(path: pathlib.Path) -> None:
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def keep_a_few_bytes(path: pathlib.Path) -> None:
+  """What is left is less than a window: the shard can yield no window at all."""
+  path.write_bytes(path.read_bytes()[:SEQ_LEN + 16])
+
+
+def train_batches(directory, on_corrupt_record, vocab_size=257):
   cfg = DataConfig(dataset=str(directory), mixture=(), tokenizer="byte", cache_dir="",
                    validation_fraction=0.02, num_train_shards=4, on_corrupt_record=on_corrupt_record)
   sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("data",)),
                                         jax.sharding.PartitionSpec("data"))
   return loader.TrainBatches([source(directory)], cfg, seq_len=SEQ_LEN, local_batch_size=4,
                              seed=0, position=loader.DataPosition(0, {"train": 0}),
-                             sharding=sharding)
+                             sharding=sharding, vocab_size=vocab_size)
 
 
-def test_corrupt_shard_fails_naming_file_and_record_or_is_skipped_and_counted(datasets, tmp_path):
-  directory, shard = corrupt_copy(datasets[0], tmp_path / "corrupt")
+@pytest.mark.parametrize("damage", [flip_a_byte, cut_in_half, keep_a_few_bytes])
+def test_a_damaged_shard_stops_the_run_naming_it_or_is_left_out_and_counted(datasets, tmp_path,
+                                                                           damage):
+  directory, entry = damaged_copy(datasets[0], tmp_path / "damaged", damage)
   batches_per_epoch = epoch_length(directory) // 4
-  with pytest.raises(UserError, match=f"corrupt TFRecord shard {directory / shard}: record \\d+ "
-                     f"of \\d+ is unreadable; set config.data.on_corrupt_record='skip'"):
+  with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: it "
+                     f"decodes to \\d+ records and \\d+ tokens \\(EOS included\\), but its "
+                     f"manifest lists {entry['num_documents']} and "
+                     f"{entry['num_tokens'] + entry['num_documents']}; set "
+                     f"config.data.on_corrupt_record='skip'"):
     failing = train_batches(directory, "fail")
     for _ in range(batches_per_epoch + 1):
       next(failing)
   skipping = train_batches(directory, "skip")
-  positions = [next(skipping)[1] for _ in range(batches_per_epoch)]
-  documents = prepare.load_manifest(directory)["splits"]["train"][1]["num_documents"]
-  assert 0 < skipping.corrupt_records_skipped < documents
-  assert positions[-1].windows == 4 * batches_per_epoch
+  damaged_windows = schedule.shard_windows([entry], SEQ_LEN)[0]
+  batches = [next(skipping) for _ in range((epoch_length(directory) - damaged_windows) // 4)]
+  assert skipping.corrupt_records_skipped == entry["num_documents"]
+  assert batches[-1][1].windows == 4 * len(batches)
+  intact = set(packed_windows(directory, [s for s in prepare.load_manifest(directory)["splits"][
+      "train"] if s != entry]))
+  assert all(tuple(w) in intact for batch, _ in batches for w in np.asarray(batch["tokens"]))
+
+
+def test_a_source_whose_every_shard_is_damaged_ends_the_run(datasets, tmp_path):
+  directory = tmp_path / "damaged"
+  shutil.copytree(datasets[0], directory)
+  for entry in prepare.load_manifest(directory)["splits"]["train"]:
+    keep_a_few_bytes(directory / entry["file"])
+  skipping = train_batches(directory, "skip")
+  with pytest.raises(UserError, match=f"every train shard of {directory} that reader group 0 "
+                                      f"reads is damaged: nothing is left to train on"):
+    next(skipping)
+
+
+def rewrite_as_int32(path: pathlib.Path) -> None:
+  """The same documents with 4-byte tokens, under a manifest that says uint16."""
+  documents = list(tfrecord.read_shard(str(path), "uint16"))
+  path.unlink()
+  with tfrecord.ShardWriter(path, "int32") as writer:
+    for document in documents:
+      writer.write(document)
+
+
+def test_shards_of_another_token_dtype_are_refused(datasets, tmp_path):
+  directory, entry = damaged_copy(datasets[0], tmp_path / "int32", rewrite_as_int32, 0)
+  with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: .*; were "
+                                      f"its tokens written with another dtype than the "
+                                      f"manifest's uint16"):
+    batches = train_batches(directory, "fail")
+    for _ in range(epoch_length(directory) // 4 + 1):
+      next(batches)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(datasets):
+  with pytest.raises(UserError, match=f"token id \\d+ in {datasets[0]} is outside "
+                                      f"config.model.vocab_size \\(200\\)"):
+    next(train_batches(datasets[0], "fail", vocab_size=200))
 
 
 def test_eval_windows_are_the_validation_stream_in_order(datasets):

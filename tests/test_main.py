@@ -1,4 +1,5 @@
 """The command line as a user runs it: overrides reach the trainer, bad input is one line."""
+import os
 import subprocess
 import sys
 
@@ -105,3 +106,17 @@ def test_compilation_cache_and_mfu(data_cache, tmp_path):
   logged = [m for m in read_metrics(tmp_path / "run") if "train/mfu" in m]
   assert logged and 0 < logged[-1]["train/mfu"] < 1
   assert logged[-1]["train/model_tflops_per_device"] == pytest.approx(logged[-1]["train/mfu"] * 0.1)
+
+
+def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache, tmp_path):
+  args = [f"--config={NANO}", f"--workdir={tmp_path}", f"--config.data.cache_dir={data_cache}",
+          "--config.data.dataset=/nowhere/data"]
+  quiet = run_main(*args)
+  assert_one_line_error(quiet, "/nowhere/data is not a prepared dataset")
+  loud = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "LEVANTER_FLAX_DEBUG": "1"})
+  assert loud.returncode == 1
+  assert "Traceback (most recent call last)" in loud.stderr
+  assert "in load_manifest" in loud.stderr
+  assert loud.stderr.strip().splitlines()[-1] == quiet.stderr.strip().splitlines()[-1]

@@ -6,7 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from levanter_flax import optim, step
+from conftest import REPO, load_config_file
+from levanter_flax import models, optim, step
+from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
@@ -173,7 +175,8 @@ def test_layout_table_lists_params_and_totals():
     ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL),
      GPT2Config(vocab_size=383, seq_len=32, num_layers=1, num_heads=4, hidden_dim=64),
      "parameter wte/embedding (383, 64): dimension 0 (383) is not divisible by mesh axis 'model' of size 2"),
-    ((("data", 4), ("model", 2)), sharding_config(strict=True, **TENSOR_PARALLEL), MODEL,
+    ((("data", 4), ("model", 2)), sharding_config(strict=True, rules=PARTITION_RULES[:7],
+                                                   tensor_axis="model"), MODEL,
      "parameter h_0/attn/c_proj/bias (64,) matches no rule in config.sharding.rules"),
     ((("data", 3), ("model", 2)), sharding_config(), MODEL,
      "trainer.device_mesh {'data': 3, 'model': 2}: the sizes multiply to 6 but there are 8 devices"),
@@ -185,8 +188,21 @@ def test_bad_layouts_are_named(device_mesh, config, model, message):
     build(Partitioner(make_mesh(device_mesh), config), model)
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
+def test_every_shipped_config_gives_every_parameter_a_rule(name):
+  """config.sharding.strict passes: no parameter is replicated by accident."""
+  config = load_config_file(name)
+  config.sharding.strict = True
+  run = to_run_config(config)
+  partitioner = Partitioner(make_mesh(run.trainer.device_mesh), run.sharding)
+  shapes = jax.eval_shape(models.build(run.model).init, jax.random.key(0),
+                          jax.numpy.zeros((1, 8), jax.numpy.int32))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    partitioner.rule_spec(path_name(path), leaf.shape)  # Raises for a parameter with no rule.
+
+
 @pytest.mark.parametrize("args, fragment", [
-    (["--config.sharding.strict=True"], "matches no rule in config.sharding.rules"),
+    (['--config.sharding.rules=(("h_(", (None,)),)'], "is not a valid regex"),
     (["--config.trainer.device_mesh.data=3"], "the sizes multiply to 3 but there are 8 devices"),
     (["--config.trainer.device_mesh.model=2", "--config.model.vocab_size=385"],
      "parameter wte/embedding (385, 128): dimension 0 (385) is not divisible by mesh axis 'model' of size 2"),

@@ -11,8 +11,9 @@ arrays sharded over the activation axis and tracks the position.
 """
 import collections
 import dataclasses
+import functools
 import pathlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import numpy as np
@@ -129,32 +130,95 @@ def _parse_with_eos(manifest: dict):
   return lambda record: tf.concat([tfrecord.parse_tokens(record, dtype), [eos]], axis=0)
 
 
-def _shard_windows(files: list[str], manifest: dict, seq_len: int):
+def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "ShardCheck",
+                   source_index: int):
   """A tf function: (shard, seed, skip) -> that shard's windows, shuffled, minus the first `skip`.
 
-  Unreadable records end the shard early rather than the run; the records
-  read travel with each window so the host can fail or count per config.
+  Unreadable records end the shard early rather than the run; `check` then
+  compares what was decoded with the manifest on the host, and a shard that
+  does not match yields no window at all.
   """
   parse = _parse_with_eos(manifest)
   files = tf.constant(files)
 
-  def load(shard, seed, skip, chunk):
+  def load(shard, seed, skip):
     docs = tf.data.TFRecordDataset(tf.gather(files, shard)).map(parse).ignore_errors()
     pieces = docs.reduce(
         tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None]),
         lambda pieces, doc: pieces.write(pieces.size(), doc))
     stream = pieces.concat()
-    num_windows = tf.shape(stream)[0] // seq_len
+    intact = tf.py_function(functools.partial(check, source_index),
+                            [shard, pieces.size(), tf.size(stream)], tf.bool)
+    num_windows = tf.where(intact, tf.shape(stream)[0] // seq_len, 0)
     windows = tf.reshape(stream[:num_windows * seq_len], [num_windows, seq_len])
     windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
-    count = tf.shape(windows)[:1]
-    return {"tokens": windows, "shard": tf.fill(count, shard), "chunk": tf.fill(count, chunk),
-            "records_read": tf.fill(count, pieces.size())}
+    return {"tokens": windows, "source": tf.fill(tf.shape(windows)[:1], source_index)}
   return load
 
 
+class ShardCheck:
+  """Every train shard as decoded against its manifest entry: records, and tokens with EOS.
+
+  Runs on the host (tf.py_function) once per shard read, and never raises
+  there: TF would log the traceback. A shard that does not match (a
+  truncated or corrupt file, tokens of another dtype) yields no window. With
+  on_corrupt_record='fail' that sets `error`; with 'skip' it is counted and
+  warned about, and `error` is set only once every shard a reader group
+  reads is damaged, when no window can ever come. Once `error` is set the
+  shard schedule stops, so the stream ends rather than wait for ever, and
+  its consumer raises `error`.
+  """
+
+  def __init__(self, sources: list[Source], policy: str, groups: ReaderGroups, seq_len: int):
+    self._sources, self._policy, self._groups, self._seq_len = sources, policy, groups, seq_len
+    self.records_skipped = 0
+    self.error: Optional[UserError] = None
+    self._damaged: set[tuple[int, int]] = set()
+
+  def __call__(self, source_index: int, shard, records, tokens) -> bool:
+    """Whether the shard decoded to what the manifest says."""
+    source, shard, records, tokens = (self._sources[source_index], int(shard), int(records),
+                                      int(tokens))
+    entry = source.manifest["splits"]["train"][shard]
+    expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
+    if (records, tokens) == expected:
+      return True
+    path = source.directory / entry["file"]
+    problem = (f"damaged train shard {path}: it decodes to {records} records and {tokens} tokens "
+               f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
+               + _dtype_hint(records, tokens, entry, source.manifest["token_dtype"]))
+    if self._policy == "fail":
+      self.error = self.error or UserError(f"{problem}; set config.data.on_corrupt_record='skip' "
+                                           f"to leave damaged shards out")
+      return False
+    self.records_skipped += expected[0]
+    if (source_index, shard) not in self._damaged:
+      logging.warning("%s; left out (config.data.on_corrupt_record='skip')", problem)
+      self._damaged.add((source_index, shard))
+      self._check_some_left(source_index)
+    return False
+
+  def _check_some_left(self, source_index: int) -> None:
+    source = self._sources[source_index]
+    shards = source.manifest["splits"]["train"]
+    windows = schedule.shard_windows(shards, self._seq_len)
+    for group in self._groups.mine:
+      if all((source_index, i) in self._damaged or not windows[i]
+             for i in range(group, len(shards), self._groups.count)):
+        self.error = UserError(f"every train shard of {source.directory} that reader group "
+                               f"{group} reads is damaged: nothing is left to train on")
+
+
+def _dtype_hint(records: int, tokens: int, entry: dict, dtype: str) -> str:
+  """Shards of another token dtype decode to twice or half the tokens, EOS aside."""
+  if records == entry["num_documents"] and tokens - records in (2 * entry["num_tokens"],
+                                                                entry["num_tokens"] / 2):
+    return f"; were its tokens written with another dtype than the manifest's {dtype}?"
+  return ""
+
+
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
-                   group: int, num_groups: int) -> "tf.data.Dataset":
+                   group: int, num_groups: int, check: ShardCheck) -> "tf.data.Dataset":
   """One source's endless window stream for one reader group, from its window `start`."""
   shards = source.manifest["splits"]["train"][group::num_groups]
   if not shards:
@@ -168,40 +232,49 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
                     f"for reader group {group}")
 
   def chunks():
-    for serial, (shard, shuffle_seed, skip) in enumerate(order.chunks(start)):
-      yield group + shard * num_groups, shuffle_seed, skip, serial  # The shard's manifest index.
+    for shard, shuffle_seed, skip in order.chunks(start):
+      if check.error:  # Ends the stream: the consumer raises the error.
+        return
+      yield group + shard * num_groups, shuffle_seed, skip  # The shard's manifest index.
   chunk_signature = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64),
-                     tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int64))
+                     tf.TensorSpec([], tf.int32))
   files = source.files("train")
   windows = tf.data.Dataset.from_generator(chunks, output_signature=chunk_signature).map(
-      _shard_windows(files, source.manifest, seq_len),
-      num_parallel_calls=_SHARDS_DECODED_AHEAD, deterministic=True).unbatch()
-  return windows.map(lambda w: w | {"source": index})
+      _shard_windows(files, source.manifest, seq_len, check, index),
+      num_parallel_calls=_SHARDS_DECODED_AHEAD, deterministic=True)
+  return windows.unbatch()
 
 
 def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int, seed: int,
-                  position: DataPosition, groups: ReaderGroups = ONE_GROUP) -> "tf.data.Dataset":
+                  position: DataPosition, groups: ReaderGroups = ONE_GROUP,
+                  check: Optional[ShardCheck] = None) -> "tf.data.Dataset":
   """The seeded, endless stream of this process's batches from `position` on.
 
   Elements: tokens int32[local_batch_size, seq_len], each group's rows in
-  turn, plus, per row, the source, shard, chunk and records read, which the
-  host uses for accounting.
+  turn, and each row's source index. Every shard read is checked against its
+  manifest entry by `check` (by default, a damaged shard stops the stream).
   """
+  check = check or ShardCheck(sources, "fail", groups, seq_len)
   rows = groups.rows_per_group(local_batch_size, "config.trainer.batch_size")
-  return _concat_groups([_group_windows(sources, seq_len=seq_len, seed=seed, position=position,
-                                        group=g, num_groups=groups.count).batch(
-                                            rows, drop_remainder=True)
-                         for g in groups.mine]).prefetch(tf.data.AUTOTUNE)
+  batches = _concat_groups([_group_windows(sources, seq_len=seq_len, seed=seed, position=position,
+                                           group=g, num_groups=groups.count, check=check).batch(
+                                               rows, drop_remainder=True)
+                            for g in groups.mine]).prefetch(tf.data.AUTOTUNE)
+  # tf.data's map-and-batch fusion loses errors raised upstream of the fused map (TF 2.21):
+  # a failed shard check would then leave the stream waiting for ever.
+  options = tf.data.Options()
+  options.experimental_optimization.map_and_batch_fusion = False
+  return batches.with_options(options)
 
 
 def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
-                   group: int, num_groups: int) -> "tf.data.Dataset":
+                   group: int, num_groups: int, check: ShardCheck) -> "tf.data.Dataset":
   """One reader group's windows, every source mixed in by the schedule."""
   mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
   derived = mixture.consumed(position.windows)
   streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
                             start=position.per_source.get(source.name, int(derived[index])),
-                            group=group, num_groups=num_groups)
+                            group=group, num_groups=num_groups, check=check)
              for index, source in enumerate(sources)]
   if len(streams) == 1:
     return streams[0]
@@ -259,10 +332,15 @@ def global_arrays(local_batches: Iterator[tuple[dict, object]], sharding: jax.sh
     yield queue.popleft()
 
 
-def eval_batches(dataset: "tf.data.Dataset", source: Source,
-                 sharding: jax.sharding.Sharding) -> Iterator[dict]:
+def eval_batches(dataset: "tf.data.Dataset", source: Source, sharding: jax.sharding.Sharding,
+                 vocab_size: int) -> Iterator[dict]:
+  def checked(numpy_batches):
+    for batch in numpy_batches:
+      _check_token_ids(batch["tokens"], vocab_size,
+                       lambda rows: {f"{source.directory} (validation)"})
+      yield batch, None
   try:
-    for arrays, _ in global_arrays(((b, None) for b in dataset.as_numpy_iterator()), sharding):
+    for arrays, _ in global_arrays(checked(dataset.as_numpy_iterator()), sharding):
       yield arrays
   except tf.errors.DataLossError as e:
     raise UserError(f"corrupt TFRecord in the validation split of {source.directory}: "
@@ -272,28 +350,25 @@ def eval_batches(dataset: "tf.data.Dataset", source: Source,
 class TrainBatches:
   """Global train batches, each with the DataPosition reached once it is consumed.
 
-  Also counts records lost to corrupt shards: with on_corrupt_record='fail'
-  the first one stops the run naming the shard and record; with 'skip' the
-  rest of that shard is skipped, counted and logged.
+  Damaged shards are handled by `ShardCheck` per config.data.on_corrupt_record;
+  `corrupt_records_skipped` counts the records of those left out. A token id
+  outside the model's vocabulary stops the run naming its dataset.
   """
 
   def __init__(self, sources: list[Source], cfg: DataConfig, *, seq_len: int,
                local_batch_size: int, seed: int, position: DataPosition,
-               sharding: jax.sharding.Sharding, groups: ReaderGroups = ONE_GROUP):
-    self._sources = sources
-    self._on_corrupt_record = cfg.on_corrupt_record
-    self._position = position
+               sharding: jax.sharding.Sharding, vocab_size: int,
+               groups: ReaderGroups = ONE_GROUP):
+    self._sources, self._position, self._vocab_size = sources, position, vocab_size
     self.groups = groups
-    self.corrupt_records_skipped = 0
-    self._chunks_seen: set[tuple[int, int, int]] = set()
-    self._shards = [s.manifest["splits"]["train"] for s in sources]
-    # Records each (source, shard) should yield, padded into one array for a vectorized check.
-    self._expected_records = np.zeros((len(sources), max(map(len, self._shards))), np.int64)
-    for index, shards in enumerate(self._shards):
-      self._expected_records[index, :len(shards)] = [s["num_documents"] for s in shards]
+    self._check = ShardCheck(sources, cfg.on_corrupt_record, groups, seq_len)
     self._dataset = train_dataset(sources, seq_len=seq_len, local_batch_size=local_batch_size,
-                                  seed=seed, position=position, groups=groups)
+                                  seed=seed, position=position, groups=groups, check=self._check)
     self._batches = global_arrays(self._tagged(), sharding)
+
+  @property
+  def corrupt_records_skipped(self) -> int:
+    return self._check.records_skipped
 
   def __iter__(self):
     return self._batches
@@ -308,27 +383,26 @@ class TrainBatches:
   def _tagged(self) -> Iterator[tuple[dict, DataPosition]]:
     position, groups_here = self._position, len(self.groups.mine)
     for batch in self._dataset.as_numpy_iterator():
-      self._check_records(batch)
+      if self._check.error:  # Found while reading ahead: stop now, not when it is reached.
+        raise self._check.error
+      _check_token_ids(batch["tokens"], self._vocab_size,
+                       lambda rows: {str(self._sources[i].directory)
+                                     for i in batch["source"][rows]})
       # Every group draws the same sources in the same order, so the counts split evenly.
       counts = np.bincount(batch["source"], minlength=len(self._sources)) // groups_here
       position = DataPosition(position.windows + len(batch["tokens"]) // groups_here, {
           s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)})
       yield {"tokens": batch["tokens"]}, position
+    raise self._check.error or UserError("the train stream ended unexpectedly")
 
-  def _check_records(self, batch: dict) -> None:
-    short = batch["records_read"] != self._expected_records[batch["source"], batch["shard"]]
-    for row in np.flatnonzero(short):  # Almost always none: one array comparison per batch.
-      source, shard, chunk, read = (batch[k][row] for k in ("source", "shard", "chunk",
-                                                             "records_read"))
-      entry = self._shards[source][shard]
-      if (source, shard, chunk) in self._chunks_seen:
-        continue
-      self._chunks_seen.add((source, shard, chunk))
-      path = self._sources[source].directory / entry["file"]
-      if self._on_corrupt_record == "fail":
-        raise UserError(f"corrupt TFRecord shard {path}: record {read} of {entry['num_documents']} "
-                        f"is unreadable; set config.data.on_corrupt_record='skip' to skip the "
-                        f"rest of a bad shard and go on")
-      lost = entry["num_documents"] - int(read)
-      self.corrupt_records_skipped += lost
-      logging.warning("Skipped %d unreadable records of %s from record %d on", lost, path, read)
+
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, datasets_of) -> None:
+  """Refuses ids outside [0, vocab_size): they would surface as a non-finite loss."""
+  low, high = int(tokens.min()), int(tokens.max())
+  if low >= 0 and high < vocab_size:
+    return
+  rows = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
+  bad = high if high >= vocab_size else low
+  raise UserError(f"token id {bad} in {', '.join(sorted(datasets_of(rows)))} is outside "
+                  f"config.model.vocab_size ({vocab_size}): the data does not match the model "
+                  f"(another tokenizer, or damaged shards)")

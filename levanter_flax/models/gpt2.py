@@ -22,7 +22,8 @@ from levanter_flax.models.common import attention_implementation, constrain, sta
 # Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
 # split by output column, attention-out and MLP-out by input row, so each block
 # needs one all-reduce per matmul pair; embeddings and an untied head are split by vocabulary.
-# Anything unmatched (LayerNorms, position embeddings, row-split biases) is replicated.
+# LayerNorms, position embeddings and the row-split layers' biases (added after the
+# all-reduce) are replicated. Every parameter has a rule, so config.sharding.strict can be on.
 PARTITION_RULES = (
     (r"wte/embedding$", ("model", None)),
     (r"attn/c_attn/kernel$", (None, "model")),
@@ -32,6 +33,9 @@ PARTITION_RULES = (
     (r"mlp/c_fc/bias$", ("model",)),
     (r"mlp/c_proj/kernel$", ("model", None)),
     (r"lm_head/kernel$", (None, "model")),  # Only with tie_word_embeddings=False.
+    (r"(attn|mlp)/c_proj/bias$", (None,)),
+    (r"wpe/embedding$", (None, None)),
+    (r"(ln_1|ln_2|ln_f)/(scale|bias)$", (None,)),
 )
 
 
