@@ -3,7 +3,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -94,9 +94,14 @@ class Checkpointer:
       raise UserError(f"checkpoint {path} holds another state than this run builds "
                       f"({'; '.join(mismatch)}){changed}; restore the settings it was written "
                       f"with, or use a new --workdir")
+    # Through the item handlers, not the manager: its restore ends in a barrier that a process
+    # whose read failed never reaches, which would leave the others waiting there for ever.
+    # Each process reads its own shards and returns here; the verdicts are then shared.
+    handlers = _item_handlers()
     try:
-      return self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+      return _Restored(
+          handlers["state"].restore(path / "state", args=ocp.args.StandardRestore(abstract_state)),
+          handlers["data"].restore(path / "data", args=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       raise _classified(e, path) from None
 
@@ -164,6 +169,11 @@ class Checkpointer:
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
   """Named up front, so a checkpoint's metadata can be read before anything is restored."""
   return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+
+
+class _Restored(NamedTuple):
+  state: Any
+  data: dict
 
 
 class _Damaged(Exception):

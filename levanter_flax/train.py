@@ -70,7 +70,8 @@ def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
                     f"optimizer: {', '.join(refused)}; use a new --workdir")
   changed = config.changes(saved, now)
   for change in changed:
-    logging.warning("Resuming with %s", change)
+    if not change.startswith("trainer.distributed "):  # Another address or id is no news.
+      logging.warning("Resuming with %s", change)
   return changed
 
 

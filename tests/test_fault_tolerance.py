@@ -139,7 +139,7 @@ def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, 
 
   def unavailable(*args, **kwargs):
     raise OSError(errno.EIO, "Input/output error")
-  monkeypatch.setattr(ocp.CheckpointManager, "restore", unavailable)
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", unavailable)
   tiny_config.trainer.num_train_steps = 3
   tiny_config.trainer.start_fresh_if_unusable = True
   with pytest.raises(UserError, match=r"cannot read checkpoint .*/checkpoints/2: Input/output "

@@ -1,5 +1,6 @@
 """Several processes joined by jax.distributed (gloo on 127.0.0.1) train as one process does."""
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -118,3 +119,44 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_p
   finish(*processes)
   stopped_at = max(train_losses(tmp_path))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [stopped_at]
+
+
+def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:
+  """Truncates the array data that process 1 wrote: only it reads them back under ZeRO-3."""
+  files = [p for p in checkpoint.glob("state/ocdbt.process_1/d/*") if p.is_file()]
+  for path in files:
+    path.write_bytes(path.read_bytes()[:10])
+  return files
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_processes_agree_that_a_checkpoint_one_of_them_cannot_read_is_damaged(data_cache, tmp_path):
+  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
+           "--config.sharding.parameter_axis=data", "--config.trainer.checkpoint_every_steps=2",
+           "--config.trainer.num_train_steps=4"]
+  two_processes(tmp_path, *flags)
+  assert corrupt_files_of_process_1(tmp_path / "checkpoints" / "4")
+  # Process 0 alone could restore step 4; both must resume from step 2, together.
+  two_processes(tmp_path, *flags, "--config.trainer.num_train_steps=5")
+  assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {"2", "4", "4.unreadable", "5"}
+  assert [m["run/started_at_step"] for m in read_metrics(tmp_path)
+          if "run/started_at_step" in m] == [0, 2]
+
+
+def test_a_job_whose_workdir_is_held_stops_on_every_process(data_cache, tmp_path):
+  holder = start(tmp_path, 2, f"--config.data.cache_dir={data_cache}",
+                 "--config.trainer.num_train_steps=100000")
+  deadline = time.time() + 240
+  while time.time() < deadline and holder.poll() is None and not (
+      (tmp_path / "metrics.jsonl").exists() and train_losses(tmp_path)):
+    time.sleep(0.5)
+  address = free_address()
+  job = [start(tmp_path, 2, f"--config.data.cache_dir={data_cache}", coordinator_address=address,
+               num_processes=2, process_id=i) for i in range(2)]
+  lines = [last_line(p) for p in job]
+  holder.kill()
+  holder.wait()
+  assert lines[0].startswith(f"levanter_flax: error: workdir {tmp_path} is in use by pid "
+                             f"{holder.pid} on "), lines[0]
+  assert lines[1] == (f"levanter_flax: error: workdir {tmp_path} is in use by another run; "
+                      f"process 0's log names it")
