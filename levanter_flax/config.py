@@ -202,7 +202,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.data.cache_dir = ""  # For "stdlib"; "" is ~/.cache/levanter_flax.
   config.data.validation_fraction = 0.02  # For "stdlib": documents held out for eval.
   config.data.num_train_shards = 8  # For "stdlib".
-  config.data.on_corrupt_record = "fail"  # Or "skip": drop the rest of a bad shard, counted.
+  # A train shard that decodes to other counts than its manifest lists (truncated,
+  # corrupt, another token dtype): "fail" stops naming it; "skip" leaves it out, counted.
+  config.data.on_corrupt_record = "fail"
   # The train and validation shards are dealt to this many reader groups, each
   # supplying a fixed slice of every batch; each process reads its groups'
   # shards only. 0: one group per process. A fixed count (a multiple of every
