@@ -3,7 +3,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -37,9 +37,10 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def restore_newest_usable(self, abstract_state: Any, start_fresh_if_unusable: bool = False,
-                            config_changes: Sequence[str] = ()) -> Optional[tuple[Any, dict]]:
-    """The newest checkpoint that restores, as (state, data position); None if there is none.
+  def restore_newest_usable(self, abstract_state: Any, parse_data: Callable[[dict], Any],
+                            start_fresh_if_unusable: bool = False,
+                            config_changes: Sequence[str] = ()) -> Optional[tuple[Any, Any]]:
+    """The newest checkpoint that restores, as (state, parse_data(its data item)); None if none.
 
     Arrays land on the shardings in `abstract_state`. A checkpoint that is
     damaged (a missing or truncated file, unreadable metadata) is renamed
@@ -55,7 +56,7 @@ class Checkpointer:
     for step in sorted(self._manager.all_steps(), reverse=True):
       restored, failure = None, None
       try:
-        restored = self._restore(step, abstract_state, config_changes)
+        restored = self._restore(step, abstract_state, parse_data, config_changes)
       except _Damaged as e:
         logging.warning("Checkpoint %s is damaged: %s", self.directory / str(step), e)
       except UserError as e:
@@ -79,7 +80,8 @@ class Checkpointer:
     self._set_aside(damaged)
     return None
 
-  def _restore(self, step: int, abstract_state: Any, config_changes: Sequence[str]) -> Any:
+  def _restore(self, step: int, abstract_state: Any, parse_data: Callable[[dict], Any],
+               config_changes: Sequence[str]) -> Any:
     """One checkpoint; raises _Damaged for damage and a UserError for anything else."""
     path = self.directory / str(step)
     try:
@@ -88,7 +90,7 @@ class Checkpointer:
       raise _classified(e, path) from None
     if saved is None:
       raise _Damaged("its state metadata is missing")
-    mismatch = _shape_differences(saved, abstract_state)
+    mismatch = _layout_differences(saved, abstract_state)
     if mismatch:
       changed = f"; the config changed: {', '.join(config_changes)}" if config_changes else ""
       raise UserError(f"checkpoint {path} holds another state than this run builds "
@@ -99,11 +101,15 @@ class Checkpointer:
     # Each process reads its own shards and returns here; the verdicts are then shared.
     handlers = _item_handlers()
     try:
-      return _Restored(
-          handlers["state"].restore(path / "state", args=ocp.args.StandardRestore(abstract_state)),
-          handlers["data"].restore(path / "data", args=ocp.args.JsonRestore()))
+      state = handlers["state"].restore(path / "state",
+                                        args=ocp.args.StandardRestore(abstract_state))
+      data = handlers["data"].restore(path / "data", args=ocp.args.JsonRestore())
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       raise _classified(e, path) from None
+    try:
+      return _Restored(state, parse_data(data))
+    except ValueError as e:
+      raise _Damaged(f"its data item is malformed: {e}") from None
 
   def _set_aside(self, steps: list[int]) -> None:
     if not steps:
@@ -173,7 +179,7 @@ def _item_handlers() -> dict[str, ocp.CheckpointHandler]:
 
 class _Restored(NamedTuple):
   state: Any
-  data: dict
+  data: Any
 
 
 class _Damaged(Exception):
@@ -222,23 +228,25 @@ def _gathered(verdict: int) -> list[int]:
   return multihost_utils.process_allgather(np.array(verdict)).tolist()
 
 
-def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-  """'opt_state/1/0/mu/wte/embedding' -> shape, alike for dicts, lists and dataclasses."""
+def _leaf_layouts(tree: Any) -> dict[str, str]:
+  """'opt_state/1/0/mu/wte/embedding' -> 'float32 (384, 64)', alike for dicts, lists and
+  dataclasses."""
   def name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-  return {name(path): tuple(leaf.shape)
+  return {name(path): f"{np.dtype(leaf.dtype).name} {tuple(leaf.shape)}"
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _shape_differences(saved: Any, wanted: Any, limit: int = 3) -> list[str]:
-  """The first few leaves that the checkpoint lacks, has extra, or holds in another shape."""
-  saved, wanted = _leaf_shapes(saved), _leaf_shapes(wanted)
+def _layout_differences(saved: Any, wanted: Any, limit: int = 3) -> list[str]:
+  """The first few leaves that the checkpoint lacks, has extra, or holds in another shape or
+  dtype (orbax would cast a dtype silently)."""
+  saved, wanted = _leaf_layouts(saved), _leaf_layouts(wanted)
   differences = [f"{k}: missing in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
   differences += [f"{k}: not in this run's state" for k in sorted(saved.keys() - wanted.keys())]
   differences += [f"{k}: {saved[k]} in the checkpoint, {wanted[k]} here"
                   for k in sorted(wanted.keys() & saved.keys()) if saved[k] != wanted[k]]
-  more = f", and {len(differences) - limit} more" if len(differences) > limit else ""
-  return differences[:limit] + ([more.lstrip(", ")] if more else [])
+  more = f"and {len(differences) - limit} more" if len(differences) > limit else ""
+  return differences[:limit] + ([more] if more else [])
 
 
 def _free_name(directory: pathlib.Path, name: str) -> pathlib.Path:
@@ -280,8 +288,12 @@ def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
     raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir") from None
   except ValueError as e:
     raise UserError(f"{workdir / 'config.json'} is not JSON: {e}") from None
-  fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-  model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
+  try:
+    fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
+  except (AttributeError, KeyError, TypeError) as e:  # Not an object, a family or its fields.
+    raise UserError(f"{workdir / 'config.json'} does not describe a model this version can "
+                    f"build: {_first_line(e)}") from None
   steps = sorted((int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()),
                  reverse=True)
   if not steps:

@@ -9,7 +9,7 @@ import pathlib
 
 from absl import app, flags
 
-from levanter_flax import hf
+from levanter_flax import cli, hf
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -47,6 +47,7 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   output_dir, workdir = pathlib.Path(flag.output_dir), pathlib.Path(flag.workdir)
+  cli.quiet_orbax()
   try:
     check_output_dir(output_dir, workdir, flag.overwrite)
     model_cfg, params, _ = run_params(workdir)
@@ -63,4 +64,4 @@ if __name__ == "__main__":
                       required=True)
   flags.DEFINE_bool("overwrite", False, "Replace the config.json and *.safetensors of a "
                     "non-empty --output_dir (its other files stay).")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -3,18 +3,14 @@
 Every config field can be overridden, e.g. --config.trainer.batch_size=64.
 Bad input ends in one line on stderr naming the culprit, and exit status 1.
 """
-import logging as std_logging
-import os
 import pathlib
 import re
-import sys
-import traceback
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import distributed
+from levanter_flax import cli, distributed
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -64,39 +60,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
-def _quiet_library_logs() -> None:
-  """Drops orbax's per-save INFO chatter and the tracebacks of its errors.
-
-  Orbax's warnings and errors still show as one line each; a save that fails
-  also ends the run with our own one-line error naming the checkpoint.
-  """
-  def keep(record: std_logging.LogRecord) -> bool:
-    if not _from_orbax(record):
-      return True
-    record.exc_info, record.exc_text = None, None
-    # asyncio's "exception was never retrieved", one per array, repeats what orbax reported.
-    return record.levelno >= std_logging.WARNING and record.name != "asyncio"
-
-  logging.get_absl_handler().addFilter(keep)
-  sys.unraisablehook = _drop_closed_loop_errors
-
-
-def _from_orbax(record: std_logging.LogRecord) -> bool:
-  orbax = os.sep + "orbax" + os.sep
-  failure = record.exc_info[2] if record.exc_info else None
-  return orbax in record.pathname or (
-      failure is not None and any(orbax in frame.filename for frame in traceback.extract_tb(failure)))
-
-
-def _drop_closed_loop_errors(unraisable) -> None:
-  """After a failed checkpoint write, tensorstore's pending callbacks reach orbax's closed loop.
-
-  Each would print a traceback; the failed save itself is reported once, by the Checkpointer.
-  """
-  if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
-    sys.__unraisablehook__(unraisable)
-
-
 def _join_other_processes(cfg: distributed.DistributedConfig) -> None:
   """jax.distributed first, before any backend exists; then only process 0 logs progress."""
   distributed.initialize(cfg)
@@ -105,7 +68,7 @@ def _join_other_processes(cfg: distributed.DistributedConfig) -> None:
 
 
 def main(argv: list[str]) -> None:
-  _quiet_library_logs()
+  cli.quiet_orbax()
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -2,7 +2,8 @@
 
 Schedulers and cloud/TPU preemption send SIGTERM, Ctrl-C sends SIGINT. The
 handler only records the signal; the training loop asks `requested()` after
-each step. With several processes they agree through an all-gather, so every
+each step. Later signals are ignored until the process exits: the last
+checkpoint is written whatever else arrives (SIGKILL still ends it at once). With several processes they agree through an all-gather, so every
 process stops after the same step and writes the same checkpoint.
 """
 import signal
@@ -28,8 +29,10 @@ class StopSignal:
     return self
 
   def __exit__(self, *exc) -> None:
+    # Once a stop was requested, the process is on its way out: a repeated signal (an
+    # impatient scheduler, a second Ctrl-C) must not turn that clean exit into a kill.
     for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
+      signal.signal(signum, signal.SIG_IGN if self.received is not None else handler)
 
   def _record(self, signum, frame) -> None:
     del frame

@@ -15,6 +15,7 @@ import warnings
 
 from absl import app, flags, logging
 
+from levanter_flax import cli
 from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -78,13 +79,6 @@ def options_from_flags() -> prepare.PrepareOptions:
       num_workers=_NUM_WORKERS.value)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    exit_with_error(str(e))
-
-
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -96,4 +90,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -7,13 +7,15 @@ Several runs share each plot's axes, so "before and after tuning" is one picture
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 import statistics
 from typing import Optional, Sequence
 
 from absl import app, flags, logging
 
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax import cli
+from levanter_flax.errors import UserError, ensure_writable_dir, exit_with_error
 
 # The trainer logs this at each start of a run, fresh or resumed; it marks the restarts.
 RUN_START = "run/started_at_step"
@@ -38,6 +40,15 @@ class Run:
     return steps, [self.series[key][s] for s in steps]
 
 
+def _check_record(record: dict) -> None:
+  """Raises for anything the trainer never writes: a step that is no integer, a value no number."""
+  if int(record["step"]) != record["step"]:
+    raise ValueError("fractional step")
+  for key, value in record.items():
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise TypeError(f"{key} is not a number")
+
+
 def load_run(workdir: pathlib.Path, name: str) -> Run:
   path = workdir / "metrics.jsonl"
   if not path.is_file():
@@ -49,8 +60,8 @@ def load_run(workdir: pathlib.Path, name: str) -> Run:
   for number, line in enumerate(lines, 1):
     try:
       record = json.loads(line)
-      int(record["step"])
-    except (ValueError, KeyError, TypeError):
+      _check_record(record)
+    except (ValueError, KeyError, TypeError, OverflowError):
       if number == len(lines) and not text.endswith("\n"):
         # A run killed while writing; its next start cuts this line off.
         logging.warning("%s:%d is a torn last record (the run was killed while writing it); "
@@ -82,7 +93,7 @@ def summary(run: Run) -> dict[str, Optional[float]]:
     values = run.values(key)
     return statistics.median(values) if values else None
 
-  eval_losses = run.values("eval/loss")
+  eval_losses = [v for v in run.values("eval/loss") if not math.isnan(v)]
   times = [[r["time"] for r in segment if "time" in r] for segment in run.segments]
   skipped = [max((r.get("train/skipped_steps", 0.0) for r in segment), default=0.0)
              for segment in run.segments]
@@ -127,7 +138,7 @@ def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
 
-  output_dir.mkdir(parents=True, exist_ok=True)
+  ensure_writable_dir(output_dir, "--output_dir")
   views = {
       "loss_vs_step": [("train/loss", "step", "train loss"), ("eval/loss", "step", "eval loss")],
       "loss_vs_tokens": [("train/loss", "tokens", "train loss"), ("eval/loss", "tokens", "eval loss")],
@@ -153,8 +164,12 @@ def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
         axis.text(0.5, 0.5, f"{key} was not logged", ha="center", transform=axis.transAxes)
     figure.tight_layout()
     path = output_dir / f"{view}.png"
-    figure.savefig(path, dpi=100)
-    pyplot.close(figure)
+    try:
+      figure.savefig(path, dpi=100)
+    except OSError as e:
+      raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+      pyplot.close(figure)
     written.append(path)
   return written
 
@@ -224,4 +239,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   flags.DEFINE_string("output_dir", "report", "Where the PNG plots go.")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from levanter_flax import models
+from levanter_flax import cli, models
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -47,6 +47,14 @@ def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     threshold = jnp.take_along_axis(ordered, last, axis=-1)
     logits = jnp.where(logits < threshold, -jnp.inf, logits)
   return jax.random.categorical(key, logits, axis=-1)
+
+
+def check_ranges(cfg: SamplingConfig) -> None:
+  """absl's flag bounds let NaN through: every comparison with it is False."""
+  if not 0 <= cfg.top_p <= 1:
+    raise UserError(f"--top_p must be in [0, 1]; got {cfg.top_p}")
+  if not 0 <= cfg.temperature < float("inf"):
+    raise UserError(f"--temperature must be >= 0 and finite; got {cfg.temperature}")
 
 
 def check_top_k(cfg: SamplingConfig, vocab_size: int) -> None:
@@ -114,12 +122,15 @@ def main(argv: list[str]) -> None:
   flag = flags.FLAGS
   cfg = SamplingConfig(flag.max_new_tokens, flag.temperature, flag.top_k, flag.top_p, flag.seed,
                        flag.long_prompt)
+  cli.quiet_orbax()
   try:
     if not flag.prompt:
       raise UserError("give at least one --prompt")
+    check_ranges(cfg)
     model_cfg, params, saved = run_params(pathlib.Path(flag.workdir))
-    tokenizer_spec = saved["data.tokenizer"]
-    tokenizer = load_tokenizer(tokenizer_spec)
+    if not isinstance(saved.get("data.tokenizer"), str):
+      raise UserError(f"{flag.workdir}/config.json names no data.tokenizer to encode prompts with")
+    tokenizer = load_tokenizer(saved["data.tokenizer"])
     prompts = [tokenizer.encode(p).tolist() for p in flag.prompt]
     for prompt, continuation in zip(flag.prompt, generate(model_cfg, params, prompts, cfg)):
       print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(continuation)}")
@@ -138,4 +149,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_enum("long_prompt", "error", ["error", "truncate"],
                     "A prompt too long for seq_len - max_new_tokens: refuse it, or keep its end.")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

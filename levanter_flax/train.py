@@ -60,6 +60,8 @@ def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
     return []
   try:
     saved = json.loads(path.read_text())
+    if not isinstance(saved, dict):
+      raise ValueError("not a JSON object")
   except (OSError, ValueError) as e:
     raise UserError(f"cannot read {path}, the config the checkpoints were written with: {e}; "
                     f"restore it, or use a new --workdir") from None
@@ -136,25 +138,21 @@ def _build_and_train(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
   logging.info("Parameter layout:\n%s", steps.layout_table())
 
-  checkpointer = Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints,
-                              trainer.keep_checkpoint_every_steps)
-  config_changes = (_check_resumed_config(run, workdir)
-                    if checkpointer.latest_step is not None else [])
-  try:
-    with partitioner.activation_context(), preemption.StopSignal() as stop:
-      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
-                                       config_changes)
-      if int(state.step) >= trainer.num_train_steps:
-        logging.warning("Already finished: the newest checkpoint is step %d, and "
-                        "config.trainer.num_train_steps is %d; raise it to train on",
-                        int(state.step), trainer.num_train_steps)
-        return {}
-      _save_config(run, workdir)
-      final_metrics = _train_loop(run, workdir, steps, state, position, checkpointer, sources,
-                                  stop)
-  finally:
-    checkpointer.close()  # Lets an asynchronous save finish, also when the loop raised.
-  return final_metrics
+  # The signal handlers stay until the last save is written: a second SIGTERM then waits too.
+  with partitioner.activation_context(), preemption.StopSignal() as stop, \
+      contextlib.closing(Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints,
+                                      trainer.keep_checkpoint_every_steps)) as checkpointer:
+    config_changes = (_check_resumed_config(run, workdir)
+                      if checkpointer.latest_step is not None else [])
+    state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
+                                     config_changes)
+    if int(state.step) >= trainer.num_train_steps:
+      logging.warning("Already finished: the newest checkpoint is step %d, and "
+                      "config.trainer.num_train_steps is %d; raise it to train on",
+                      int(state.step), trainer.num_train_steps)
+      return {}
+    _save_config(run, workdir)
+    return _train_loop(run, workdir, steps, state, position, checkpointer, sources, stop)
 
 
 def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
@@ -163,10 +161,10 @@ def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: C
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
   (init_from_hf) or another run's (load_checkpoint_path); else init."""
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
-  restored = checkpointer.restore_newest_usable(abstract, trainer.start_fresh_if_unusable,
-                                                config_changes)
+  restored = checkpointer.restore_newest_usable(abstract, loader.DataPosition.from_json,
+                                                trainer.start_fresh_if_unusable, config_changes)
   if restored:
-    state, position = restored[0], loader.DataPosition.from_json(restored[1])
+    state, position = restored
     logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
     return state, position
   fresh = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
@@ -178,7 +176,12 @@ def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: C
   state, position = load_other_run(pathlib.Path(trainer.load_checkpoint_path), abstract)
   logging.info("Starting from %s of %s", trainer.load_checkpoint_items, trainer.load_checkpoint_path)
   if trainer.load_checkpoint_items == "state":
-    return state, loader.DataPosition.from_json(position)
+    try:
+      return state, loader.DataPosition.from_json(position)
+    except ValueError as e:
+      raise UserError(f"config.trainer.load_checkpoint_path {trainer.load_checkpoint_path}: its "
+                      f"data item is malformed ({e}); load only its params "
+                      f"(load_checkpoint_items='params')") from None
   return fresh[0].replace(params=state.params), fresh[1]
 
 
@@ -365,7 +368,8 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
       profile.after_step(step_num, state)  # The window's last eval and checkpoint are in it.
       watchdog.step_finished(step_num)
       if stopping:
-        logging.warning("Stopped at step %d on request; checkpoint written", step_num)
+        logging.warning("Stopped at step %d on request; its checkpoint is written before exit",
+                        step_num)
         break
     profile.close(step_num, state)
   return last_metrics

@@ -17,7 +17,9 @@ import pytest
 
 from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
 from levanter_flax import report
+from levanter_flax.checkpoint import run_params
 from levanter_flax.config import mesh, to_run_config
+from levanter_flax.data import loader
 from levanter_flax.data.prepare import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
@@ -64,7 +66,11 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
   while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
                                         and len(train_losses(tmp_path)) >= 3):
     time.sleep(0.5)
-  process.send_signal(signum)
+  # Impatient: the signal again and again while it writes its last checkpoint (as a launcher
+  # or a scheduler may); the last save is waited for all the same.
+  while process.poll() is None:
+    process.send_signal(signum)
+    time.sleep(0.1)
   _, stderr = process.communicate(timeout=120)
   assert process.returncode == 0, stderr[-3000:]
   stopped_at = max(train_losses(tmp_path))
@@ -128,6 +134,14 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
                                       r"run builds \(opt_state/.*\); the config changed: "
                                       r"optimizer.weight_decay 0.0 -> 0.1, trainer.num_train_steps "
                                       r"2 -> 3; restore the settings"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert checkpoint_files(tmp_path) == checkpoints
+  # Without config.json to compare with, the checkpoint itself refuses another dtype.
+  (tmp_path / "config.json").unlink()
+  tiny_config.optimizer.weight_decay = 0.0
+  tiny_config.model.param_dtype = "bfloat16"
+  with pytest.raises(UserError, match=r"holds another state than this run builds \(opt_state/"
+                                      r"[^:]*: float32 \([\d, ]*\) in the checkpoint, bfloat16 "):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert checkpoint_files(tmp_path) == checkpoints
 
@@ -378,19 +392,28 @@ def test_rerunning_a_finished_run_says_so_and_a_longer_one_goes_on(data_cache, t
   assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3, 4]
 
 
-def test_a_failing_eval_is_one_line_and_the_step_is_checkpointed_first(tiny_config, tmp_path):
+def test_damaged_validation_shards_stop_the_run_before_it_trains(tiny_config, tmp_path):
   directory = prepare_texts(tmp_path / "data", random_documents(60))
-  for shard in load_manifest(directory)["splits"]["validation"]:
-    (directory / shard["file"]).write_bytes(b"")  # Listed with documents, holding none.
+  first = load_manifest(directory)["splits"]["validation"][0]
+  (directory / first["file"]).write_bytes(b"")  # Listed with documents, holding none.
   tiny_config.data.dataset = str(directory)
   tiny_config.model.seq_len = 16
+  with pytest.raises(UserError, match=rf"damaged validation shard {directory / first['file']}: it "
+                                      rf"decodes to 0 records and 0 tokens"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_failing_eval_does_not_cost_the_steps_checkpoint(tiny_config, tmp_path, monkeypatch):
+  def failing_eval(*args, **kwargs):
+    raise UserError("eval failed")
+  monkeypatch.setattr(loader, "eval_batches", failing_eval)
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.eval_every_steps = 2
   tiny_config.trainer.checkpoint_every_steps = 2
-  with pytest.raises(UserError, match=rf"eval: the validation split of {directory} holds no "
-                                      rf"whole batch of 16-token windows"):
-    train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
-  assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["2"]
+  with pytest.raises(UserError, match="eval failed"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["2"]
 
 
 def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config, tmp_path, caplog):
@@ -431,3 +454,27 @@ def test_an_unwritable_metrics_file_is_one_line(tiny_config, tmp_path):
   with pytest.raises(UserError, match=f"cannot write the metrics file {tmp_path}/metrics.jsonl: "
                                       f"Is a directory"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
+
+
+@pytest.mark.parametrize("position", ['{}', '{"windows": -40, "per_source": {"train": -40}}'])
+def test_a_malformed_data_position_is_damage(tiny_config, tmp_path, position):
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 1
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  (tmp_path / "checkpoints" / "2" / "data" / "metadata").write_text(position)
+  tiny_config.trainer.num_train_steps = 3
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert (tmp_path / "checkpoints" / "2.unreadable").is_dir()
+  assert [m["run/started_at_step"] for m in read_metrics(tmp_path)
+          if "run/started_at_step" in m] == [0, 1]
+
+
+def test_a_config_json_that_is_no_object_is_named(tiny_config, tmp_path):
+  tiny_config.trainer.num_train_steps = 1
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  (tmp_path / "config.json").write_text("[1, 2]")
+  with pytest.raises(UserError, match=f"cannot read {tmp_path}/config.json, the config the "
+                                      f"checkpoints were written with: not a JSON object"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  with pytest.raises(UserError, match=f"{tmp_path}/config.json does not describe a model"):
+    run_params(tmp_path)

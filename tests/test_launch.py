@@ -77,7 +77,8 @@ def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path
   for saved, diff in (({"trainer.num_train_steps": 10}, "trainer.num_train_steps 10 -> 5"),
                       ({"trainer.seed": 1, "trainer.num_train_steps": 3},
                        "trainer.num_train_steps 3 -> 5, trainer.seed 1 -> 0"),
-                      ({"trainer.seed": None}, "trainer.seed None -> 0")):  # It has no default.
+                      ({"trainer.seed": None}, "trainer.seed None -> 0"),  # It has no default.
+                      ({"trainer.num_train_steps": None}, "trainer.num_train_steps None -> 5")):
     save_config(workdir, {k: v for k, v in {**wanted, **saved}.items() if v is not None})
     with pytest.raises(UserError) as refused:
       is_done(workdir, wanted)

@@ -1,5 +1,6 @@
 """The profiler window, health metrics, the hang watchdog and the report of runs."""
 import glob
+import json
 import logging
 import re
 import statistics
@@ -124,3 +125,18 @@ def test_profiler_window_after_the_last_step_is_refused(tiny_config):
   with pytest.raises(UserError, match=r"config.trainer.profiler_start_step \(11\) is after the last "
                                       r"step, config.trainer.num_train_steps \(10\)"):
     to_run_config(tiny_config)
+
+
+def test_report_names_bad_records_and_an_unwritable_output_dir(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  good = [{"step": 1, "time": 1.0, "eval/loss": float("nan")}, {"step": 2, "time": 2.0, "eval/loss": 2.5}]
+  for bad in ('{"step": 1e400}', '{"step": 3, "train/loss": null}', '{"step": 3, "x": [1]}'):
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good) + bad + "\n")
+    with pytest.raises(UserError, match=f"{run}/metrics.jsonl:3 is not a metrics record"):
+      report.load_run(run, "run")
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+  assert report.summary(report.load_run(run, "run"))["best eval loss"] == 2.5  # NaN is no best.
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(UserError, match=f"cannot create --output_dir {tmp_path}/a_file/plots"):
+    report.report([run], tmp_path / "a_file" / "plots")

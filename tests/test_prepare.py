@@ -200,6 +200,11 @@ def test_bad_sources_are_named(tmp_path):
         output_dir=tmp_path / "out3", tokenizer=str(tmp_path / "missing.json")))
   # Bad input is found before anything is created.
   assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+  (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:60])
+  with pytest.raises(UserError, match=f"cannot read input file {tmp_path}/cut.jsonl.gz: "):
+    prepare.prepare_dataset(prepare.PrepareOptions(
+        source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "cut.jsonl.gz"),)),
+        output_dir=tmp_path / "out4"))
 
 
 def run_prepare(*args):
@@ -375,16 +380,17 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_workers_die_with_a_killed_prepare(tmp_path):
+@pytest.mark.parametrize("victim", ["parent", "worker"])
+def test_a_killed_prepare_or_worker_takes_the_others_with_it(tmp_path, victim):
+  """kill -9 of the parent: no orphaned workers; of a worker: one line, not a wait for ever."""
   # Enough documents that a shard takes longer than the wait below: an orphaned worker would
   # write on to the end of its shard, and only then fail to report it.
   (tmp_path / "a.txt").write_text("\n".join(f"document {i}" for i in range(1_000_000)))
   output = tmp_path / "out"
-  with open(tmp_path / "log.txt", "w") as log:
-    parent = subprocess.Popen(
-        [sys.executable, "-m", "levanter_flax.prepare", "--source=text", f"--input={tmp_path}/a.txt",
-         "--separator=\\n", f"--output_dir={output}", "--num_shards=8", "--num_workers=2"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=log)
+  parent = subprocess.Popen(
+      [sys.executable, "-m", "levanter_flax.prepare", "--source=text", f"--input={tmp_path}/a.txt",
+       "--separator=\\n", f"--output_dir={output}", "--num_shards=8", "--num_workers=2"],
+      cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   workers = []
   try:
     # Both workers are writing (their temp files are named by pid): set up, and busy.
@@ -392,12 +398,17 @@ def test_workers_die_with_a_killed_prepare(tmp_path):
     wait_until(lambda: len(writers()) == 2, parent)
     workers = children(parent.pid)
     assert writers() <= set(workers)
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
+    os.kill(parent.pid if victim == "parent" else sorted(writers())[0], signal.SIGKILL)
+    _, stderr = parent.communicate(timeout=60)
+    if victim == "worker":
+      assert parent.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+      assert stderr.strip().splitlines()[-1] == (
+          f"levanter_flax: error: a prepare worker died (killed, or out of memory?) while writing "
+          f"{output}; its finished shards are kept: run the same command again")
     deadline = time.monotonic() + 3
     while any(map(running, workers)) and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert not [pid for pid in workers if running(pid)], (tmp_path / "log.txt").read_text()[-3000:]
+    assert not [pid for pid in workers if running(pid)]
   finally:
     parent.kill()
     for pid in workers:  # Orphans of a failed test.

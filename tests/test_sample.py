@@ -9,6 +9,7 @@ import pytest
 
 from conftest import REPO
 from levanter_flax import models
+from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
@@ -106,3 +107,31 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   assert too_many.returncode == 1 and "Traceback" not in too_many.stderr, too_many.stderr[-3000:]
   assert too_many.stderr.strip().splitlines()[-1].startswith(
       "levanter_flax: error: --top_k 100000 exceeds the model's vocabulary of ")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.
+def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog):
+  tiny_config.trainer.num_train_steps = 4
+  tiny_config.trainer.checkpoint_every_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  _, params_2, _ = run_params_of_step(tmp_path, 2)
+  newest = tmp_path / "checkpoints" / "4"
+  largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:100])
+  _, params, _ = run_params(tmp_path)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                  jax.tree.leaves(params_2)))
+  assert f"Checkpoint {newest} is damaged" in caplog.text
+  assert newest.is_dir()  # Read-only tools leave it where it is.
+
+
+def run_params_of_step(workdir, step):
+  """run_params as if `step` were the newest: the later checkpoints moved away for a moment."""
+  later = sorted(p for p in (workdir / "checkpoints").iterdir() if int(p.name) > step)
+  for path in later:
+    path.rename(path.with_name(f"hidden-{path.name}"))
+  try:
+    return run_params(workdir)
+  finally:
+    for path in later:
+      path.with_name(f"hidden-{path.name}").rename(path)

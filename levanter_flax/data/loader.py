@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools
 import pathlib
+import re
 from typing import Iterator, Optional
 
 import jax
@@ -100,7 +101,15 @@ class DataPosition:
 
   @classmethod
   def from_json(cls, value: dict) -> "DataPosition":
-    return cls(int(value["windows"]), {k: int(v) for k, v in value["per_source"].items()})
+    """Raises ValueError for anything but what to_json writes."""
+    try:
+      position = cls(value["windows"], dict(value["per_source"]))
+    except (KeyError, TypeError, ValueError):
+      raise ValueError(f"not a data position: {value!r}") from None
+    counts = [position.windows, *position.per_source.values()]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+      raise ValueError(f"not a data position: {value!r}")
+    return position
 
 
 def load_sources(cfg: DataConfig) -> list[Source]:
@@ -180,18 +189,15 @@ class ShardCheck:
     source, shard, records, tokens = (self._sources[source_index], int(shard), int(records),
                                       int(tokens))
     entry = source.manifest["splits"]["train"][shard]
-    expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
-    if (records, tokens) == expected:
+    problem = _decode_mismatch(entry, records, tokens, source.directory / entry["file"], "train",
+                               source.manifest["token_dtype"])
+    if not problem:
       return True
-    path = source.directory / entry["file"]
-    problem = (f"damaged train shard {path}: it decodes to {records} records and {tokens} tokens "
-               f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
-               + _dtype_hint(records, tokens, entry, source.manifest["token_dtype"]))
     if self._policy == "fail":
       self.error = self.error or UserError(f"{problem}; set config.data.on_corrupt_record='skip' "
                                            f"to leave damaged shards out")
       return False
-    self.records_skipped += expected[0]
+    self.records_skipped += entry["num_documents"]
     if (source_index, shard) not in self._damaged:
       logging.warning("%s; left out (config.data.on_corrupt_record='skip')", problem)
       self._damaged.add((source_index, shard))
@@ -209,12 +215,18 @@ class ShardCheck:
                                f"{group} reads is damaged: nothing is left to train on")
 
 
-def _dtype_hint(records: int, tokens: int, entry: dict, dtype: str) -> str:
-  """Shards of another token dtype decode to twice or half the tokens, EOS aside."""
-  if records == entry["num_documents"] and tokens - records in (2 * entry["num_tokens"],
-                                                                entry["num_tokens"] / 2):
-    return f"; were its tokens written with another dtype than the manifest's {dtype}?"
-  return ""
+def _decode_mismatch(entry: dict, records: int, tokens: int, path, split: str, dtype: str) -> str:
+  """'' if a shard decoded to the records and tokens (EOS included) its manifest entry lists."""
+  expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
+  if (records, tokens) == expected:
+    return ""
+  # Shards of another token dtype decode to twice or half the tokens, EOS aside.
+  other_dtype = records == expected[0] and tokens - records in (2 * entry["num_tokens"],
+                                                                entry["num_tokens"] / 2)
+  return (f"damaged {split} shard {path}: it decodes to {records} records and {tokens} tokens "
+          f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
+          + (f"; were its tokens written with another dtype than the manifest's {dtype}?"
+             if other_dtype else ""))
 
 
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
@@ -294,11 +306,36 @@ def _concat_groups(batches: list["tf.data.Dataset"]) -> "tf.data.Dataset":
 
 def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_batches: int,
                  groups: ReaderGroups = ONE_GROUP) -> "tf.data.Dataset":
-  """The same `num_batches` validation batches, in order, every time it is iterated."""
+  """The same `num_batches` validation batches, in order, every time it is iterated.
+
+  The validation shards it reads are checked against the manifest first:
+  damage there always stops the run, as an eval over other data is not
+  comparable with the evals before it.
+  """
   rows = groups.rows_per_group(local_batch_size, "the eval batch")
+  _check_validation_shards(source, tokens_needed=num_batches * rows * groups.count * seq_len)
   return _concat_groups([_eval_windows(source, seq_len, g, groups.count).batch(
       rows, drop_remainder=True).map(lambda tokens: {"tokens": tokens})
                          for g in groups.mine]).take(num_batches)
+
+
+def _check_validation_shards(source: Source, tokens_needed: int) -> None:
+  """Decodes, once, the validation shards that hold the first `tokens_needed` tokens, and
+  compares their records and tokens with the manifest."""
+  parse = _parse_with_eos(source.manifest)
+  count = lambda totals, doc: (totals[0] + 1, totals[1] + tf.size(doc, out_type=tf.int64))
+  tokens_before = 0
+  for entry, path in zip(source.manifest["splits"]["validation"], source.files("validation")):
+    if tokens_before > tokens_needed:
+      return
+    records, tokens = tf.data.TFRecordDataset(path).map(parse).ignore_errors().reduce(
+        (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), count)
+    problem = _decode_mismatch(entry, int(records), int(tokens), path, "validation",
+                               source.manifest["token_dtype"])
+    if problem:
+      raise UserError(f"{problem}; prepare the data again (damaged validation shards always "
+                      f"stop the run: an eval over other data would not compare)")
+    tokens_before += entry["num_tokens"] + entry["num_documents"]
 
 
 def _eval_windows(source: Source, seq_len: int, group: int, num_groups: int) -> "tf.data.Dataset":
@@ -343,8 +380,9 @@ def eval_batches(dataset: "tf.data.Dataset", source: Source, sharding: jax.shard
     for arrays, _ in global_arrays(checked(dataset.as_numpy_iterator()), sharding):
       yield arrays
   except tf.errors.DataLossError as e:
+    reason = re.sub(r"\{\{.*?\}\}\s*", "", e.message).split("[")[0].strip()  # TF's node names.
     raise UserError(f"corrupt TFRecord in the validation split of {source.directory}: "
-                    f"{e.message.split('[')[0].strip()}") from None
+                    f"{reason}") from None
 
 
 class TrainBatches:

@@ -7,6 +7,7 @@ files, and the manifest comes last; a restarted run with the same arguments
 keeps finished shards and redoes only the rest. One process at a time writes
 a directory: it holds the directory's lock (locks.DirectoryLock) throughout.
 """
+import concurrent.futures
 import ctypes
 import dataclasses
 import hashlib
@@ -207,12 +208,31 @@ def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) 
     for task in tasks:
       _write_shard_task(task)
     return
-  # Spawned, not forked: the parent may hold jax or tokenizer threads.
-  context = multiprocessing.get_context("spawn")
-  with context.Pool(min(options.num_workers, len(tasks)), initializer=_die_with_parent,
-                    initargs=(os.getpid(),)) as pool:
-    for finished in pool.imap_unordered(_write_shard_task, tasks):
-      logging.info("Wrote shard %d of %d", finished + 1, options.num_shards)
+  _run_in_workers(options, tasks)
+
+
+def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
+  """Writes the shards in parallel; the first failure stops every worker.
+
+  Spawned, not forked: the parent may hold jax or tokenizer threads. An
+  executor, not a Pool: a worker that dies (kill -9, the OOM killer) breaks
+  it, where a Pool would wait for that shard for ever.
+  """
+  with concurrent.futures.ProcessPoolExecutor(
+      min(options.num_workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+      initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+    try:
+      for done in concurrent.futures.as_completed([pool.submit(_write_shard_task, t) for t in tasks]):
+        logging.info("Wrote shard %d of %d", done.result() + 1, options.num_shards)
+    except BaseException as e:
+      pool.shutdown(wait=False, cancel_futures=True)
+      for worker in multiprocessing.active_children():  # Busy with other shards: not needed now.
+        worker.terminate()
+      if isinstance(e, concurrent.futures.BrokenExecutor):
+        raise UserError(f"a prepare worker died (killed, or out of memory?) while writing "
+                        f"{options.output_dir}; its finished shards are kept: run the same "
+                        f"command again") from None
+      raise
 
 
 def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_files: int) -> dict:

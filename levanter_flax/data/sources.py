@@ -94,6 +94,27 @@ def _read(path: str) -> bytes:
     raise UserError(f"cannot read input file {path}: {e}") from e
 
 
+def _jsonl_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
+                     stats: SourceStats) -> Iterator[tuple[str, str]]:
+  with _open(path) as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip() or not keep():
+        continue
+      where = f"{path}:{line_number}"
+      key = f"{os.path.relpath(path, root)}:{line_number}"
+      try:
+        record = json.loads(_decode(line, where, spec, stats))
+      except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+      if not isinstance(record, dict) or spec.text_field not in record:
+        raise UserError(f"{where}: JSON record has no field {spec.text_field!r} "
+                        f"(set --text_field)")
+      if not isinstance(record[spec.text_field], str):
+        raise UserError(f"{where}: field {spec.text_field!r} is "
+                        f"{type(record[spec.text_field]).__name__}, not a string")
+      yield key, record[spec.text_field]
+
+
 def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
                     stats: SourceStats) -> Iterator[tuple[str, str]]:
   """The documents of one input file that `keep()`, asked once per document in order, selects.
@@ -101,23 +122,10 @@ def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], b
   Keys are relative to `root`, so moving the corpus does not change its split.
   """
   if spec.kind == "jsonl":
-    with _open(path) as f:
-      for line_number, line in enumerate(f, 1):
-        if not line.strip() or not keep():
-          continue
-        where = f"{path}:{line_number}"
-        key = f"{os.path.relpath(path, root)}:{line_number}"
-        try:
-          record = json.loads(_decode(line, where, spec, stats))
-        except json.JSONDecodeError as e:
-          raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or spec.text_field not in record:
-          raise UserError(f"{where}: JSON record has no field {spec.text_field!r} "
-                          f"(set --text_field)")
-        if not isinstance(record[spec.text_field], str):
-          raise UserError(f"{where}: field {spec.text_field!r} is "
-                          f"{type(record[spec.text_field]).__name__}, not a string")
-        yield key, record[spec.text_field]
+    try:
+      yield from _jsonl_documents(spec, path, root, keep, stats)
+    except (OSError, EOFError) as e:  # A truncated or corrupt .gz, an I/O error.
+      raise UserError(f"cannot read input file {path}: {e}") from None
     return
   key = os.path.relpath(path, root)
   if not spec.separator:

@@ -10,6 +10,7 @@ import pathlib
 
 from absl import app, flags
 
+from levanter_flax import cli
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.launch import local, xm
 from levanter_flax.launch.experiment import load_experiment, work_units
@@ -45,4 +46,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

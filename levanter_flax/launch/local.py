@@ -51,7 +51,8 @@ def is_done(workdir: pathlib.Path, wanted: dict[str, Any]) -> bool:
   changed = config.changes(saved, wanted)
   if not changed:
     return (workdir / "checkpoints" / str(wanted[steps])).is_dir()
-  if config.changes(saved, wanted, [steps]) == changed and saved[steps] < wanted[steps]:
+  if (config.changes(saved, wanted, [steps]) == changed and isinstance(saved.get(steps), int)
+      and saved[steps] < wanted[steps]):
     return False  # The trainer resumes and goes on to the new last step.
   raise UserError(f"{workdir} holds a run of another config ({', '.join(changed)}); only a "
                   f"larger {steps} can continue it: use a new --root or experiment name for "
@@ -101,7 +102,7 @@ def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_p
       _say(outcome, "done in an earlier launch")
   pending = [o for o in outcomes if o.state == "pending"]
   running: dict[subprocess.Popen, Outcome] = {}
-  interrupted = []
+  interrupted, signalled = [], set()
   previous = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum))
               for s in (signal.SIGINT, signal.SIGTERM)}
   try:
@@ -110,8 +111,9 @@ def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_p
         outcome = pending.pop(0)
         running[_start(experiment, outcome)] = outcome
       if interrupted:
-        for process in running:
-          process.send_signal(signal.SIGTERM)  # The trainer checkpoints and exits.
+        for process in running.keys() - signalled:  # Once: the trainer checkpoints and exits.
+          process.send_signal(signal.SIGTERM)
+          signalled.add(process)
       time.sleep(poll_seconds)
       for process in [p for p in running if p.poll() is not None]:
         _finish(running.pop(process), process.returncode, bool(interrupted))
