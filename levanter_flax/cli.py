@@ -24,11 +24,15 @@ def quiet_orbax() -> None:
   fails to save or restore is also reported by the Checkpointer, once.
   """
   def keep(record: std_logging.LogRecord) -> bool:
+    # asyncio's "exception was never retrieved", one per array of a failed save or restore,
+    # repeats what the Checkpointer reports once. (Only orbax runs asyncio here; such a record's
+    # traceback may start in tensorstore, so it is not always recognisably orbax's.)
+    if record.name == "asyncio" and "exception was never retrieved" in record.getMessage():
+      return False
     if not _from_orbax(record):
       return True
     record.exc_info, record.exc_text = None, None
-    # asyncio's "exception was never retrieved", one per array, repeats what orbax reported.
-    return record.levelno >= std_logging.WARNING and record.name != "asyncio"
+    return record.levelno >= std_logging.WARNING
 
   logging.get_absl_handler().addFilter(keep)
   sys.unraisablehook = _drop_orbax_echoes

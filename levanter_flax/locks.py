@@ -54,6 +54,11 @@ class DirectoryLock:
       self._file.close()
       self._file = None
       return False
+    except OSError as e:  # Some FUSE mounts do not support flock at all.
+      self._file.close()
+      self._file = None
+      raise UserError(f"cannot lock {self.path} of {self.what} {self.directory}: "
+                      f"{e.strerror or e} (does this filesystem support flock?)") from None
     since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     try:
       self._file.seek(0)

@@ -1,11 +1,16 @@
 """Shared fixtures: 8 fake CPU devices, one prepared corpus, a tiny config."""
 import os
+import tempfile
 
 # Must happen before jax is imported anywhere: multi-device code is tested on
 # 8 fake CPU devices, and subprocesses inherit the same environment.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# One persistent compilation cache for the session and its subprocesses: many tests compile the
+# same tiny steps. (A test of the cache itself sets its own directory.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      tempfile.mkdtemp(prefix="levanter_flax-tests-jax-cache-"))
 
 import pathlib  # pylint: disable=g-import-not-at-top
 

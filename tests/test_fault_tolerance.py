@@ -4,6 +4,7 @@ import logging
 import pathlib
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,8 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
   stopped_at = max(train_losses(tmp_path))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [stopped_at]
   assert f"Stopped at step {stopped_at} on request" in stderr
+  if signum != signal.SIGTERM:
+    return  # The same handler: resuming is shown once.
   # The same command, with an end in sight, continues from there.
   result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
                            f"--config.trainer.num_train_steps={stopped_at + 2}"],
@@ -375,7 +378,7 @@ def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache
   assert max(train_losses(tmp_path)) == stopped_at + 2
 
 
-def test_rerunning_a_finished_run_says_so_and_a_longer_one_goes_on(data_cache, tmp_path):
+def test_rerunning_a_finished_run_says_so(data_cache, tmp_path):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=3", f"--config.data.cache_dir={data_cache}"]
   for _ in range(2):
@@ -385,11 +388,7 @@ def test_rerunning_a_finished_run_says_so_and_a_longer_one_goes_on(data_cache, t
   assert "Already finished: the newest checkpoint is step 3, and config.trainer.num_train_steps " \
          "is 3" in result.stderr
   assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3]
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
-                           "--config.trainer.num_train_steps=4"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m] == [1, 2, 3, 4]
+  # A larger num_train_steps goes on: see test_signal_finishes_the_step_checkpoints_and_exits_zero.
 
 
 def test_damaged_validation_shards_stop_the_run_before_it_trains(tiny_config, tmp_path):
@@ -456,17 +455,19 @@ def test_an_unwritable_metrics_file_is_one_line(tiny_config, tmp_path):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
 
 
-@pytest.mark.parametrize("position", ['{}', '{"windows": -40, "per_source": {"train": -40}}'])
-def test_a_malformed_data_position_is_damage(tiny_config, tmp_path, position):
+def test_a_malformed_data_position_is_damage(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   tiny_config.trainer.checkpoint_every_steps = 1
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  (tmp_path / "checkpoints" / "2" / "data" / "metadata").write_text(position)
-  tiny_config.trainer.num_train_steps = 3
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  assert (tmp_path / "checkpoints" / "2.unreadable").is_dir()
-  assert [m["run/started_at_step"] for m in read_metrics(tmp_path)
-          if "run/started_at_step" in m] == [0, 1]
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  for position in ('{}', '{"windows": -40, "per_source": {"train": -40}}'):
+    workdir = tmp_path / f"copy{len(position)}"
+    shutil.copytree(tmp_path / "run", workdir)
+    (workdir / "checkpoints" / "2" / "data" / "metadata").write_text(position)
+    tiny_config.trainer.num_train_steps = 3
+    train_and_evaluate(to_run_config(tiny_config), workdir)
+    assert (workdir / "checkpoints" / "2.unreadable").is_dir()
+    assert [m["run/started_at_step"] for m in read_metrics(workdir)
+            if "run/started_at_step" in m] == [0, 1]
 
 
 def test_a_config_json_that_is_no_object_is_named(tiny_config, tmp_path):
