@@ -430,34 +430,42 @@ def _check_positive(run: RunConfig) -> None:
         raise UserError(f"config key config.{section}.{field.name} must be positive, got {value}")
 
 
-def _between(low: float, high: float, low_open: bool = False, high_open: bool = False):
-  def check(value: float) -> bool:
-    return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
-  return check
+def _at_least(low: float):
+  return lambda value: value >= low
+
+
+def _above(low: float):
+  return lambda value: value > low
+
+
+def _unit(low_open: bool = False, high_open: bool = False):
+  """Within [0, 1], with either end open."""
+  return lambda value: (0 < value if low_open else 0 <= value) and (value < 1 if high_open else
+                                                                    value <= 1)
 
 
 # Numeric keys beyond "positive": each key's valid range, as words for the error.
 _RANGES = {
-    "trainer.checkpoint_every_minutes": (_between(0, float("inf")), ">= 0 (0: never)"),
-    "trainer.hang_watchdog_seconds": (_between(0, float("inf")), ">= 0 (0: off)"),
-    "trainer.memory_fraction": (_between(0, 1, low_open=True), "in (0, 1]"),
-    "trainer.peak_flops_per_device": (_between(0, float("inf")), ">= 0 (0: look it up)"),
-    "trainer.jax_persistent_cache_min_compile_time_secs": (_between(0, float("inf")), ">= 0"),
-    "trainer.distributed.num_processes": (_between(0, float("inf")), ">= 0 (0: detect)"),
-    "trainer.distributed.process_id": (_between(-1, float("inf")), ">= -1 (-1: detect)"),
-    "optimizer.learning_rate": (_between(0, float("inf"), low_open=True), "> 0"),
-    "optimizer.warmup_steps": (_between(0, float("inf")), ">= 0"),
-    "optimizer.min_learning_rate_ratio": (_between(0, 1), "in [0, 1]"),
-    "optimizer.weight_decay": (_between(0, float("inf")), ">= 0"),
-    "optimizer.max_grad_norm": (_between(0, float("inf")), ">= 0 (0: no clipping)"),
-    "optimizer.beta1": (_between(0, 1, high_open=True), "in [0, 1)"),
-    "optimizer.beta2": (_between(0, 1, high_open=True), "in [0, 1)"),
-    "optimizer.epsilon": (_between(0, float("inf"), low_open=True), "> 0"),
-    "optimizer.hessian_update_interval": (_between(1, float("inf")), ">= 1"),
-    "optimizer.sophia_gamma": (_between(0, float("inf"), low_open=True), "> 0"),
-    "data.validation_fraction": (_between(0, 1, low_open=True, high_open=True), "in (0, 1)"),
-    "data.num_train_shards": (_between(1, float("inf")), ">= 1"),
-    "data.reader_groups": (_between(0, float("inf")), ">= 0 (0: one per process)"),
+    "trainer.checkpoint_every_minutes": (_at_least(0), ">= 0 (0: never)"),
+    "trainer.hang_watchdog_seconds": (_at_least(0), ">= 0 (0: off)"),
+    "trainer.memory_fraction": (_unit(low_open=True), "in (0, 1]"),
+    "trainer.peak_flops_per_device": (_at_least(0), ">= 0 (0: look it up)"),
+    "trainer.jax_persistent_cache_min_compile_time_secs": (_at_least(0), ">= 0"),
+    "trainer.distributed.num_processes": (_at_least(0), ">= 0 (0: detect)"),
+    "trainer.distributed.process_id": (_at_least(-1), ">= -1 (-1: detect)"),
+    "optimizer.learning_rate": (_above(0), "> 0"),
+    "optimizer.warmup_steps": (_at_least(0), ">= 0"),
+    "optimizer.min_learning_rate_ratio": (_unit(), "in [0, 1]"),
+    "optimizer.weight_decay": (_at_least(0), ">= 0"),
+    "optimizer.max_grad_norm": (_at_least(0), ">= 0 (0: no clipping)"),
+    "optimizer.beta1": (_unit(high_open=True), "in [0, 1)"),
+    "optimizer.beta2": (_unit(high_open=True), "in [0, 1)"),
+    "optimizer.epsilon": (_above(0), "> 0"),
+    "optimizer.hessian_update_interval": (_at_least(1), ">= 1"),
+    "optimizer.sophia_gamma": (_above(0), "> 0"),
+    "data.validation_fraction": (_unit(low_open=True, high_open=True), "in (0, 1)"),
+    "data.num_train_shards": (_at_least(1), ">= 1"),
+    "data.reader_groups": (_at_least(0), ">= 0 (0: one per process)"),
 }
 
 
@@ -490,6 +498,20 @@ def flat_dict(run: RunConfig) -> dict[str, Any]:
   return json.loads(json.dumps({f"{section}.{key}": value
                                 for section, fields in dataclasses.asdict(run).items()
                                 for key, value in fields.items()}))
+
+
+def read_saved(workdir: pathlib.Path) -> Optional[dict[str, Any]]:
+  """<workdir>/config.json: the config its checkpoints were written with; None if there is none.
+
+  Raises OSError or ValueError when it cannot be read or is not a JSON object.
+  """
+  try:
+    saved = json.loads((workdir / "config.json").read_text())
+  except FileNotFoundError:
+    return None
+  if not isinstance(saved, dict):
+    raise ValueError("not a JSON object")
+  return saved
 
 
 def defaults(architecture: str) -> dict[str, Any]:

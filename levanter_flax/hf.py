@@ -25,31 +25,26 @@ SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 _REQUIRED = object()
 
 
-def _given(hf: dict, key: str, default: Any, where: str) -> Any:
-  """hf[key], or None where it is absent or null: then the caller's default applies, and without
-  one it is a KeyError that read_config names (`where` prefixes nested keys: "rope_parameters.")."""
+def _positive(hf: dict, key: str, default: Any, where: str, integer: bool) -> Any:
+  """hf[key], checked positive; `default` where it is absent or null, and without one a KeyError
+  that read_config names (`where` prefixes nested keys: "rope_parameters.")."""
   value = hf.get(key)
-  if value is None and default is _REQUIRED:
-    raise KeyError(f"{where}{key}")
-  return value
+  if value is None:
+    if default is _REQUIRED:
+      raise KeyError(f"{where}{key}")
+    return default
+  kinds, kind = (int, "integer") if integer else ((int, float), "number")
+  if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
+    raise UserError(f"{where}{key} must be a positive {kind}, got {value!r}")
+  return value if integer else float(value)
 
 
 def _integer(hf: dict, key: str, default: Any = _REQUIRED, where: str = "") -> int:
-  value = _given(hf, key, default, where)
-  if value is None:
-    return default
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise UserError(f"{where}{key} must be a positive integer, got {value!r}")
-  return value
+  return _positive(hf, key, default, where, integer=True)
 
 
 def _number(hf: dict, key: str, default: Any = _REQUIRED, where: str = "") -> float:
-  value = _given(hf, key, default, where)
-  if value is None:
-    return default
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-    raise UserError(f"{where}{key} must be a positive number, got {value!r}")
-  return float(value)
+  return _positive(hf, key, default, where, integer=False)
 
 
 def _refuse_unless(hf: dict, family: str, expected: dict[str, Any]) -> None:

@@ -55,16 +55,13 @@ def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
   Checked before anything is restored, so a changed optimizer is never taken
   for a damaged checkpoint.
   """
-  path = workdir / "config.json"
-  if not path.exists():
-    return []
   try:
-    saved = json.loads(path.read_text())
-    if not isinstance(saved, dict):
-      raise ValueError("not a JSON object")
+    saved = config.read_saved(workdir)
   except (OSError, ValueError) as e:
-    raise UserError(f"cannot read {path}, the config the checkpoints were written with: {e}; "
-                    f"restore it, or use a new --workdir") from None
+    raise UserError(f"cannot read {workdir / 'config.json'}, the config the checkpoints were "
+                    f"written with: {e}; restore it, or use a new --workdir") from None
+  if saved is None:
+    return []
   now = config.flat_dict(run)
   refused = config.state_changes(saved, now)
   if refused:

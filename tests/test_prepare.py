@@ -379,7 +379,8 @@ def running(pid: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="Linux only: PR_SET_PDEATHSIG, and the processes are found in /proc")
 @pytest.mark.parametrize("victim", ["parent", "worker"])
 def test_a_killed_prepare_or_worker_takes_the_others_with_it(tmp_path, victim):
   """kill -9 of the parent: no orphaned workers; of a worker: one line, not a wait for ever."""

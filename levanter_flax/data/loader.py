@@ -139,25 +139,33 @@ def _parse_with_eos(manifest: dict):
   return lambda record: tf.concat([tfrecord.parse_tokens(record, dtype), [eos]], axis=0)
 
 
+def _decode_shard(path, parse):
+  """(every readable document of a shard joined, EOS after each; the documents read).
+
+  Unreadable records end the shard early rather than the run: the counts
+  then differ from the manifest, which the caller checks.
+  """
+  docs = tf.data.TFRecordDataset(path).map(parse).ignore_errors()
+  pieces = docs.reduce(
+      tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None]),
+      lambda pieces, doc: pieces.write(pieces.size(), doc))
+  return pieces.concat(), pieces.size()
+
+
 def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "ShardCheck",
                    source_index: int):
   """A tf function: (shard, seed, skip) -> that shard's windows, shuffled, minus the first `skip`.
 
-  Unreadable records end the shard early rather than the run; `check` then
-  compares what was decoded with the manifest on the host, and a shard that
-  does not match yields no window at all.
+  `check` compares what was decoded with the manifest on the host; a shard
+  that does not match yields no window at all.
   """
   parse = _parse_with_eos(manifest)
   files = tf.constant(files)
 
   def load(shard, seed, skip):
-    docs = tf.data.TFRecordDataset(tf.gather(files, shard)).map(parse).ignore_errors()
-    pieces = docs.reduce(
-        tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False, element_shape=[None]),
-        lambda pieces, doc: pieces.write(pieces.size(), doc))
-    stream = pieces.concat()
+    stream, records = _decode_shard(tf.gather(files, shard), parse)
     intact = tf.py_function(functools.partial(check, source_index),
-                            [shard, pieces.size(), tf.size(stream)], tf.bool)
+                            [shard, records, tf.size(stream)], tf.bool)
     num_windows = tf.where(intact, tf.shape(stream)[0] // seq_len, 0)
     windows = tf.reshape(stream[:num_windows * seq_len], [num_windows, seq_len])
     windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
@@ -322,15 +330,14 @@ def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_bat
 def _check_validation_shards(source: Source, tokens_needed: int) -> None:
   """Decodes, once, the validation shards that hold the first `tokens_needed` tokens, and
   compares their records and tokens with the manifest."""
-  parse = _parse_with_eos(source.manifest)
-  count = lambda totals, doc: (totals[0] + 1, totals[1] + tf.size(doc, out_type=tf.int64))
+  # In a graph, as in the train stream: eagerly, an empty TensorArray cannot be concatenated.
+  decode = tf.function(functools.partial(_decode_shard, parse=_parse_with_eos(source.manifest)))
   tokens_before = 0
   for entry, path in zip(source.manifest["splits"]["validation"], source.files("validation")):
     if tokens_before > tokens_needed:
       return
-    records, tokens = tf.data.TFRecordDataset(path).map(parse).ignore_errors().reduce(
-        (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), count)
-    problem = _decode_mismatch(entry, int(records), int(tokens), path, "validation",
+    stream, records = decode(tf.constant(path))  # A tensor: one trace for every shard.
+    problem = _decode_mismatch(entry, int(records), int(tf.size(stream)), path, "validation",
                                source.manifest["token_dtype"])
     if problem:
       raise UserError(f"{problem}; prepare the data again (damaged validation shards always "

@@ -9,7 +9,6 @@ An interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint
 and stop cleanly.
 """
 import dataclasses
-import json
 import pathlib
 import signal
 import subprocess
@@ -43,7 +42,12 @@ def is_done(workdir: pathlib.Path, wanted: dict[str, Any]) -> bool:
   raises a UserError: those checkpoints are not this config's, and resuming
   them would mix the two.
   """
-  saved = _saved_config(workdir)
+  try:
+    saved = config.read_saved(workdir)
+  except (OSError, ValueError) as e:
+    # Its checkpoints cannot be matched to a config (and the trainer fails on it as it resumes).
+    raise UserError(f"cannot read {workdir / 'config.json'}: {e}; remove it to continue the run "
+                    f"there unchecked, or use a new --root or experiment name") from None
   if saved is None:  # Nothing trained yet, or no restore succeeded; the trainer checks the rest.
     return False
   wanted = _as_the_trainer_saves(saved, wanted)
@@ -67,23 +71,6 @@ def _as_the_trainer_saves(saved: dict[str, Any], wanted: dict[str, Any]) -> dict
       or (target and chosen != target)):  # With a target, auto reaches exactly it.
     return wanted
   return {**wanted, **{k: saved.get(k) for k in _CHOSEN_BY_AUTO}}
-
-
-def _saved_config(workdir: pathlib.Path) -> Optional[dict[str, Any]]:
-  """The config.json that the trainer in `workdir` saved, or None if there is none."""
-  path = workdir / "config.json"
-  try:
-    saved = json.loads(path.read_text())
-  except FileNotFoundError:
-    return None
-  except (OSError, ValueError) as e:
-    # Its checkpoints cannot be matched to a config (and the trainer fails on it as it resumes).
-    raise UserError(f"cannot read {path}: {e}; remove it to continue the run there unchecked, "
-                    f"or use a new --root or experiment name") from None
-  if not isinstance(saved, dict):
-    raise UserError(f"{path} is not a JSON object; remove it to continue the run there "
-                    f"unchecked, or use a new --root or experiment name")
-  return saved
 
 
 def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_parallel: int,
