@@ -50,10 +50,13 @@ def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("da
   schedule = optim.learning_rate_schedule(optimizer, 1000)
   steps = step.build_sharded_steps(models.build(model_cfg), optim.make_optimizer(optimizer, schedule),
                                    schedule, partitioner, model_cfg.seq_len, num_microbatches)
-  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len))
+  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len),
+                                             dtype=np.int32)
   with partitioner.activation_context():
     state = steps.init(jax.random.key(0))
-    batch = {"tokens": jax.device_put(tokens.astype(np.int32), steps.batch_sharding)}
+    # Each process places its own rows: this works on one process and on several.
+    batch = {"tokens": jax.make_array_from_callback(tokens.shape, steps.batch_sharding,
+                                                    lambda index: tokens[index])}
     start = time.perf_counter()
     compiled = steps.train_step.lower(state, batch).compile()
   return CompiledStep(steps, compiled, state, batch, time.perf_counter() - start)

@@ -4,7 +4,8 @@
 
 With no --dataset it uses the built-in stdlib corpus (tokenized into the
 cache on first use). It prints tokens/s of the tf.data stream to numpy, of
-the whole TrainBatches path to jax.Arrays, of a two-source mixture, the time
+the whole TrainBatches path to jax.Arrays, of a two-source mixture, of the
+default 8 reader groups read by one process, the time
 to the first batch when resuming at window 0 and at window 10**9, and the
 tokens/s one host device trains GPT-2 small (and nano) at, with the ratios.
 
@@ -65,7 +66,7 @@ def main():
   mixture = [loader.Source("a", sources[0].directory, sources[0].manifest, 0.7),
              loader.Source("b", sources[0].directory, sources[0].manifest, 0.3)]
   cores = len(os.sched_getaffinity(0))
-  start = loader.DataPosition.start(sources)
+  start = loader.DataPosition.start(sources, 1)
   print(f"{sources[0].directory}: seq_len {args.seq_len}, {args.batch_size} sequences per batch, "
         f"{cores} host cores, {jax.devices()[0].platform}")
 
@@ -81,9 +82,15 @@ def main():
   mixed = loader.train_dataset(mixture, seq_len=args.seq_len, local_batch_size=args.batch_size,
                                seed=0, position=loader.DataPosition(0, {}))
   mixture_rate = tokens_per_second(mixed.as_numpy_iterator(), args.num_batches)
+  groups = loader.DEFAULT_READER_GROUPS  # What one process of a new run reads by default.
+  grouped = loader.train_dataset(sources, seq_len=args.seq_len, local_batch_size=args.batch_size,
+                                 seed=0, position=start,
+                                 groups=loader.ReaderGroups(groups, range(groups)))
+  grouped_rate = tokens_per_second(grouped.as_numpy_iterator(), args.num_batches)
   print(f"{'path':44s} {'tokens/s':>14s} {'per core':>12s}")
   for name, rate in (("tf.data -> numpy", numpy_rate), ("TrainBatches -> jax.Array", array_rate),
-                     ("mixture of 2 (0.7/0.3) -> numpy", mixture_rate)):
+                     ("mixture of 2 (0.7/0.3) -> numpy", mixture_rate),
+                     (f"{groups} reader groups in one process -> numpy", grouped_rate)):
     print(f"{name:44s} {rate:14,.0f} {rate / cores:12,.0f}")
 
   far = 10**9

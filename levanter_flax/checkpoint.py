@@ -1,4 +1,6 @@
 """Checkpoints with an orbax CheckpointManager: the train state and the data position, together."""
+import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -8,6 +10,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
 from jax.experimental import multihost_utils
 from absl import logging
 
@@ -15,22 +18,40 @@ from levanter_flax import models
 from levanter_flax.errors import UserError, ensure_writable_dir
 
 
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+  """When checkpoints are written and which are kept (config.trainer's checkpoint keys)."""
+  every_steps: int
+  keep: int
+  every_minutes: float = 0.0  # 0: never by time. Such a checkpoint is temporary.
+  keep_period: int = 0  # Steps that are multiples of this are kept for good; 0: none.
+
+
 class Checkpointer:
-  """Saves asynchronously; keeps the newest `keep`, plus every `keep_period`-th step for good.
+  """Saves asynchronously when orbax's save-decision policies say so; orbax deletes the rest.
 
   Each checkpoint holds two items: `state` (params, optimizer state, step)
   and `data`, the JSON position of the input stream, so a resumed run reads
-  on from exactly where the saved one stopped. A temporary checkpoint (a
-  time-based one) is deleted once a newer checkpoint has been written.
+  on from exactly where the saved one stopped. A checkpoint written because
+  time passed is temporary: its step metadata says so, and it is deleted
+  once a newer checkpoint is written, by this run or a later one.
   """
 
-  def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0):
+  def __init__(self, directory: pathlib.Path, cadence: Cadence):
     self.directory = ensure_writable_dir(directory.absolute(), "checkpoint directory")
+    self._by_step = policies.FixedIntervalPolicy(cadence.every_steps)
+    # Decided on process 0 and shared through jax's key-value store: each process's own
+    # clock could disagree about a save, and a save is collective.
+    self._by_time = (policies.ContinuousCheckpointingPolicy(
+        minimum_interval_secs=60 * cadence.every_minutes) if cadence.every_minutes else None)
+    self._last_save = _SaveTime(0, _now())  # Time-based saves count from this run's start too.
+    self._temporary: dict[int, bool] = {}
     self._manager = ocp.CheckpointManager(
         directory.absolute(), item_handlers=_item_handlers(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period or None,
-                                             create=True, cleanup_tmp_directories=True))
-    self._temporary: list[int] = []  # Written as temporary, oldest first.
+        options=ocp.CheckpointManagerOptions(
+            preservation_policy=_KeptCheckpoints(cadence.keep, cadence.keep_period,
+                                                 self._is_temporary),
+            create=True, cleanup_tmp_directories=True))
     self._writing: Optional[int] = None  # The step whose asynchronous save may still run.
 
   @property
@@ -120,18 +141,44 @@ class Checkpointer:
     multihost_utils.sync_global_devices("levanter_flax: damaged checkpoints set aside")
     self._manager.reload()
 
-  def save(self, step: int, state: Any, data_position: dict, temporary: bool = False) -> None:
+  def due(self, step: int, forced: bool = False, ask_clock: bool = True) -> Optional[str]:
+    """Why `step` is saved: "step" (forced, or a multiple of every_steps), "time", or None.
+
+    Every process gets the same answer. Asking the clock costs a round trip
+    to process 0 on every process; `ask_clock=False` skips it for this step.
+    """
+    context = policies.DecisionContext(
+        is_saving_in_progress=self._manager.is_saving_in_progress(), reached_preemption=False,
+        multiprocessing_options=ocp.options.MultiprocessingOptions())
+    now = _SaveTime(step, _now())
+    if forced or self._by_step.should_save(now, [], context=context):
+      return "step"
+    if ask_clock and self._by_time and self._by_time.should_save(now, [self._last_save],
+                                                                 context=context):
+      return "time"
+    return None
+
+  def save(self, step: int, state: Any, data_position: dict, due: str = "step") -> None:
     """Starts writing; training continues while orbax finishes in the background."""
     self._finish_writing()  # The previous save, long done by now as a rule.
-    self._drop_superseded_temporaries()
-    self._writing = step
+    self._writing, self._last_save = step, _SaveTime(step, _now())
+    self._temporary[step] = due == "time"
     try:
       self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_position)), force=True)
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_position)),
+          custom_metadata={"temporary": due == "time"}, force=True)
     except Exception as e:  # pylint: disable=broad-except  # Whatever the filesystem raised.
       raise self._save_failed(e) from None
-    if temporary:
-      self._temporary.append(step)
+
+  def _is_temporary(self, step: int) -> bool:
+    """From the step's metadata, so a temporary written before a restart is known after it."""
+    if step not in self._temporary:
+      try:
+        custom = self._manager.metadata(step).custom_metadata or {}
+      except Exception:  # pylint: disable=broad-except  # Unreadable metadata: keep it.
+        custom = {}
+      self._temporary[step] = bool(custom.get("temporary", False))
+    return self._temporary[step]
 
   def _finish_writing(self) -> None:
     """Waits for the save in flight; if it failed (a full disk, say), that is a UserError."""
@@ -158,18 +205,41 @@ class Checkpointer:
     return UserError(f"writing checkpoint {self.directory / str(step)} failed: {reason}; the "
                      f"earlier checkpoints {earlier or '(none)'} are intact")
 
-  def _drop_superseded_temporaries(self) -> None:
-    """Deletes temporary checkpoints older than the newest written one."""
-    newest = self._manager.latest_step()
-    for step in [s for s in self._temporary if newest is not None and s < newest]:
-      if step in self._manager.all_steps():
-        self._manager.delete(step)
-      self._temporary.remove(step)
-
   def close(self) -> None:
     self._finish_writing()
-    self._drop_superseded_temporaries()
     self._manager.close()
+
+
+@dataclasses.dataclass
+class _SaveTime:
+  """orbax's PolicyCheckpointInfo for a step being decided, or the last one saved."""
+  step: int
+  time: datetime.datetime
+  metrics: Optional[dict] = None
+
+
+def _now() -> datetime.datetime:
+  return datetime.datetime.now(tz=datetime.timezone.utc)
+
+
+@dataclasses.dataclass
+class _KeptCheckpoints(policies.PreservationPolicy):
+  """The newest `keep` checkpoints, less temporary ones that a newer one superseded; and
+  every `keep_period`-th step for good."""
+  keep: int
+  keep_period: int
+  is_temporary: Callable[[int], bool]
+
+  def should_preserve(self, checkpoints: Sequence[Any], *,
+                      context: policies.PreservationContext) -> list[bool]:
+    newest = policies.LatestN(self.keep).should_preserve(checkpoints, context=context)
+    kept = [latest and (i == len(checkpoints) - 1 or not self.is_temporary(c.step))
+            for i, (c, latest) in enumerate(zip(checkpoints, newest))]
+    if self.keep_period:
+      periodic = policies.EveryNSteps(self.keep_period).should_preserve(checkpoints,
+                                                                        context=context)
+      kept = [k or p for k, p in zip(kept, periodic)]
+    return kept
 
 
 def _item_handlers() -> dict[str, ocp.CheckpointHandler]:

@@ -113,8 +113,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.eval_batches = 8
   config.trainer.checkpoint_every_steps = 500
   config.trainer.keep_checkpoints = 3  # The newest ones, temporary ones included.
-  # Also save every this many minutes (0: never); such a checkpoint is
-  # temporary: deleted once a newer one is written.
+  # Also save every this many minutes (0: never), at the next log step;
+  # process 0's clock decides for every process. Such a checkpoint is
+  # temporary: deleted once a newer one is written, even after a restart.
   config.trainer.checkpoint_every_minutes = 0.0
   # Keep every checkpoint whose step is a multiple of this for good (0: none).
   config.trainer.keep_checkpoint_every_steps = 0
@@ -207,9 +208,11 @@ def default_config() -> ml_collections.ConfigDict:
   config.data.on_corrupt_record = "fail"
   # The train and validation shards are dealt to this many reader groups, each
   # supplying a fixed slice of every batch; each process reads its groups'
-  # shards only. 0: one group per process. A fixed count (a multiple of every
-  # process count you will use) makes the batches the same on any number of
-  # processes, so a run resumes exactly on another number of hosts.
+  # shards only. The batches depend on this count alone, not on the number of
+  # processes, so a run resumes exactly on any process count that divides it.
+  # 0: chosen when the run first starts (up to 8, dividing the batch size and
+  # at most the shard count; see loader.default_reader_groups). Either way it
+  # is fixed then, saved with the run, and a different value is refused.
   config.data.reader_groups = 0
 
   config.sharding = ml_collections.ConfigDict()
@@ -465,7 +468,7 @@ _RANGES = {
     "optimizer.sophia_gamma": (_above(0), "> 0"),
     "data.validation_fraction": (_unit(low_open=True, high_open=True), "in (0, 1)"),
     "data.num_train_shards": (_at_least(1), ">= 1"),
-    "data.reader_groups": (_at_least(0), ">= 0 (0: one per process)"),
+    "data.reader_groups": (_at_least(0), ">= 0 (0: chosen when the run first starts)"),
 }
 
 

@@ -1,30 +1,45 @@
 """SIGTERM and SIGINT end a run cleanly: finish the step, write a checkpoint, exit 0.
 
-Schedulers and cloud/TPU preemption send SIGTERM, Ctrl-C sends SIGINT. The
-handler only records the signal; the training loop asks `requested()` after
-each step. Later signals are ignored until the process exits: the last
-checkpoint is written whatever else arrives (SIGKILL still ends it at once). With several processes they agree through an all-gather, so every
-process stops after the same step and writes the same checkpoint.
+Schedulers and cloud/TPU preemption send SIGTERM, Ctrl-C sends SIGINT.
+
+One process: a handler records the signal, and the loop asks after each step.
+
+Several processes: they must stop after the same step, as the last save is
+collective, but asking the others every step would be an all-gather that
+waits for the step to finish. jax.distributed's preemption service does it
+without one: it owns SIGTERM, tells the coordinator, which picks a step that
+no process has passed yet, and `multihost_utils.reached_preemption_sync_point`
+is then a local read on every process. A SIGINT is handed on to that service
+as a SIGTERM, so Ctrl-C on any process also stops all of them together.
+
+Once a stop is on its way, later signals are ignored until the process
+exits: the last checkpoint is written whatever else arrives (SIGKILL still
+ends it at once).
 """
 import signal
 
 import jax
-import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from levanter_flax.errors import UserError
 
 
 class StopSignal:
-  """A context manager that turns SIGTERM/SIGINT into a request to stop after this step."""
+  """A context manager that turns SIGTERM/SIGINT into a request to stop after a step."""
 
   def __init__(self):
     self.received = None
     self._previous = {}
+    self._shared = False  # Whether jax's preemption service decides (several processes).
 
   def __enter__(self) -> "StopSignal":
-    for signum in SIGNALS:
+    self._shared = jax.process_count() > 1
+    if self._shared and not jax.config.jax_enable_preemption_service:
+      raise UserError("a run of several processes stops on SIGTERM through jax's preemption "
+                      "service, which is switched off (jax_enable_preemption_service=False)")
+    # With several processes, SIGTERM stays with jax's handler; taking it would cut jax out.
+    for signum in (signal.SIGINT,) if self._shared else (signal.SIGTERM, signal.SIGINT):
       self._previous[signum] = signal.signal(signum, self._record)
     return self
 
@@ -37,13 +52,20 @@ class StopSignal:
   def _record(self, signum, frame) -> None:
     del frame
     if self.received is None:
-      logging.warning("Received %s: stopping after this step, with a checkpoint",
-                      signal.Signals(signum).name)
+      logging.warning("Received %s: stopping after a step that every process reaches, with a "
+                      "checkpoint", signal.Signals(signum).name)
+      if self._shared:
+        signal.raise_signal(signal.SIGTERM)  # To jax's handler, which tells the others.
     self.received = signum
 
-  def requested(self) -> bool:
-    """Whether any process got a signal; every process gets the same answer."""
-    local = self.received is not None
-    if jax.process_count() == 1:
-      return local
-    return bool(np.any(multihost_utils.process_allgather(np.array(local))))
+  def requested(self, step: int) -> bool:
+    """Whether to stop after `step`; every process gets the same answer for the same step.
+
+    Call it once after every step, with increasing steps.
+    """
+    if not self._shared:
+      return self.received is not None
+    if multihost_utils.reached_preemption_sync_point(step):
+      self.received = self.received or signal.SIGTERM
+      return True
+    return False

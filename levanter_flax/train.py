@@ -2,8 +2,10 @@
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -12,7 +14,7 @@ from clu import periodic_actions
 
 from levanter_flax import (batch_search, config, flops, hf, locks, metrics, models, monitoring,
                            optim, partitioning, preemption, report, step)
-from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
+from levanter_flax.checkpoint import Cadence, Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError, ensure_writable_dir
@@ -49,17 +51,21 @@ def _use_compilation_cache(trainer) -> None:
                     trainer.jax_persistent_cache_min_compile_time_secs)
 
 
-def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
+def _saved_config(workdir: pathlib.Path) -> Optional[dict]:
+  """The config.json the workdir's checkpoints were written with; None if there is none."""
+  try:
+    return config.read_saved(workdir)
+  except (OSError, ValueError) as e:
+    raise UserError(f"cannot read {workdir / 'config.json'}, the config the checkpoints were "
+                    f"written with: {e}; restore it, or use a new --workdir") from None
+
+
+def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: pathlib.Path) -> list[str]:
   """Refuses to resume into another model or optimizer state; returns the other changes.
 
   Checked before anything is restored, so a changed optimizer is never taken
   for a damaged checkpoint.
   """
-  try:
-    saved = config.read_saved(workdir)
-  except (OSError, ValueError) as e:
-    raise UserError(f"cannot read {workdir / 'config.json'}, the config the checkpoints were "
-                    f"written with: {e}; restore it, or use a new --workdir") from None
   if saved is None:
     return []
   now = config.flat_dict(run)
@@ -74,6 +80,25 @@ def _check_resumed_config(run: RunConfig, workdir: pathlib.Path) -> list[str]:
   return changed
 
 
+def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[loader.Source],
+                       workdir: pathlib.Path) -> RunConfig:
+  """`run` with data.reader_groups as the run first started with it: the batches depend on it.
+
+  A new run takes config.data.reader_groups, or the default for its batch
+  size and datasets; config.json then keeps it for every resume.
+  """
+  asked, started = run.data.reader_groups, (saved or {}).get("data.reader_groups", 0)
+  if asked and started and asked != started:
+    raise UserError(f"config.data.reader_groups is {asked}, but the run in {workdir} started "
+                    f"with {started}: its batches would change; leave the key unset to resume, "
+                    f"or use a new --workdir")
+  count = started or asked or loader.default_reader_groups(run.trainer.batch_size,
+                                                           jax.process_count(), sources)
+  run = dataclasses.replace(run, data=dataclasses.replace(run.data, reader_groups=count))
+  _reader_groups(run)  # This process count must divide it: say so before anything is restored.
+  return run
+
+
 def _save_config(run: RunConfig, workdir: pathlib.Path) -> None:
   """<workdir>/config.json: what the checkpoints were written with, for the next resume."""
   if jax.process_index() > 0:  # The workdir is shared; one writer.
@@ -86,6 +111,12 @@ def _save_config(run: RunConfig, workdir: pathlib.Path) -> None:
   except OSError as e:
     tmp.unlink(missing_ok=True)
     raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _cadence(trainer) -> Cadence:
+  return Cadence(every_steps=trainer.checkpoint_every_steps, keep=trainer.keep_checkpoints,
+                 every_minutes=trainer.checkpoint_every_minutes,
+                 keep_period=trainer.keep_checkpoint_every_steps)
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -137,12 +168,12 @@ def _build_and_train(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
 
   # The signal handlers stay until the last save is written: a second SIGTERM then waits too.
   with partitioner.activation_context(), preemption.StopSignal() as stop, \
-      contextlib.closing(Checkpointer(workdir / "checkpoints", trainer.keep_checkpoints,
-                                      trainer.keep_checkpoint_every_steps)) as checkpointer:
-    config_changes = (_check_resumed_config(run, workdir)
-                      if checkpointer.latest_step is not None else [])
+      contextlib.closing(Checkpointer(workdir / "checkpoints", _cadence(trainer))) as checkpointer:
+    saved = _saved_config(workdir) if checkpointer.latest_step is not None else None
+    run = _fix_reader_groups(run, saved, sources, workdir)
+    config_changes = _check_resumed_config(run, saved, workdir)
     state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
-                                     config_changes)
+                                     config_changes, run.data.reader_groups)
     if int(state.step) >= trainer.num_train_steps:
       logging.warning("Already finished: the newest checkpoint is step %d, and "
                       "config.trainer.num_train_steps is %d; raise it to train on",
@@ -153,10 +184,23 @@ def _build_and_train(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
 
 
 def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
-                   sources: list[loader.Source],
-                   config_changes: list[str]) -> tuple[step.TrainState, loader.DataPosition]:
+                   sources: list[loader.Source], config_changes: list[str],
+                   reader_groups: int) -> tuple[step.TrainState, loader.DataPosition]:
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
   (init_from_hf) or another run's (load_checkpoint_path); else init."""
+  state, position = _restored_or_initial_state(trainer, model_cfg, steps, checkpointer, sources,
+                                               config_changes, reader_groups)
+  if position.reader_groups not in (None, reader_groups):
+    raise UserError(f"the data position of the checkpoint to resume from was read by "
+                    f"{position.reader_groups} reader groups, but this run has {reader_groups} "
+                    f"(config.data.reader_groups): set it to {position.reader_groups}")
+  return state, position
+
+
+def _restored_or_initial_state(trainer, model_cfg, steps: step.ShardedSteps,
+                               checkpointer: Checkpointer, sources: list[loader.Source],
+                               config_changes: list[str],
+                               reader_groups: int) -> tuple[step.TrainState, loader.DataPosition]:
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
   restored = checkpointer.restore_newest_usable(abstract, loader.DataPosition.from_json,
                                                 trainer.start_fresh_if_unusable, config_changes)
@@ -164,7 +208,8 @@ def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: C
     state, position = restored
     logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
     return state, position
-  fresh = steps.init(jax.random.key(trainer.seed)), loader.DataPosition.start(sources)
+  fresh = (steps.init(jax.random.key(trainer.seed)),
+           loader.DataPosition.start(sources, reader_groups))
   if trainer.init_from_hf:
     logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
     return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, model_cfg, steps)), fresh[1]
@@ -205,12 +250,12 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   evaluated = [s for s in sources if s.has_validation]
   if not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
+  # Microbatch-sized: what fits in memory for training fits for eval.
+  batch_size = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
   datasets = [loader.eval_dataset(
       source, seq_len=run.model.seq_len, num_batches=run.trainer.eval_batches,
-      # Microbatch-sized: what fits in memory for training fits for eval.
-      local_batch_size=(run.trainer.batch_size // run.trainer.gradient_accumulation_steps
-                        // jax.process_count()),
-      groups=_reader_groups(run)) for source in evaluated]
+      local_batch_size=batch_size // jax.process_count(),
+      groups=_reader_groups(run, batch_size)) for source in evaluated]
 
   def evaluate(params) -> dict[str, float]:
     results = {}
@@ -235,9 +280,11 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   return evaluate
 
 
-def _reader_groups(run: RunConfig) -> loader.ReaderGroups:
-  return loader.ReaderGroups.of_process(run.data.reader_groups, jax.process_index(),
-                                        jax.process_count())
+def _reader_groups(run: RunConfig, batch_size: int = 0) -> loader.ReaderGroups:
+  """This process's reader groups; for a `batch_size` they do not divide (an eval batch of one
+  microbatch), the most groups that do."""
+  count = math.gcd(run.data.reader_groups, batch_size) if batch_size else run.data.reader_groups
+  return loader.ReaderGroups.of_process(count, jax.process_index(), jax.process_count())
 
 
 def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
@@ -309,7 +356,7 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
                               checkpointer)
   profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
                                      trainer.profiler_num_steps if trainer.profiler else 0)
-  history, data_wait, last_metrics, last_save = [], 0.0, {}, time.monotonic()
+  history, data_wait, last_metrics = [], 0.0, {}
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(loader.TrainBatches(
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
@@ -335,8 +382,9 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
         jax.block_until_ready(step_metrics)
         throughput.reset(step_num)
       finished = step_num == trainer.num_train_steps
-      stopping = stop.requested()  # Preempted: log and checkpoint now, skip eval.
-      if step_num % trainer.log_every_steps == 0 or finished or stopping:
+      stopping = stop.requested(step_num)  # Preempted: log and checkpoint now, skip eval.
+      log_step = step_num % trainer.log_every_steps == 0
+      if log_step or finished or stopping:
         nonfinite.flush()
         means = _mean(history)
         del means["train/nonfinite"]  # Reported as the running count of skipped steps.
@@ -349,13 +397,11 @@ def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
         writer.write_scalars(step_num, last_metrics)
         history, data_wait = [], 0.0
       report_progress(step_num)
-      by_step = step_num % trainer.checkpoint_every_steps == 0 or finished or stopping
-      by_time = (trainer.checkpoint_every_minutes
-                 and time.monotonic() - last_save >= 60 * trainer.checkpoint_every_minutes)
-      if by_step or by_time:  # Before eval: a failing eval must not cost the step's checkpoint.
+      # The clock is asked on log steps only, where the host waits for the device anyway.
+      due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step)
+      if due:  # Before eval: a failing eval must not cost the step's checkpoint.
         with _phase(report_progress, "checkpoint"):
-          checkpointer.save(step_num, state, position.to_json(), temporary=not by_step)
-        last_save = time.monotonic()
+          checkpointer.save(step_num, state, position.to_json(), due)
       if step_num % trainer.eval_every_steps == 0 or finished:
         with _phase(report_progress, "eval"):
           eval_metrics = evaluate(state.params)

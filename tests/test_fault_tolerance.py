@@ -1,4 +1,5 @@
 """Runs end cleanly on SIGTERM/SIGINT and never apply or save a non-finite update."""
+import contextlib
 import errno
 import logging
 import pathlib
@@ -18,7 +19,7 @@ import pytest
 
 from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
 from levanter_flax import report
-from levanter_flax.checkpoint import run_params
+from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import loader
 from levanter_flax.data.prepare import load_manifest
@@ -226,6 +227,18 @@ def test_time_based_checkpoints_replace_each_other_and_periodic_ones_stay(tiny_c
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   # 4 and 8 are kept for good; 11 is the last; the time-based ones (1-3, 5-7, 9-10) are gone.
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [4, 8, 11]
+
+
+def test_a_temporary_checkpoint_is_known_as_one_after_a_restart(tmp_path):
+  cadence = Cadence(every_steps=10, keep=3)
+  state = {"w": np.arange(4.0)}
+  with contextlib.closing(Checkpointer(tmp_path, cadence)) as checkpointer:
+    checkpointer.save(10, state, {}, "step")
+    checkpointer.save(12, state, {}, "time")  # Then the process dies: nothing in memory survives.
+  with contextlib.closing(Checkpointer(tmp_path, cadence)) as checkpointer:
+    assert checkpointer.due(13) is None and checkpointer.due(20) == "step"
+    checkpointer.save(14, state, {}, "step")
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [10, 14]
 
 
 @pytest.mark.parametrize("items", ["params", "state"])

@@ -83,9 +83,19 @@ def test_batches_depend_on_the_reader_groups_not_on_the_processes(datasets):
   with pytest.raises(UserError, match=r"config.trainer.batch_size \(6 in all\) must be divisible "
                                       r"by config.data.reader_groups \(4\)"):
     take(sources, 1, batch=3, groups=loader.ReaderGroups(4, range(2)))
-  with pytest.raises(UserError, match=r"config.data.reader_groups \(3\) must be a multiple of the "
-                                      r"number of processes \(2\)"):
+  with pytest.raises(UserError, match=r"this run's 2 processes cannot share its 3 reader groups "
+                                      r"\(config.data.reader_groups, fixed when the run first "
+                                      r"started\): run it on a number of processes that divides 3"):
     loader.ReaderGroups.of_process(3, 0, 2)
+
+
+@pytest.mark.parametrize("batch, processes, shards, expected", [
+    (8, 1, 8, 8), (32, 2, 16, 8), (12, 1, 8, 6), (16, 1, 3, 2), (32, 16, 64, 16), (36, 6, 8, 6),
+    (2, 2, 1, 2)])
+def test_the_default_reader_groups_divide_the_batch_and_fit_the_shards(batch, processes, shards,
+                                                                        expected):
+  sources = [loader.Source("a", pathlib.Path("a"), {"splits": {"train": [{}] * shards}}, 1.0)]
+  assert loader.default_reader_groups(batch, processes, sources) == expected
 
 
 def test_resume_at_any_position_continues_the_same_stream(datasets):

@@ -22,10 +22,12 @@ def free_address() -> str:
     return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def start(workdir, devices: int, *flags, **distributed) -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+def start(workdir, devices: int, *flags, module="levanter_flax.main", env=(),
+          **distributed) -> subprocess.Popen:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         **dict(env)}
   extra = [f"--config.trainer.distributed.{k}={v}" for k, v in distributed.items()]
-  return subprocess.Popen([sys.executable, "-m", "levanter_flax.main", f"--config={NANO}",
+  return subprocess.Popen([sys.executable, "-m", module, f"--config={NANO}",
                            f"--workdir={workdir}", *TINY, *STEPS, *flags, *extra], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -38,39 +40,50 @@ def finish(*processes: subprocess.Popen) -> list[str]:
   return outputs
 
 
-def two_processes(workdir, *flags) -> list[str]:
+def start_two(workdir, *flags, **kwargs) -> list[subprocess.Popen]:
   address = free_address()
-  return finish(*(start(workdir, 2, *flags, coordinator_address=address, num_processes=2,
-                        process_id=i) for i in range(2)))
+  return [start(workdir, 2, *flags, coordinator_address=address, num_processes=2, process_id=i,
+                **kwargs) for i in range(2)]
+
+
+def two_processes(workdir, *flags) -> list[str]:
+  return finish(*start_two(workdir, *flags))
 
 
 def one_process(workdir, *flags) -> str:
-  return finish(start(workdir, 4, "--config.data.reader_groups=2", *flags))[0]
+  return finish(start(workdir, 4, *flags))[0]
 
 
-@pytest.mark.parametrize("sharding", [["--config.trainer.device_mesh.data=4"],
-                                      ["--config.trainer.device_mesh.data=4",
-                                       "--config.sharding.parameter_axis=data"]],
-                         ids=["data4", "zero3"])
-def test_two_processes_train_like_one_process_with_four_devices(data_cache, tmp_path, sharding):
-  flags = [f"--config.data.cache_dir={data_cache}", *sharding]
-  _, second = two_processes(tmp_path / "two", *flags)
+def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, tmp_path):
+  """1 x 4 devices -> 2 x 2 and back, with the default reader groups: one uninterrupted stream."""
+  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
+           "--config.trainer.checkpoint_every_steps=3", "--config.trainer.eval_every_steps=3",
+           "--config.trainer.num_train_steps=6"]
+  one_process(tmp_path / "straight", *flags)
+  one_process(tmp_path / "one_then_two", *flags, "--config.trainer.num_train_steps=3")
+  second = two_processes(tmp_path / "one_then_two", *flags)[1]
+  two_processes(tmp_path / "two_then_one", *flags, "--config.trainer.num_train_steps=3")
+  one_process(tmp_path / "two_then_one", *flags)
+  expected = train_losses(tmp_path / "straight")
+  for run in ("one_then_two", "two_then_one"):
+    got = train_losses(tmp_path / run)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6], run  # Process 0 alone writes metrics: once each.
+    for step in expected:
+      assert got[step] == pytest.approx(expected[step], abs=1e-5), (run, step)
+    assert [m["run/started_at_step"] for m in read_metrics(tmp_path / run)
+            if "run/started_at_step" in m] == [0, 3]
+  assert "logging_writer" not in second and "Finished in" not in second  # Process 1 is quiet.
+
+
+def test_zero3_on_two_processes_trains_like_one_process(data_cache, tmp_path):
+  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
+           "--config.sharding.parameter_axis=data"]
+  two_processes(tmp_path / "two", *flags)
   one_process(tmp_path / "one", *flags)
   two, one = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
-  assert sorted(two) == [1, 2, 3, 4, 5]  # Process 0 alone writes metrics: each step once.
+  assert sorted(two) == [1, 2, 3, 4, 5]
   for step in one:
     assert two[step] == pytest.approx(one[step], abs=1e-5), step
-  assert "logging_writer" not in second and "Finished in" not in second  # Process 1 is quiet.
-  if "--config.sharding.parameter_axis=data" in sharding:
-    return
-  # The 2-process checkpoint resumes in one process, as the 1-process one does.
-  for workdir in ("two", "one"):
-    one_process(tmp_path / workdir, *flags, "--config.trainer.num_train_steps=7")
-  resumed_two, resumed_one = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
-  for step in (6, 7):
-    assert resumed_two[step] == pytest.approx(resumed_one[step], abs=1e-5), step
-  assert [m["run/started_at_step"] for m in read_metrics(tmp_path / "two")
-          if "run/started_at_step" in m] == [0, 5]
 
 
 def last_line(process: subprocess.Popen) -> str:
@@ -105,20 +118,56 @@ def test_a_process_id_beyond_the_process_count_is_refused(tmp_path):
                   "for num_processes=2; got 2")
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_path):
-  address = free_address()
-  processes = [start(tmp_path, 2, f"--config.data.cache_dir={data_cache}",
-                     "--config.trainer.num_train_steps=100000",
-                     "--config.trainer.checkpoint_every_steps=1000", coordinator_address=address,
-                     num_processes=2, process_id=i) for i in range(2)]
+# Process 1 is slower by this much per step, and the runs are long enough for a signal to land.
+SKEWED = dict(module="skewed_main", env={"SKEW_SECONDS": "0.1", "PYTHONPATH": str(REPO / "tests")})
+SKEWED_FLAGS = ["--config.trainer.num_train_steps=40", "--config.trainer.checkpoint_every_steps=1000",
+                "--config.trainer.eval_every_steps=1000"]
+
+
+def saves(saves_dir: pathlib.Path) -> list[list[str]]:
+  """What each process saved, as `skewed_main` lists it."""
+  return [(saves_dir / f"process_{i}.txt").read_text().split("\n")[:-1] for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_skewed_run(data_cache, tmp_path_factory) -> pathlib.Path:
+  """40 steps on 2 processes that drift apart, with a checkpoint due every 0.1 s."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  env = {**SKEWED["env"], "SAVES_DIR": str(workdir)}
+  finish(*start_two(workdir, f"--config.data.cache_dir={data_cache}", *SKEWED_FLAGS,
+                    "--config.trainer.checkpoint_every_minutes=0.0017", module=SKEWED["module"],
+                    env=env))
+  return workdir
+
+
+def test_time_based_checkpoints_are_the_same_on_every_process(uninterrupted_skewed_run):
+  on_0, on_1 = saves(uninterrupted_skewed_run)
+  assert on_0 == on_1  # Process 0's clock decided for both; orbax would hang otherwise.
+  assert sum(line.endswith(" time") for line in on_0) >= 3, on_0
+  assert on_0[-1] == "40 step"
+  # Each temporary one was deleted once a newer one was written.
+  assert [p.name for p in (uninterrupted_skewed_run / "checkpoints").iterdir()] == ["40"]
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_path,
+                                                               uninterrupted_skewed_run):
+  flags = [f"--config.data.cache_dir={data_cache}", *SKEWED_FLAGS]
+  env = {**SKEWED["env"], "SAVES_DIR": str(tmp_path)}
+  processes = start_two(tmp_path, *flags, module=SKEWED["module"], env=env)
   deadline = time.time() + 240
   while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
                                         and len(train_losses(tmp_path)) >= 3):
-    time.sleep(0.5)
+    time.sleep(0.2)
   processes[1].send_signal(signal.SIGTERM)  # A scheduler preempting one host.
   finish(*processes)
   stopped_at = max(train_losses(tmp_path))
-  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [stopped_at]
+  assert stopped_at < 40
+  assert saves(tmp_path) == [[f"{stopped_at} step"]] * 2
+  assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [str(stopped_at)]
+  finish(*start_two(tmp_path, *flags, module=SKEWED["module"], env=env))
+  expected, got = train_losses(uninterrupted_skewed_run), train_losses(tmp_path)
+  assert sorted(got) == list(range(1, 41))
+  assert all(got[step] == expected[step] for step in got), (got, expected)  # Bit for bit.
 
 
 def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:

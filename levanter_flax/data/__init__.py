@@ -15,7 +15,7 @@ class DataConfig:
   validation_fraction: float  # The built-in dataset's.
   num_train_shards: int  # The built-in dataset's.
   on_corrupt_record: str  # fail | skip
-  reader_groups: int = 0  # 0: one per process. See loader.ReaderGroups.
+  reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
 
 
 @functools.cache

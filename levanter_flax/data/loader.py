@@ -67,12 +67,13 @@ class ReaderGroups:
   mine: range
 
   @classmethod
-  def of_process(cls, configured: int, process_index: int, process_count: int) -> "ReaderGroups":
-    """config.data.reader_groups (0: one per process) split evenly over the processes."""
-    count = configured or process_count
+  def of_process(cls, count: int, process_index: int, process_count: int) -> "ReaderGroups":
+    """`count` groups split evenly over the processes."""
     if count % process_count:
-      raise UserError(f"config.data.reader_groups ({count}) must be a multiple of the number of "
-                      f"processes ({process_count})")
+      raise UserError(f"this run's {process_count} processes cannot share its {count} reader "
+                      f"groups (config.data.reader_groups, fixed when the run first started): "
+                      f"run it on a number of processes that divides {count}, or start a new "
+                      f"run in a new --workdir")
     per_process = count // process_count
     return cls(count, range(process_index * per_process, (process_index + 1) * per_process))
 
@@ -83,30 +84,57 @@ class ReaderGroups:
     return local_batch_size // len(self.mine)
 
 
+# Divides the usual batch sizes, and the host counts up to 8: a run started with it resumes
+# exactly on 1, 2, 4 or 8 processes.
+DEFAULT_READER_GROUPS = 8
+
+
+def default_reader_groups(batch_size: int, process_count: int, sources: list[Source]) -> int:
+  """The reader groups a run starts with unless config.data.reader_groups says otherwise.
+
+  The most, up to DEFAULT_READER_GROUPS (or the process count if that is
+  more), that split evenly over the processes and the batch, and that every
+  source has a train shard for.
+  """
+  shards = min(len(s.manifest["splits"]["train"]) for s in sources)
+  fitting = [count for count in range(process_count,
+                                      max(DEFAULT_READER_GROUPS, process_count) + 1, process_count)
+             if batch_size % count == 0 and count <= shards]
+  return max(fitting, default=process_count)
+
+
 ONE_GROUP = ReaderGroups(1, range(1))
 
 
 @dataclasses.dataclass(frozen=True)
 class DataPosition:
-  """How far each reader group has read: windows drawn in all, and from each source."""
+  """How far each reader group has read: windows drawn in all, and from each source.
+
+  The counts are per reader group, so they mean something only for the
+  `reader_groups` they were read with (None: not known, from before it was saved).
+  """
   windows: int
   per_source: dict[str, int]
+  reader_groups: Optional[int] = None
 
   @classmethod
-  def start(cls, sources: list[Source]) -> "DataPosition":
-    return cls(0, {s.name: 0 for s in sources})
+  def start(cls, sources: list[Source], reader_groups: int) -> "DataPosition":
+    return cls(0, {s.name: 0 for s in sources}, reader_groups)
 
   def to_json(self) -> dict:
-    return {"windows": self.windows, "per_source": dict(self.per_source)}
+    return {"windows": self.windows, "per_source": dict(self.per_source),
+            "reader_groups": self.reader_groups}
 
   @classmethod
   def from_json(cls, value: dict) -> "DataPosition":
     """Raises ValueError for anything but what to_json writes."""
     try:
-      position = cls(value["windows"], dict(value["per_source"]))
-    except (KeyError, TypeError, ValueError):
+      position = cls(value["windows"], dict(value["per_source"]), value.get("reader_groups"))
+    except (AttributeError, KeyError, TypeError, ValueError):
       raise ValueError(f"not a data position: {value!r}") from None
     counts = [position.windows, *position.per_source.values()]
+    if position.reader_groups is not None:
+      counts.append(position.reader_groups - 1)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
       raise ValueError(f"not a data position: {value!r}")
     return position
@@ -238,13 +266,14 @@ def _decode_mismatch(entry: dict, records: int, tokens: int, path, split: str, d
 
 
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
-                   group: int, num_groups: int, check: ShardCheck) -> "tf.data.Dataset":
+                   group: int, num_groups: int, check: ShardCheck,
+                   decode_ahead: int) -> "tf.data.Dataset":
   """One source's endless window stream for one reader group, from its window `start`."""
   shards = source.manifest["splits"]["train"][group::num_groups]
   if not shards:
     raise UserError(f"dataset {source.directory} has {len(source.manifest['splits']['train'])} "
-                    f"train shards, fewer than the {num_groups} reader groups (one per process "
-                    f"unless config.data.reader_groups says otherwise); prepare it again with "
+                    f"train shards, fewer than the {num_groups} reader groups "
+                    f"(config.data.reader_groups); prepare it again with "
                     f"--num_shards={num_groups} or more")
   order = schedule.ShardOrder(schedule.shard_windows(shards, seq_len), (seed, index))
   if not order.windows_per_epoch:
@@ -261,7 +290,7 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
   files = source.files("train")
   windows = tf.data.Dataset.from_generator(chunks, output_signature=chunk_signature).map(
       _shard_windows(files, source.manifest, seq_len, check, index),
-      num_parallel_calls=_SHARDS_DECODED_AHEAD, deterministic=True)
+      num_parallel_calls=decode_ahead, deterministic=True)
   return windows.unbatch()
 
 
@@ -276,8 +305,11 @@ def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int,
   """
   check = check or ShardCheck(sources, "fail", groups, seq_len)
   rows = groups.rows_per_group(local_batch_size, "config.trainer.batch_size")
+  # Whole shards are decoded ahead: the same few in all, however many groups this process reads.
+  decode_ahead = max(1, _SHARDS_DECODED_AHEAD // len(groups.mine))
   batches = _concat_groups([_group_windows(sources, seq_len=seq_len, seed=seed, position=position,
-                                           group=g, num_groups=groups.count, check=check).batch(
+                                           group=g, num_groups=groups.count, check=check,
+                                           decode_ahead=decode_ahead).batch(
                                                rows, drop_remainder=True)
                             for g in groups.mine]).prefetch(tf.data.AUTOTUNE)
   # tf.data's map-and-batch fusion loses errors raised upstream of the fused map (TF 2.21):
@@ -288,13 +320,15 @@ def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int,
 
 
 def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
-                   group: int, num_groups: int, check: ShardCheck) -> "tf.data.Dataset":
+                   group: int, num_groups: int, check: ShardCheck,
+                   decode_ahead: int) -> "tf.data.Dataset":
   """One reader group's windows, every source mixed in by the schedule."""
   mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
   derived = mixture.consumed(position.windows)
   streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
                             start=position.per_source.get(source.name, int(derived[index])),
-                            group=group, num_groups=num_groups, check=check)
+                            group=group, num_groups=num_groups, check=check,
+                            decode_ahead=decode_ahead)
              for index, source in enumerate(sources)]
   if len(streams) == 1:
     return streams[0]
@@ -436,7 +470,8 @@ class TrainBatches:
       # Every group draws the same sources in the same order, so the counts split evenly.
       counts = np.bincount(batch["source"], minlength=len(self._sources)) // groups_here
       position = DataPosition(position.windows + len(batch["tokens"]) // groups_here, {
-          s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)})
+          s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)},
+          self.groups.count)
       yield {"tokens": batch["tokens"]}, position
     raise self._check.error or UserError("the train stream ended unexpectedly")
 
