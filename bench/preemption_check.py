@@ -15,7 +15,8 @@ and times the same loop of steps, each followed by:
     checkpoint_every_minutes set): process 0 decides and shares it through
     jax's key-value store.
 The modes take turns for several rounds; each one's best round counts.
-Prints the mean seconds per step of each, and what each adds to the floor.
+Prints the mean seconds per step of each, what each adds to the floor, and
+what each check costs by itself, called between no steps.
 Uses jax, flax, optax and orbax only.
 """
 import argparse
@@ -64,15 +65,23 @@ def measure(process_id: int, address: str, steps: int, rounds: int, checkpoints:
         check()
       jax.block_until_ready(metrics)
       results[name] = min(results[name], (time.perf_counter() - start) / steps)
+  alone = {}  # Each check by itself, between no steps: what it costs the host.
+  for name, check in modes.items():
+    start = time.perf_counter()
+    for _ in range(steps):
+      step_id += 1
+      check()
+    alone[name] = (time.perf_counter() - start) / steps
   checkpointer.close()
   if process_id == 0:
     floor = results["no check (floor)"]
     print(f"tiny GPT-2, batch 8 over 2 processes x 1 CPU device; best of {rounds} rounds of "
           f"{steps} steps")
-    print(f"{'after each step':32s} {'ms/step':>9s} {'added':>9s} {'ratio':>7s}")
+    print(f"{'after each step':32s} {'ms/step':>9s} {'added':>9s} {'ratio':>7s} "
+          f"{'check alone, us':>16s}")
     for name, seconds in results.items():
       print(f"{name:32s} {1e3 * seconds:9.3f} {1e3 * (seconds - floor):+9.3f} "
-            f"{seconds / floor:7.3f}")
+            f"{seconds / floor:7.3f} {1e6 * alone[name]:16.1f}")
 
 
 def main():

@@ -92,6 +92,11 @@ def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[load
     raise UserError(f"config.data.reader_groups is {asked}, but the run in {workdir} started "
                     f"with {started}: its batches would change; leave the key unset to resume, "
                     f"or use a new --workdir")
+  if saved is not None and not started and not asked:  # An older version: one per process.
+    started = jax.process_count()
+    logging.warning("The run in %s saved no reader-group count (an older version read one per "
+                    "process); resuming with %d, the same stream only if it ran on %d processes",
+                    workdir, started, started)
   count = started or asked or loader.default_reader_groups(run.trainer.batch_size,
                                                            jax.process_count(), sources)
   run = dataclasses.replace(run, data=dataclasses.replace(run.data, reader_groups=count))

@@ -72,6 +72,10 @@ def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path
   # Saved before the key existed: that run did what its default does.
   save_config(workdir, {k: v for k, v in wanted.items() if k != "trainer.hang_watchdog_seconds"})
   assert is_done(workdir, wanted)
+  save_config(workdir, {**wanted, "data.reader_groups": 8})  # What the trainer chose for 0.
+  assert is_done(workdir, wanted)
+  with pytest.raises(UserError, match=r"\(data.reader_groups 8 -> 4\)"):
+    is_done(workdir, {**wanted, "data.reader_groups": 4})
   save_config(workdir, {**wanted, "trainer.num_train_steps": 3})
   assert not is_done(workdir, wanted)  # More steps: the run continues.
   for saved, diff in (({"trainer.num_train_steps": 10}, "trainer.num_train_steps 10 -> 5"),

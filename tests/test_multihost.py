@@ -75,15 +75,33 @@ def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, t
   assert "logging_writer" not in second and "Finished in" not in second  # Process 1 is quiet.
 
 
-def test_zero3_on_two_processes_trains_like_one_process(data_cache, tmp_path):
+def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:
+  """Truncates the array data that process 1 wrote: only it reads them back under ZeRO-3."""
+  files = [p for p in checkpoint.glob("state/ocdbt.process_1/d/*") if p.is_file()]
+  for path in files:
+    path.write_bytes(path.read_bytes()[:10])
+  return files
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_zero3_on_two_processes_trains_like_one_and_both_agree_on_a_damaged_checkpoint(
+    data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
-           "--config.sharding.parameter_axis=data"]
+           "--config.sharding.parameter_axis=data", "--config.trainer.checkpoint_every_steps=2",
+           "--config.trainer.num_train_steps=4"]
   two_processes(tmp_path / "two", *flags)
   one_process(tmp_path / "one", *flags)
   two, one = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
-  assert sorted(two) == [1, 2, 3, 4, 5]
+  assert sorted(two) == [1, 2, 3, 4]
   for step in one:
     assert two[step] == pytest.approx(one[step], abs=1e-5), step
+  checkpoints = tmp_path / "two" / "checkpoints"
+  assert corrupt_files_of_process_1(checkpoints / "4")
+  # Process 0 alone could restore step 4; both must resume from step 2, together.
+  two_processes(tmp_path / "two", *flags, "--config.trainer.num_train_steps=5")
+  assert {p.name for p in checkpoints.iterdir()} == {"2", "4", "4.unreadable", "5"}
+  assert [m["run/started_at_step"] for m in read_metrics(tmp_path / "two")
+          if "run/started_at_step" in m] == [0, 2]
 
 
 def last_line(process: subprocess.Popen) -> str:
@@ -168,28 +186,6 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_p
   expected, got = train_losses(uninterrupted_skewed_run), train_losses(tmp_path)
   assert sorted(got) == list(range(1, 41))
   assert all(got[step] == expected[step] for step in got), (got, expected)  # Bit for bit.
-
-
-def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:
-  """Truncates the array data that process 1 wrote: only it reads them back under ZeRO-3."""
-  files = [p for p in checkpoint.glob("state/ocdbt.process_1/d/*") if p.is_file()]
-  for path in files:
-    path.write_bytes(path.read_bytes()[:10])
-  return files
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_processes_agree_that_a_checkpoint_one_of_them_cannot_read_is_damaged(data_cache, tmp_path):
-  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
-           "--config.sharding.parameter_axis=data", "--config.trainer.checkpoint_every_steps=2",
-           "--config.trainer.num_train_steps=4"]
-  two_processes(tmp_path, *flags)
-  assert corrupt_files_of_process_1(tmp_path / "checkpoints" / "4")
-  # Process 0 alone could restore step 4; both must resume from step 2, together.
-  two_processes(tmp_path, *flags, "--config.trainer.num_train_steps=5")
-  assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {"2", "4", "4.unreadable", "5"}
-  assert [m["run/started_at_step"] for m in read_metrics(tmp_path)
-          if "run/started_at_step" in m] == [0, 2]
 
 
 def test_a_job_whose_workdir_is_held_stops_on_every_process(data_cache, tmp_path):

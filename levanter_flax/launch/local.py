@@ -64,7 +64,10 @@ def is_done(workdir: pathlib.Path, wanted: dict[str, Any]) -> bool:
 
 
 def _as_the_trainer_saves(saved: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
-  """`wanted` with batch_size "auto" replaced by the size in `saved`, if auto could pick it."""
+  """`wanted` with what the trainer chose when the run first started, as `saved` holds it: the
+  reader groups for 0, and the batch size for "auto" if auto could pick it."""
+  if not wanted.get("data.reader_groups") and isinstance(saved.get("data.reader_groups"), int):
+    wanted = {**wanted, "data.reader_groups": saved["data.reader_groups"]}
   chosen = saved.get("trainer.batch_size")
   target = wanted.get("trainer.target_batch_size")
   if (wanted.get("trainer.batch_size") != "auto" or not isinstance(chosen, int)
