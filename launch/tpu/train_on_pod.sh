@@ -11,14 +11,23 @@ set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR to a shared path}"
 REPO_DIR=${REPO_DIR:-levanter_flax}
 
-# Copy this checkout to every worker and install it with the TPU build of jax.
-tar czf /tmp/levanter_flax.tgz --exclude=.git --exclude=runs .
-gcloud compute tpus tpu-vm scp /tmp/levanter_flax.tgz "$TPU_NAME": --zone="$ZONE" --worker=all
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
-  mkdir -p $REPO_DIR && tar xzf levanter_flax.tgz -C $REPO_DIR &&
-  cd $REPO_DIR && pip install -q -e '.[tpu]'"
+# Every value that goes into the workers' shell is quoted for it: paths and flags may hold spaces
+# or shell characters.
+quoted() { printf '%q ' "$@"; }
 
-# Preemption of a spot/preemptible slice sends SIGTERM: each worker checkpoints and exits 0;
-# run this script again on the recreated slice to resume.
+# Copy this checkout to every worker and install it with the TPU build of jax. The archive has a
+# name of its own, so two launches from one machine do not overwrite each other's.
+archive=$(mktemp --suffix=.levanter_flax.tgz)
+trap 'rm -f "$archive"' EXIT
+tar czf "$archive" --exclude=.git --exclude=runs .
+remote_archive=$(basename "$archive")
+gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME": --zone="$ZONE" --worker=all
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
-  cd $REPO_DIR && python -m levanter_flax.main --workdir=$WORKDIR $*"
+  mkdir -p $(quoted "$REPO_DIR") && tar xzf $(quoted "$remote_archive") -C $(quoted "$REPO_DIR") &&
+  rm -f $(quoted "$remote_archive") && cd $(quoted "$REPO_DIR") && pip install -q -e '.[tpu]'"
+
+# Preemption of a spot/preemptible slice sends SIGTERM: every worker stops after the same step,
+# one checkpoint is written, and all exit 0; run this script again on the recreated slice to
+# resume, on any number of workers that divides the run's data.reader_groups.
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
+  cd $(quoted "$REPO_DIR") && python -m levanter_flax.main $(quoted "--workdir=$WORKDIR" "$@")"
