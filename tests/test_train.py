@@ -62,6 +62,17 @@ def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture)
   # The windows each reader group supplied: 8 groups by default, 4 for the 4-shard prose dataset.
   assert position["reader_groups"] == (4 if mixture else 8)
   assert position["windows"] * position["reader_groups"] == 5 * 8
+  # The count is fixed when a run first starts: another one is refused, the same one accepted.
+  assert json.loads((resumed / "config.json").read_text())["data.reader_groups"] == (
+      4 if mixture else 8)
+  tiny_config.data.reader_groups = 2
+  with pytest.raises(UserError, match=rf"^config.data.reader_groups is 2, but the run in "
+                                      rf"{resumed} started with {4 if mixture else 8}: its batches "
+                                      rf"would change; leave the key unset to resume, or use a "
+                                      rf"new --workdir$"):
+    train_and_evaluate(to_run_config(tiny_config), resumed)
+  tiny_config.data.reader_groups = 4 if mixture else 8
+  assert train_and_evaluate(to_run_config(tiny_config), resumed) == {}  # Already finished.
   if mixture:
     final = read_metrics(resumed)
     assert {"eval/code/loss", "eval/prose/bits_per_byte", "eval/loss"} <= set(final[-1])
@@ -76,21 +87,6 @@ def test_keeps_the_newest_checkpoints(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 7
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [6, 7]
-
-
-def test_the_reader_groups_are_fixed_when_a_run_first_starts(tiny_config, tmp_path):
-  tiny_config.trainer.num_train_steps = tiny_config.trainer.checkpoint_every_steps = 1
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  assert json.loads((tmp_path / "config.json").read_text())["data.reader_groups"] == 8
-  tiny_config.trainer.num_train_steps = 2
-  tiny_config.data.reader_groups = 4
-  with pytest.raises(UserError, match=r"^config.data.reader_groups is 4, but the run in .* started "
-                                      r"with 8: its batches would change; leave the key unset to "
-                                      r"resume, or use a new --workdir$"):
-    train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  tiny_config.data.reader_groups = 8
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  assert sorted(train_losses(tmp_path)) == [1, 2]
 
 
 def test_two_dimensional_mesh_trains(tiny_config, tmp_path):
