@@ -41,6 +41,7 @@ def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture)
   # A constant LR after warmup, so that the 5-step run's schedule is the
   # 10-step run's schedule cut short.
   tiny_config.optimizer.min_learning_rate_ratio = 1.0
+  tiny_config.data.reader_groups = 0  # The default: chosen when the run first starts.
   if mixture:
     tiny_config.data.mixture.code = dict(dataset="stdlib", weight=3.0)
     tiny_config.data.mixture.prose = dict(dataset=str(prose_dataset), weight=1.0)
