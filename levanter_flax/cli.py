@@ -3,6 +3,7 @@ import logging as std_logging
 import os
 import sys
 import traceback
+import warnings
 
 from absl import flags, logging
 
@@ -36,6 +37,10 @@ def quiet_orbax() -> None:
 
   logging.get_absl_handler().addFilter(keep)
   sys.unraisablehook = _drop_orbax_echoes
+  # A failed save can leave one of its array writes never started; Python names it at exit,
+  # after the one-line error. (Only orbax runs coroutines here.)
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                          category=RuntimeWarning)
 
 
 _ORBAX = os.sep + "orbax" + os.sep
