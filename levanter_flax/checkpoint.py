@@ -3,7 +3,6 @@ import dataclasses
 import datetime
 import json
 import os
-import pathlib
 import re
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
@@ -13,9 +12,10 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 from jax.experimental import multihost_utils
 from absl import logging
+from etils import epath
 
-from levanter_flax import models
-from levanter_flax.errors import UserError, ensure_writable_dir
+from levanter_flax import models, paths
+from levanter_flax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,8 @@ class Checkpointer:
   once a newer checkpoint is written, by this run or a later one.
   """
 
-  def __init__(self, directory: pathlib.Path, cadence: Cadence):
-    self.directory = ensure_writable_dir(directory.absolute(), "checkpoint directory")
+  def __init__(self, directory: epath.Path, cadence: Cadence):
+    self.directory = paths.make_dirs(directory, "checkpoint directory")
     self._by_step = policies.FixedIntervalPolicy(cadence.every_steps)
     # Decided on process 0 and shared through jax's key-value store: each process's own
     # clock could disagree about a save, and a save is collective.
@@ -47,7 +47,7 @@ class Checkpointer:
     self._last_save = _SaveTime(0, _now())  # Time-based saves count from this run's start too.
     self._temporary: dict[int, bool] = {}
     self._manager = ocp.CheckpointManager(
-        directory.absolute(), item_handlers=_item_handlers(),
+        directory, item_handlers=_item_handlers(),
         options=ocp.CheckpointManagerOptions(
             preservation_policy=_KeptCheckpoints(cadence.keep, cadence.keep_period,
                                                  self._is_temporary),
@@ -137,7 +137,8 @@ class Checkpointer:
       return
     if jax.process_index() == 0:  # Every process reached the same verdict; one renames.
       for step in steps:
-        (self.directory / str(step)).rename(_free_name(self.directory, f"{step}.unreadable"))
+        paths.move_tree(self.directory / str(step),
+                        _free_name(self.directory, f"{step}.unreadable"))
     multihost_utils.sync_global_devices("levanter_flax: damaged checkpoints set aside")
     self._manager.reload()
 
@@ -268,7 +269,7 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
     error = error.__cause__ or error.__context__
 
 
-def _classified(error: Exception, path: pathlib.Path) -> Exception:
+def _classified(error: Exception, path: epath.Path) -> Exception:
   """_Damaged if `error` means the checkpoint's files are bad, else a UserError naming it."""
   reason = _first_line(error)
   for cause in _causes(error):
@@ -319,7 +320,7 @@ def _layout_differences(saved: Any, wanted: Any, limit: int = 3) -> list[str]:
   return differences[:limit] + ([more] if more else [])
 
 
-def _free_name(directory: pathlib.Path, name: str) -> pathlib.Path:
+def _free_name(directory: epath.Path, name: str) -> epath.Path:
   """`name`, or `name.2`, `name.3`, ... whichever does not exist yet."""
   candidate, number = directory / name, 1
   while candidate.exists():
@@ -328,9 +329,8 @@ def _free_name(directory: pathlib.Path, name: str) -> pathlib.Path:
   return candidate
 
 
-def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
+def load_other_run(path: epath.Path, abstract_state: Any) -> tuple[Any, dict]:
   """(state, data position) from one checkpoint of another run: path is <workdir>/checkpoints/<step>."""
-  path = path.expanduser().absolute()
   if not (path / "state").is_dir():
     raise UserError(f"config.trainer.load_checkpoint_path {path} is not a checkpoint "
                     f"(expected <workdir>/checkpoints/<step>, holding state/)")
@@ -347,7 +347,7 @@ def load_other_run(path: pathlib.Path, abstract_state: Any) -> tuple[Any, dict]:
   return restored.state, restored.data
 
 
-def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
+def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
   """(model config, params of the newest readable checkpoint, saved config.json) of a workdir.
 
   A damaged checkpoint is skipped with a warning, and left where it is.
@@ -369,7 +369,7 @@ def run_params(workdir: pathlib.Path) -> tuple[Any, Any, dict]:
   if not steps:
     raise UserError(f"{workdir}/checkpoints holds no checkpoint")
   for step in steps:
-    path = (workdir / "checkpoints" / str(step)).absolute()
+    path = workdir / "checkpoints" / str(step)
     try:
       state = ocp.StandardCheckpointer().restore(path / "state")
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.

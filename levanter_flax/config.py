@@ -13,6 +13,7 @@ import typing
 from typing import Any, Optional, Sequence
 
 import ml_collections
+from etils import epath
 
 from levanter_flax import models, optim
 from levanter_flax.data import DataConfig
@@ -503,7 +504,7 @@ def flat_dict(run: RunConfig) -> dict[str, Any]:
                                 for key, value in fields.items()}))
 
 
-def read_saved(workdir: pathlib.Path) -> Optional[dict[str, Any]]:
+def read_saved(workdir: epath.Path) -> Optional[dict[str, Any]]:
   """<workdir>/config.json: the config its checkpoints were written with; None if there is none.
 
   Raises OSError or ValueError when it cannot be read or is not a JSON object.

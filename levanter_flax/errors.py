@@ -1,6 +1,5 @@
 """User errors: the exception, its one-line command-line ending, and checks that raise it."""
 import os
-import pathlib
 import sys
 import traceback
 
@@ -35,14 +34,3 @@ def _print_whole_chain(error: BaseException) -> None:
     cause.__suppress_context__ = False
     cause = cause.__cause__ or cause.__context__
   traceback.print_exception(error, file=sys.stderr)
-
-
-def ensure_writable_dir(directory: pathlib.Path, what: str) -> pathlib.Path:
-  """Creates `directory` if needed, or raises a UserError calling it `what`."""
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"cannot create {what} {directory}: {e.strerror or e}") from e
-  if not os.access(directory, os.W_OK):
-    raise UserError(f"{what} {directory} is not writable")
-  return directory

@@ -5,11 +5,10 @@ r"""Writes a run's newest checkpoint as a Hugging Face checkpoint (config.json +
 transformers then loads it with AutoModelForCausalLM.from_pretrained(output_dir). A non-empty
 output directory is refused unless --overwrite is given; a training run's workdir never is one.
 """
-import pathlib
-
 from absl import app, flags
+from etils import epath
 
-from levanter_flax import cli, hf
+from levanter_flax import cli, hf, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -17,9 +16,9 @@ from levanter_flax.errors import UserError, exit_with_error
 _STALE = ("*.safetensors", "*.safetensors.index.json")
 
 
-def check_output_dir(output_dir: pathlib.Path, workdir: pathlib.Path, overwrite: bool) -> None:
+def check_output_dir(output_dir: epath.Path, workdir: epath.Path, overwrite: bool) -> None:
   """Refuses an output directory that would mix with a run's files or another checkpoint's."""
-  output, run = output_dir.expanduser().resolve(), workdir.expanduser().resolve()
+  output, run = paths.real(output_dir), paths.real(workdir)
   if output == run or run in output.parents:
     raise UserError(f"--output_dir {output_dir} is inside the training run's --workdir {workdir}; "
                     f"export somewhere else")
@@ -33,10 +32,10 @@ def check_output_dir(output_dir: pathlib.Path, workdir: pathlib.Path, overwrite:
                     f"config.json and *.safetensors")
 
 
-def remove_stale_weights(output_dir: pathlib.Path) -> None:
+def remove_stale_weights(output_dir: epath.Path) -> None:
   """Deletes old weight files first, so that no shard of another export stays beside ours."""
   for pattern in _STALE:
-    for path in output_dir.expanduser().glob(pattern):
+    for path in output_dir.glob(pattern):
       try:
         path.unlink()
       except OSError as e:
@@ -46,16 +45,17 @@ def remove_stale_weights(output_dir: pathlib.Path) -> None:
 def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
-  output_dir, workdir = pathlib.Path(flag.output_dir), pathlib.Path(flag.workdir)
   cli.quiet_orbax()
   try:
+    output_dir = paths.resolve(flag.output_dir, "--output_dir")
+    workdir = paths.resolve(flag.workdir, "--workdir")
     check_output_dir(output_dir, workdir, flag.overwrite)
     model_cfg, params, _ = run_params(workdir)
     remove_stale_weights(output_dir)  # Only once there is something to write instead.
-    hf.save(model_cfg, params, output_dir.expanduser())
+    hf.save(model_cfg, params, output_dir)
   except UserError as e:
     exit_with_error(str(e))
-  print(f"Wrote {model_cfg.architecture} to {output_dir}")
+  print(f"Wrote {model_cfg.architecture} to {flag.output_dir}")
 
 
 if __name__ == "__main__":

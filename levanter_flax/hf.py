@@ -11,13 +11,13 @@ not floating point (quantized checkpoints). bfloat16 tensors load too.
 import json
 import math
 import os
-import pathlib
 from typing import Any, Callable
 
 import numpy as np
+from etils import epath
 
-from levanter_flax import models
-from levanter_flax.errors import UserError, ensure_writable_dir
+from levanter_flax import models, paths
+from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import ROPE_TYPES, LlamaConfig
 
@@ -173,7 +173,7 @@ _FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "gpt2": (_gpt2_config, _gpt2_names), "llama": (_llama_config, _llama_names)}
 
 
-def read_config(directory: pathlib.Path) -> Any:
+def read_config(directory: epath.Path) -> Any:
   """Our model config for an HF checkpoint directory's config.json."""
   path = directory / "config.json"
   try:
@@ -200,46 +200,50 @@ def read_config(directory: pathlib.Path) -> Any:
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _tensor_index(file: pathlib.Path) -> dict[str, tuple[int, ...]]:
+def _tensor_index(file: epath.Path, shown: epath.Path) -> dict[str, tuple[int, ...]]:
   """name -> shape of the tensors in a safetensors file, read from its header alone.
 
   safetensors checks the header against the file's size, so a truncated
-  download or a file that is no safetensors at all is named here.
+  download or a file that is no safetensors at all is named here, as `shown`.
   """
   from safetensors import SafetensorError, safe_open  # pylint: disable=g-import-not-at-top
   try:
     with safe_open(str(file), framework="flax") as f:
       return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
   except SafetensorError as e:
-    raise UserError(f"{file} is truncated or not a safetensors file: {e}") from None
+    raise UserError(f"{shown} is truncated or not a safetensors file: {e}") from None
   except OSError as e:
-    raise UserError(f"cannot read {file}: {e.strerror or e}") from None
+    raise UserError(f"cannot read {shown}: {e.strerror or e}") from None
 
 
-def _read_tensor(file: pathlib.Path, name: str) -> np.ndarray:
+def _read_tensor(file: epath.Path, name: str, shown: epath.Path) -> np.ndarray:
   """One tensor as float32 (bfloat16 included, which numpy alone cannot read)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   with safe_open(str(file), framework="flax") as f:
     dtype = f.get_slice(name).get_dtype()
     if dtype not in _FLOAT_DTYPES:
-      raise UserError(f"{file}: tensor {name} has dtype {dtype}; only floating point "
+      raise UserError(f"{shown}: tensor {name} has dtype {dtype}; only floating point "
                       f"({', '.join(_FLOAT_DTYPES)}) is supported, not quantized checkpoints")
     return np.asarray(f.get_tensor(name).astype(jnp.float32))
 
 
-def load(directory: str | pathlib.Path) -> tuple[Any, dict]:
+def load(directory: epath.Path) -> tuple[Any, dict]:
   """(model config, params) of an HF checkpoint directory, as float32 numpy arrays."""
-  directory = pathlib.Path(directory).expanduser()
   cfg = read_config(directory)
-  files = sorted(directory.glob("*.safetensors"))
-  if not files:
+  if not list(directory.glob("*.safetensors")):
     raise UserError(f"{directory} holds no *.safetensors file")
+  with paths.local_copy(directory, "*.safetensors") as local:  # safetensors maps real files.
+    return cfg, _params(cfg, directory, local)
+
+
+def _params(cfg: Any, directory: epath.Path, local: epath.Path) -> dict:
   index = {}  # name -> (file, shape)
-  for file in files:
-    for name, shape in _tensor_index(file).items():
+  for file in sorted(local.glob("*.safetensors")):
+    for name, shape in _tensor_index(file, directory / file.name).items():
       if name in index:  # A stale shard next to a newer checkpoint: which one is meant?
-        raise UserError(f"tensor {name} is in both {index[name][0]} and {file}")
+        raise UserError(f"tensor {name} is in both {directory / index[name][0].name} and "
+                        f"{directory / file.name}")
       index[name] = (file, shape)
   expected = _expected_shapes(cfg)
   params = {}
@@ -252,29 +256,30 @@ def load(directory: str | pathlib.Path) -> tuple[Any, dict]:
     if (shape[::-1] if transposed else shape) != expected[ours]:
       raise UserError(f"{directory}: tensor {theirs} has shape {shape}, expected "
                       f"{expected[ours][::-1] if transposed else expected[ours]} for this config")
-    value = _read_tensor(file, name)
+    value = _read_tensor(file, name, directory / file.name)
     _set(params, ours, np.ascontiguousarray(value.T) if transposed else value)
-  return cfg, params
+  return params
 
 
-def save(cfg: Any, params: dict, directory: str | pathlib.Path) -> None:
+def save(cfg: Any, params: dict, directory: epath.Path) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   if cfg.scan_layers:
     raise UserError("export of scan_layers models is not supported yet; train with "
                     "config.model.scan_layers=False")
-  directory = ensure_writable_dir(pathlib.Path(directory), "output directory")
+  paths.make_dirs(directory, "output directory")
   tensors = {}
   for ours, (theirs, transposed) in _FAMILIES[cfg.architecture][1](cfg).items():
     value = np.asarray(_get(params, ours), np.float32)
     tensors[theirs] = np.ascontiguousarray(value.T if transposed else value)
   try:
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(_hf_config(cfg), indent=2))
-    for name in ("model.safetensors", "config.json"):
-      # save_file creates its file 0600; a checkpoint is for others to read (and serve).
-      os.chmod(directory / name, 0o644)
+    with paths.staged(directory) as local:
+      save_file(tensors, str(local / "model.safetensors"), metadata={"format": "pt"})
+      (local / "config.json").write_text(json.dumps(_hf_config(cfg), indent=2))
+      for name in ("model.safetensors", "config.json"):
+        # save_file creates its file 0600; a checkpoint is for others to read (and serve).
+        os.chmod(local / name, 0o644)
   except (OSError, SafetensorError) as e:  # The latter wraps I/O errors, e.g. a full disk.
     raise UserError(f"cannot write the checkpoint into {directory}: "
                     f"{getattr(e, 'strerror', None) or e}") from None

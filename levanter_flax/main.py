@@ -10,7 +10,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import cli, distributed
+from levanter_flax import cli, distributed, paths
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -72,8 +72,9 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
-  workdir = pathlib.Path(_WORKDIR.value or pathlib.Path("runs") / pathlib.Path(config_file).stem)
   try:
+    workdir = paths.resolve(_WORKDIR.value or f"runs/{pathlib.Path(config_file).stem}",
+                            "--workdir")
     run = to_run_config(_CONFIG.value)
     _join_other_processes(run.trainer.distributed)
     from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.

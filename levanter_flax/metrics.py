@@ -1,7 +1,7 @@
 """Metric writers (TensorBoard, console, metrics.jsonl) and throughput accounting."""
+import contextlib
 import json
 import os
-import pathlib
 import time
 from typing import Any, Mapping
 
@@ -9,7 +9,9 @@ import jax
 import numpy as np
 from absl import logging
 from clu import metric_writers
+from etils import epath
 
+from levanter_flax import paths
 from levanter_flax.errors import UserError
 
 
@@ -17,13 +19,15 @@ class JsonlWriter(metric_writers.MetricWriter):
   """Appends one JSON object per write_scalars call: {"step": N, "time": unix seconds, name: value, ...}.
 
   A run killed mid-write leaves a torn last line; it is cut off on open, so
-  the records that follow start on a line of their own.
+  the records that follow start on a line of their own. On gs:// every flush
+  uploads the whole file (an object cannot be appended to): a few MB at most.
   """
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, path: epath.Path):
+    self._path, self._open = path, contextlib.ExitStack()
     try:
       _cut_torn_tail(path)
-      self._file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+      self._file = self._open.enter_context(path.open("a"))
     except OSError as e:
       raise UserError(f"cannot write the metrics file {path}: {e.strerror or e}") from None
 
@@ -34,7 +38,7 @@ class JsonlWriter(metric_writers.MetricWriter):
       self._file.write(json.dumps(record) + "\n")
       self._file.flush()
     except OSError as e:
-      raise UserError(f"cannot write the metrics file {self._file.name}: {e.strerror or e}") from None
+      raise UserError(f"cannot write the metrics file {self._path}: {e.strerror or e}") from None
 
   def write_summaries(self, step, values, metadata=None): pass
   def write_images(self, step, images): pass
@@ -48,12 +52,18 @@ class JsonlWriter(metric_writers.MetricWriter):
     self._file.flush()
 
   def close(self) -> None:
-    self._file.close()
+    self._open.close()
 
 
-def _cut_torn_tail(path: pathlib.Path) -> None:
+def _cut_torn_tail(path: epath.Path) -> None:
   """Truncates `path` after its last newline, if anything follows it."""
   if not path.exists():
+    return
+  if paths.is_remote(path):  # An object is rewritten whole; it has no tail to truncate.
+    data = path.read_bytes()
+    if not data.endswith(b"\n") and data:
+      _warn_torn(path, len(data) - data.rfind(b"\n") - 1)
+      path.write_bytes(data[:data.rfind(b"\n") + 1])
     return
   with open(path, "rb+") as f:
     size = f.seek(0, os.SEEK_END)
@@ -67,12 +77,16 @@ def _cut_torn_tail(path: pathlib.Path) -> None:
         break
       tail_start = block_start
     if tail_start < size:
-      logging.warning("%s ends in a torn record (%d bytes, from a run that was killed while "
-                      "writing it); cutting it off", path, size - tail_start)
+      _warn_torn(path, size - tail_start)
       f.truncate(tail_start)
 
 
-def create_writer(workdir: pathlib.Path) -> metric_writers.MetricWriter:
+def _warn_torn(path: epath.Path, size: int) -> None:
+  logging.warning("%s ends in a torn record (%d bytes, from a run that was killed while "
+                  "writing it); cutting it off", path, size)
+
+
+def create_writer(workdir: epath.Path) -> metric_writers.MetricWriter:
   """TensorBoard + console on the first process; every other process only logs."""
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(str(workdir), just_logging=True)

@@ -1,6 +1,6 @@
 """Watching a run: a profiler window, memory figures and a hang watchdog."""
+import contextlib
 import os
-import pathlib
 import resource
 import sys
 import threading
@@ -10,6 +10,9 @@ from typing import Any
 
 import jax
 from absl import logging
+from etils import epath
+
+from levanter_flax import paths
 
 
 class ProfileWindow:
@@ -19,15 +22,18 @@ class ProfileWindow:
   layout TensorBoard's profile plugin reads next to the run's scalars. Not
   clu's Profile action: that stops tracing without waiting for the device, so
   the window's last steps would be cut short. num_steps=0 traces nothing.
+  The profiler writes local files only: for a gs:// workdir it traces into a
+  temp dir that is copied there when the window ends.
   """
 
-  def __init__(self, workdir: pathlib.Path, start_step: int, num_steps: int):
+  def __init__(self, workdir: epath.Path, start_step: int, num_steps: int):
     self._workdir, self._first, self._last = workdir, start_step, start_step + num_steps - 1
     self._enabled, self._tracing = num_steps > 0, False
+    self._staging = contextlib.ExitStack()
 
   def before_step(self, step: int) -> None:
     if self._enabled and step == self._first:
-      jax.profiler.start_trace(str(self._workdir))
+      jax.profiler.start_trace(str(self._staging.enter_context(paths.staged(self._workdir))))
       self._tracing = True
 
   def after_step(self, step: int, outputs: Any) -> None:
@@ -42,6 +48,7 @@ class ProfileWindow:
   def _stop(self, step: int, outputs: Any) -> None:
     jax.block_until_ready(outputs)
     jax.profiler.stop_trace()
+    self._staging.close()
     self._tracing = False
     logging.info("Profile of steps %d-%d written to %s/plugins/profile; open it with "
                  "`tensorboard --logdir %s` (Profile tab, needs `pip install "

@@ -9,13 +9,12 @@ Killed and restarted with the same flags, it keeps the shards already written.
 """
 import codecs
 import os
-import pathlib
 import re
 import warnings
 
 from absl import app, flags, logging
 
-from levanter_flax import cli
+from levanter_flax import cli, paths
 from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -71,7 +70,7 @@ def options_from_flags() -> prepare.PrepareOptions:
           separator=decode_escapes(_SEPARATOR.value, "separator"),
           tfds_split=_TFDS_SPLIT.value, tfds_data_dir=_TFDS_DATA_DIR.value,
           on_decode_error=_ON_DECODE_ERROR.value),
-      output_dir=pathlib.Path(_OUTPUT_DIR.value).expanduser(),
+      output_dir=paths.resolve(_OUTPUT_DIR.value, "--output_dir"),
       tokenizer=_TOKENIZER.value,
       train_tokenizer_vocab_size=_VOCAB_SIZE.value if _TRAIN_TOKENIZER.value else 0,
       num_shards=_NUM_SHARDS.value,

@@ -8,14 +8,14 @@ import collections
 import dataclasses
 import json
 import math
-import pathlib
 import statistics
 from typing import Optional, Sequence
 
 from absl import app, flags, logging
+from etils import epath
 
-from levanter_flax import cli
-from levanter_flax.errors import UserError, ensure_writable_dir, exit_with_error
+from levanter_flax import cli, paths
+from levanter_flax.errors import UserError, exit_with_error
 
 # The trainer logs this at each start of a run, fresh or resumed; it marks the restarts.
 RUN_START = "run/started_at_step"
@@ -49,13 +49,13 @@ def _check_record(record: dict) -> None:
       raise TypeError(f"{key} is not a number")
 
 
-def load_run(workdir: pathlib.Path, name: str) -> Run:
+def load_run(workdir: epath.Path, name: str) -> Run:
   path = workdir / "metrics.jsonl"
   if not path.is_file():
     raise UserError(f"{workdir} has no metrics.jsonl: not a levanter_flax workdir, or its run "
                     f"has not logged a step yet")
   records = []
-  text = path.read_text(encoding="utf-8", errors="replace")
+  text = path.read_bytes().decode("utf-8", errors="replace")
   lines = text.splitlines()
   for number, line in enumerate(lines, 1):
     try:
@@ -132,13 +132,13 @@ def _format(column: str, value: Optional[float]) -> str:
   return f"{value:.4f}"
 
 
-def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
+def plot(runs: Sequence[Run], output_dir: epath.Path) -> list[epath.Path]:
   """One PNG per view, every run on the same axes."""
   import matplotlib  # pylint: disable=g-import-not-at-top  # Only the report needs it.
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
 
-  ensure_writable_dir(output_dir, "--output_dir")
+  paths.make_dirs(output_dir, "--output_dir")
   views = {
       "loss_vs_step": [("train/loss", "step", "train loss"), ("eval/loss", "step", "eval loss")],
       "loss_vs_tokens": [("train/loss", "tokens", "train loss"), ("eval/loss", "tokens", "eval loss")],
@@ -165,7 +165,8 @@ def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
     figure.tight_layout()
     path = output_dir / f"{view}.png"
     try:
-      figure.savefig(path, dpi=100)
+      with path.open("wb") as f:
+        figure.savefig(f, format="png", dpi=100)
     except OSError as e:
       raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
@@ -178,7 +179,7 @@ def plot(runs: Sequence[Run], output_dir: pathlib.Path) -> list[pathlib.Path]:
 PHASES = ("train", "data_wait", "eval", "checkpoint")
 
 
-def profile_summary(workdir: pathlib.Path, top_ops: int = 5) -> Optional[str]:
+def profile_summary(workdir: epath.Path, top_ops: int = 5) -> Optional[str]:
   """Where the newest profile's time went: per step, per loop phase, and the busiest XLA ops.
 
   None when the run was not profiled. XLA op time is summed over the device's
@@ -191,7 +192,7 @@ def profile_summary(workdir: pathlib.Path, top_ops: int = 5) -> Optional[str]:
   phases: dict[str, list] = collections.defaultdict(list)
   ops: collections.Counter = collections.Counter()
   end = 0  # Of the last step's compute, which outlasts its annotation.
-  for plane in ProfileData.from_file(str(traces[-1])).planes:
+  for plane in ProfileData.from_serialized_xspace(traces[-1].read_bytes()).planes:
     for line in plane.lines:
       xla_line = line.name == "XLA Ops" or line.name.startswith("tf_XLA")
       for event in line.events:
@@ -214,17 +215,17 @@ def profile_summary(workdir: pathlib.Path, top_ops: int = 5) -> Optional[str]:
   return "\n".join(lines)
 
 
-def run_names(workdirs: Sequence[pathlib.Path]) -> list[str]:
+def run_names(workdirs: Sequence[epath.Path]) -> list[str]:
   """The directory names, or the whole paths where two names would be the same."""
   names = [w.name for w in workdirs]
   return names if len(set(names)) == len(names) else [str(w) for w in workdirs]
 
 
-def report(workdirs: Sequence[pathlib.Path], output_dir: pathlib.Path) -> str:
+def report(workdirs: Sequence[epath.Path], output_dir: epath.Path) -> str:
   runs = [load_run(w, n) for w, n in zip(workdirs, run_names(workdirs))]
-  paths = plot(runs, output_dir)
+  plots = plot(runs, output_dir)
   profiles = [p for p in (profile_summary(w) for w in workdirs) if p]
-  return "\n\n".join([format_table(runs), "Plots: " + ", ".join(str(p) for p in paths), *profiles])
+  return "\n\n".join([format_table(runs), "Plots: " + ", ".join(str(p) for p in plots), *profiles])
 
 
 def main(argv: list[str]) -> None:
@@ -232,7 +233,8 @@ def main(argv: list[str]) -> None:
     exit_with_error("usage: python -m levanter_flax.report WORKDIR [WORKDIR ...] "
                     "[--output_dir=DIR]")
   try:
-    print(report([pathlib.Path(a) for a in argv[1:]], pathlib.Path(flags.FLAGS.output_dir)))
+    workdirs = [paths.resolve(a, "workdir") for a in argv[1:]]
+    print(report(workdirs, paths.resolve(flags.FLAGS.output_dir, "--output_dir")))
   except UserError as e:
     exit_with_error(str(e))
 

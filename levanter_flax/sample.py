@@ -8,7 +8,6 @@ is greedy decoding; top_k and top_p restrict sampling to the likeliest tokens.
 """
 import dataclasses
 import functools
-import pathlib
 from typing import Any, Sequence
 
 import jax
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from levanter_flax import cli, models
+from levanter_flax import cli, models, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -127,7 +126,7 @@ def main(argv: list[str]) -> None:
     if not flag.prompt:
       raise UserError("give at least one --prompt")
     check_ranges(cfg)
-    model_cfg, params, saved = run_params(pathlib.Path(flag.workdir))
+    model_cfg, params, saved = run_params(paths.resolve(flag.workdir, "--workdir"))
     if not isinstance(saved.get("data.tokenizer"), str):
       raise UserError(f"{flag.workdir}/config.json names no data.tokenizer to encode prompts with")
     tokenizer = load_tokenizer(saved["data.tokenizer"])

@@ -3,7 +3,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import pathlib
 import time
 from typing import Optional
 
@@ -11,13 +10,14 @@ import jax
 import numpy as np
 from absl import logging
 from clu import periodic_actions
+from etils import epath
 
 from levanter_flax import (batch_search, config, flops, hf, locks, metrics, models, monitoring,
-                           optim, partitioning, preemption, report, step)
+                           optim, partitioning, paths, preemption, report, step)
 from levanter_flax.checkpoint import Cadence, Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import loader
-from levanter_flax.errors import UserError, ensure_writable_dir
+from levanter_flax.errors import UserError
 from levanter_flax.models import common
 
 
@@ -44,14 +44,14 @@ def _check_backend(model) -> None:
 def _use_compilation_cache(trainer) -> None:
   """Compiled steps persist across runs; jax itself reads $JAX_COMPILATION_CACHE_DIR."""
   if trainer.jax_compilation_cache_dir:
-    directory = ensure_writable_dir(pathlib.Path(trainer.jax_compilation_cache_dir).expanduser(),
-                                    "config.trainer.jax_compilation_cache_dir")
+    what = "config.trainer.jax_compilation_cache_dir"
+    directory = paths.make_dirs(paths.resolve(trainer.jax_compilation_cache_dir, what), what)
     jax.config.update("jax_compilation_cache_dir", str(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     trainer.jax_persistent_cache_min_compile_time_secs)
 
 
-def _saved_config(workdir: pathlib.Path) -> Optional[dict]:
+def _saved_config(workdir: epath.Path) -> Optional[dict]:
   """The config.json the workdir's checkpoints were written with; None if there is none."""
   try:
     return config.read_saved(workdir)
@@ -60,7 +60,7 @@ def _saved_config(workdir: pathlib.Path) -> Optional[dict]:
                     f"written with: {e}; restore it, or use a new --workdir") from None
 
 
-def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: pathlib.Path) -> list[str]:
+def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.Path) -> list[str]:
   """Refuses to resume into another model or optimizer state; returns the other changes.
 
   Checked before anything is restored, so a changed optimizer is never taken
@@ -81,7 +81,7 @@ def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: pathli
 
 
 def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[loader.Source],
-                       workdir: pathlib.Path) -> RunConfig:
+                       workdir: epath.Path) -> RunConfig:
   """`run` with data.reader_groups as the run first started with it: the batches depend on it.
 
   A new run takes config.data.reader_groups, or the default for its batch
@@ -104,17 +104,14 @@ def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[load
   return run
 
 
-def _save_config(run: RunConfig, workdir: pathlib.Path) -> None:
+def _save_config(run: RunConfig, workdir: epath.Path) -> None:
   """<workdir>/config.json: what the checkpoints were written with, for the next resume."""
   if jax.process_index() > 0:  # The workdir is shared; one writer.
     return
   path = workdir / "config.json"
-  tmp = path.with_name(f"{path.name}.tmp")
   try:
-    tmp.write_text(json.dumps(config.flat_dict(run), indent=2))
-    tmp.replace(path)
+    paths.write_atomically(path, json.dumps(config.flat_dict(run), indent=2))
   except OSError as e:
-    tmp.unlink(missing_ok=True)
     raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
@@ -136,18 +133,18 @@ def _mean(history: list[dict]) -> dict[str, float]:
   return {k: float(np.mean([m[k] for m in history])) for k in history[0]}
 
 
-def train_and_evaluate(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
+def train_and_evaluate(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics.
 
   The workdir is locked first: a second run in it is refused rather than
   merged with this one.
   """
-  workdir = ensure_writable_dir(workdir, "workdir")
+  workdir = paths.make_dirs(workdir, "workdir")
   with locks.locked_for_job(workdir, "workdir"):
     return _build_and_train(run, workdir)
 
 
-def _build_and_train(run: RunConfig, workdir: pathlib.Path) -> dict[str, float]:
+def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   trainer = run.trainer
   _check_backend(run.model)
   _use_compilation_cache(trainer)
@@ -220,7 +217,8 @@ def _restored_or_initial_state(trainer, model_cfg, steps: step.ShardedSteps,
     return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, model_cfg, steps)), fresh[1]
   if not trainer.load_checkpoint_path:
     return fresh
-  state, position = load_other_run(pathlib.Path(trainer.load_checkpoint_path), abstract)
+  state, position = load_other_run(paths.resolve(trainer.load_checkpoint_path,
+                                                 "config.trainer.load_checkpoint_path"), abstract)
   logging.info("Starting from %s of %s", trainer.load_checkpoint_items, trainer.load_checkpoint_path)
   if trainer.load_checkpoint_items == "state":
     try:
@@ -234,7 +232,7 @@ def _restored_or_initial_state(trainer, model_cfg, steps: step.ShardedSteps,
 
 def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
   """An HF checkpoint's weights, checked against this model and laid out on the mesh."""
-  hf_cfg, params = hf.load(path)
+  hf_cfg, params = hf.load(paths.resolve(path, "config.trainer.init_from_hf"))
   differences = hf.differences(hf_cfg, model_cfg)
   if model_cfg.scan_layers:
     differences.append("config.model.scan_layers must be False to load per-layer weights")
@@ -343,7 +341,7 @@ class _NonFiniteSteps:
     logging.warning("Step %d: non-finite loss or gradients; its update was skipped", step_num)
 
 
-def _train_loop(run: RunConfig, workdir: pathlib.Path, steps: step.ShardedSteps,
+def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                 state: step.TrainState, position: loader.DataPosition,
                 checkpointer: Checkpointer, sources: list[loader.Source],
                 stop: preemption.StopSignal) -> dict[str, float]:

@@ -12,14 +12,15 @@ arrays sharded over the activation axis and tracks the position.
 import collections
 import dataclasses
 import functools
-import pathlib
 import re
 from typing import Iterator, Optional
 
 import jax
 import numpy as np
 from absl import logging
+from etils import epath
 
+from levanter_flax import paths
 from levanter_flax.data import DataConfig, import_tensorflow, prepare, schedule, tfrecord
 from levanter_flax.data.tokenizers import identity, load_tokenizer
 from levanter_flax.errors import UserError
@@ -34,7 +35,7 @@ _DEVICE_PREFETCH = 2
 class Source:
   """One prepared dataset of the run, with its mixture weight."""
   name: str
-  directory: pathlib.Path
+  directory: epath.Path
   manifest: dict
   weight: float
 
@@ -150,7 +151,7 @@ def load_sources(cfg: DataConfig) -> list[Source]:
       directory = prepare.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
                                           cfg.num_train_shards)
     else:
-      directory = pathlib.Path(dataset).expanduser()
+      directory = paths.resolve(dataset, f"config.data.{'mixture' if cfg.mixture else 'dataset'}")
     manifest = prepare.load_manifest(directory)
     found = prepare.manifest_tokenizer(manifest)
     if not found.matches(wanted):

@@ -20,11 +20,12 @@ import sys
 import zlib
 
 from absl import logging
+from etils import epath
 
-from levanter_flax import locks
-from levanter_flax.data import sources, tfrecord
+from levanter_flax import locks, paths
+from levanter_flax.data import import_tensorflow, sources, tfrecord
 from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
-from levanter_flax.errors import UserError, ensure_writable_dir
+from levanter_flax.errors import UserError
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
@@ -37,7 +38,7 @@ DEFAULT_CACHE_DIR = "~/.cache/levanter_flax"
 @dataclasses.dataclass(frozen=True)
 class PrepareOptions:
   source: sources.SourceSpec
-  output_dir: pathlib.Path
+  output_dir: epath.Path
   tokenizer: str = "byte"  # "byte" or a tokenizer file; see tokenizers.load_tokenizer.
   train_tokenizer_vocab_size: int = 0  # > 0: first train a BPE of this size on the train split.
   num_shards: int = 8
@@ -47,8 +48,7 @@ class PrepareOptions:
   def arguments(self) -> dict:
     """What decides the shards' contents; a restart must repeat them exactly."""
     args = dataclasses.asdict(self)
-    args["output_dir"] = str(self.output_dir)
-    del args["num_workers"]
+    del args["output_dir"], args["num_workers"]  # Where and how fast, not what.
     return json.loads(json.dumps(args))  # Tuples become lists, as they read back.
 
 
@@ -65,10 +65,8 @@ def _done_name(index: int, num_shards: int) -> str:
   return f"shard-{index:05d}-of-{num_shards:05d}.done.json"
 
 
-def _write_json_atomically(path: pathlib.Path, value) -> None:
-  tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-  tmp.write_text(json.dumps(value, indent=2))
-  os.replace(tmp, path)
+def _write_json_atomically(path: epath.Path, value) -> None:
+  paths.write_atomically(path, json.dumps(value, indent=2))
 
 
 def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> None:
@@ -119,11 +117,16 @@ def _die_with_parent(parent_pid: int) -> None:
     os._exit(1)  # pylint: disable=protected-access
 
 
-def _stat(path: str) -> os.stat_result:
+def _size_and_mtime(path: str) -> tuple[int, int]:
+  """(bytes, modification time in ns): of the object's last upload, on gs://."""
   try:
-    return os.stat(path)
-  except OSError as e:  # Gone since the glob matched it.
-    raise UserError(f"cannot read input file {path}: {e.strerror or e}") from e
+    if paths.is_remote(path):
+      stat = import_tensorflow().io.gfile.stat(path)
+      return stat.length, stat.mtime_nsec
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
+  except Exception as e:  # pylint: disable=broad-except  # Gone since the glob matched it.
+    raise UserError(f"cannot read input file {path}: {getattr(e, 'strerror', None) or e}") from e
 
 
 def _input_fingerprint(options: PrepareOptions, files: list[str]) -> dict:
@@ -137,11 +140,11 @@ def _input_fingerprint(options: PrepareOptions, files: list[str]) -> dict:
   is then refused, which errs on the safe side. The stdlib corpus is left to
   its sizes: a reinstall of the same Python gives new mtimes to the same files.
   """
-  stats = [_stat(f) for f in files]
-  listing = json.dumps([(f, s.st_size) for f, s in zip(files, stats)])
+  stats = [_size_and_mtime(f) for f in files]
+  listing = json.dumps([(f, size) for f, (size, _) in zip(files, stats)])
   fingerprint = {"input_files": hashlib.sha256(listing.encode()).hexdigest()}
   if options.source.kind != "stdlib":
-    mtimes = json.dumps([s.st_mtime_ns for s in stats])
+    mtimes = json.dumps([mtime for _, mtime in stats])
     fingerprint["input_mtimes"] = hashlib.sha256(mtimes.encode()).hexdigest()
   return fingerprint
 
@@ -159,7 +162,8 @@ def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> Non
     return
   try:
     previous = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
+    previous.pop("output_dir", None)  # Recorded by earlier versions.
+  except (OSError, ValueError, AttributeError) as e:
     raise UserError(f"cannot read {path}: {e}; use a new --output_dir") from e
   if "input_mtimes" not in previous:  # Prepared before mtimes were recorded: sizes alone.
     wanted = {k: v for k, v in wanted.items() if k != "input_mtimes"}
@@ -175,11 +179,12 @@ _TEMP_FILES = ("*.tfrecord.tmp-*", "*.done.json.tmp-*", f"{MANIFEST}.tmp-*",
                f"{ARGUMENTS}.tmp-*", f"{TRAINED_TOKENIZER}.tmp")
 
 
-def _remove_temp_files(directory: pathlib.Path) -> None:
+def _remove_temp_files(directory: epath.Path) -> None:
   """Deletes temp files of killed runs; only under the lock, where no writer is alive."""
   for pattern in _TEMP_FILES:
     for stale in directory.glob(pattern):
-      stale.unlink(missing_ok=True)
+      if stale.exists():
+        stale.unlink()
 
 
 def _tokenizer_spec(options: PrepareOptions, files: list[str]) -> str:
@@ -274,7 +279,7 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
                     source["invalid_utf8_documents"], source["empty_documents_skipped"], MANIFEST)
 
 
-def prepare_dataset(options: PrepareOptions, wait: bool = False) -> pathlib.Path:
+def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   """Writes the dataset unless it is already complete; returns its directory.
 
   While another process writes the directory, this one waits for it with
@@ -288,7 +293,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> pathlib.Path
   if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
     _check_arguments(options, wanted, record=False)
     return options.output_dir
-  ensure_writable_dir(options.output_dir, "dataset directory")
+  paths.make_dirs(options.output_dir, "dataset directory")
   with locks.locked(options.output_dir, "dataset directory", wait=wait):
     _remove_temp_files(options.output_dir)
     _check_arguments(options, wanted, record=True)
@@ -303,7 +308,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> pathlib.Path
 
 
 def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
-                    num_shards: int) -> pathlib.Path:
+                    num_shards: int) -> epath.Path:
   """The Python-stdlib corpus, prepared under `cache_dir` on first use.
 
   Every trainer process asks for it: one prepares it while the others wait.
@@ -312,7 +317,7 @@ def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
   name = "-".join([sources.stdlib_name(),
                    tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
                    f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
-  directory = pathlib.Path(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)) / name
+  directory = paths.resolve(cache_dir or DEFAULT_CACHE_DIR, "config.data.cache_dir") / name
   if not (directory / MANIFEST).exists():
     logging.info("Tokenizing the Python stdlib corpus into %s", directory)
   return prepare_dataset(PrepareOptions(
@@ -358,7 +363,7 @@ def _is_inside(file: str) -> bool:
   return bool(parts) and not pathlib.PurePath(file).is_absolute() and ".." not in parts
 
 
-def load_manifest(directory: pathlib.Path) -> dict:
+def load_manifest(directory: epath.Path) -> dict:
   """Reads a dataset's manifest and checks its fields and that every shard it lists exists."""
   path = directory / MANIFEST
   if not path.exists():

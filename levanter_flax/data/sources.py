@@ -4,6 +4,7 @@ Each reader yields (key, text) pairs. The key names the document (a path,
 file:line, or dataset index) in error messages and decides its split, so the
 split does not depend on how many workers read the source.
 """
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -13,8 +14,12 @@ import os
 import pathlib
 import sys
 import sysconfig
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
+from etils import epath
+
+from levanter_flax import paths
+from levanter_flax.data import import_tensorflow
 from levanter_flax.errors import UserError
 
 KINDS = ("stdlib", "text", "jsonl", "tfds")
@@ -63,8 +68,7 @@ def resolve_files(spec: SourceSpec) -> list[str]:
     raise UserError(f"a {spec.kind} source needs --input (a file or glob)")
   files = []
   for pattern in spec.inputs:
-    matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                     if os.path.isfile(p))
+    matched = sorted(_glob_files(pattern))
     if not matched:
       raise UserError(f"input glob {pattern!r} matches no files")
     files.extend(matched)
@@ -82,8 +86,23 @@ def _decode(raw: bytes, where: str, spec: SourceSpec, stats: SourceStats) -> str
     return raw.decode("utf-8", errors="replace")
 
 
-def _open(path: str):
-  return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+def _glob_files(pattern: str) -> list[str]:
+  if not paths.is_remote(pattern):
+    return [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
+  paths.check_bucket(pattern, "--input")
+  gfile = import_tensorflow().io.gfile
+  return [p for p in gfile.glob(pattern) if not gfile.isdir(p)]
+
+
+@contextlib.contextmanager
+def _open(path: str) -> Iterator[BinaryIO]:
+  """Local or gs://, decompressed if it ends in .gz."""
+  with epath.Path(path).open("rb") as raw:
+    if not path.endswith(".gz"):
+      yield raw
+      return
+    with gzip.GzipFile(fileobj=raw) as unzipped:
+      yield unzipped
 
 
 def _read(path: str) -> bytes:
@@ -142,7 +161,6 @@ def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], b
 
 def _tfds_documents(spec: SourceSpec, part: int, num_parts: int,
                     stats: SourceStats) -> Iterator[tuple[str, str]]:
-  from levanter_flax.data import import_tensorflow  # pylint: disable=g-import-not-at-top
   import_tensorflow()
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   name = spec.inputs[0] if spec.inputs else ""

@@ -5,11 +5,12 @@ smaller than int64_list varints for large vocabularies and decode with one
 tf.io.decode_raw, which keeps the loader cheap.
 """
 import os
-import pathlib
 from typing import Iterator
 
 import numpy as np
+from etils import epath
 
+from levanter_flax import paths
 from levanter_flax.data import import_tensorflow
 
 FEATURE = "tokens"
@@ -30,12 +31,14 @@ class ShardWriter:
   """Writes documents to `path` atomically: the shard appears only once complete.
 
   A killed writer leaves at most a `.tmp-<pid>` file, never a partial shard
-  under its final name.
+  under its final name. On gs:// an object appears only when its upload
+  completes, so the shard is written under its final name.
   """
 
-  def __init__(self, path: pathlib.Path, dtype: str):
+  def __init__(self, path: epath.Path, dtype: str):
     self.path, self._dtype = path, dtype
-    self._tmp_path = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    self._tmp_path = path if paths.is_remote(path) else path.with_name(
+        f"{path.name}.tmp-{os.getpid()}")
     self.num_documents = self.num_tokens = 0
 
   def __enter__(self) -> "ShardWriter":
@@ -49,10 +52,10 @@ class ShardWriter:
 
   def __exit__(self, exc_type, exc, traceback) -> None:
     self._writer.close()
-    if exc_type is None:
-      os.replace(self._tmp_path, self.path)
-    else:
-      self._tmp_path.unlink(missing_ok=True)
+    if exc_type is None and self._tmp_path != self.path:
+      self._tmp_path.replace(self.path)
+    elif exc_type is not None and self._tmp_path.exists():  # On gs://, what close() uploaded.
+      self._tmp_path.unlink()
 
 
 def parse_tokens(record, dtype: str):

@@ -7,11 +7,12 @@ goes into every dataset manifest, so a run can refuse data made with another.
 import dataclasses
 import functools
 import hashlib
-import pathlib
 from typing import Iterable
 
 import numpy as np
+from etils import epath
 
+from levanter_flax import paths
 from levanter_flax.errors import UserError
 
 # End-of-document tokens tried, in order, when a tokenizer file names none.
@@ -49,15 +50,15 @@ class HuggingFaceTokenizer:
   """A `tokenizers` JSON file, e.g. GPT-2's or one made by `--train_tokenizer`."""
   kind = "huggingface"
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, path: epath.Path, contents: bytes):
     import tokenizers  # pylint: disable=g-import-not-at-top
     try:
-      self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+      self._tokenizer = tokenizers.Tokenizer.from_str(contents.decode("utf-8"))
     except Exception as e:  # pylint: disable=broad-except  # The Rust side raises bare Exceptions.
       reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise UserError(f"cannot load tokenizer {path}: not a Hugging Face tokenizer.json "
                       f"({reason})") from None
-    self.sha256 = _sha256(path)
+    self.sha256 = hashlib.sha256(contents).hexdigest()
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
     found = [self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES]
     found = [i for i in found if i is not None]
@@ -76,13 +77,13 @@ class SentencePieceTokenizer:
   """A SentencePiece .model file; its own EOS id ends each document."""
   kind = "sentencepiece"
 
-  def __init__(self, path: pathlib.Path):
+  def __init__(self, path: epath.Path, contents: bytes):
     import sentencepiece  # pylint: disable=g-import-not-at-top
     try:
-      self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+      self._processor = sentencepiece.SentencePieceProcessor(model_proto=contents)
     except (OSError, RuntimeError) as e:
       raise UserError(f"cannot load SentencePiece model {path}: {e}") from e
-    self.sha256 = _sha256(path)
+    self.sha256 = hashlib.sha256(contents).hexdigest()
     self.vocab_size = self._processor.get_piece_size()
     self.eos_id = self._processor.eos_id()
     if self.eos_id < 0:
@@ -95,23 +96,19 @@ class SentencePieceTokenizer:
     return self._processor.decode([int(i) for i in ids])
 
 
-def _sha256(path: pathlib.Path) -> str:
-  return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 @functools.cache
 def load_tokenizer(spec: str):
   """"byte", a tokenizer.json path, or a SentencePiece .model path -> a tokenizer."""
   if spec == "byte":
     return ByteTokenizer()
-  path = pathlib.Path(spec).expanduser()
+  path = paths.resolve(spec, "tokenizer")
   if not path.is_file():
     raise UserError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or "
                     f"SentencePiece .model file")
   if path.suffix == ".json":
-    return HuggingFaceTokenizer(path)
+    return HuggingFaceTokenizer(path, path.read_bytes())
   if path.suffix == ".model":
-    return SentencePieceTokenizer(path)
+    return SentencePieceTokenizer(path, path.read_bytes())
   raise UserError(f"tokenizer file {path} must end in .json (Hugging Face) or .model (SentencePiece)")
 
 
@@ -119,7 +116,7 @@ def identity(tokenizer) -> TokenizerIdentity:
   return TokenizerIdentity(tokenizer.kind, tokenizer.sha256, tokenizer.vocab_size, tokenizer.eos_id)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, path: pathlib.Path) -> None:
+def train_bpe(texts: Iterable[str], vocab_size: int, path: epath.Path) -> None:
   """Trains a byte-level BPE (GPT-2's scheme) on `texts` and saves it as tokenizer.json."""
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
@@ -130,6 +127,4 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: pathlib.Path) -> None
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tokenizer.train_from_iterator(texts, trainer=trainer)
-  tmp = path.with_name(path.name + ".tmp")
-  tokenizer.save(str(tmp))
-  tmp.replace(path)
+  paths.write_atomically(path, tokenizer.to_str())

@@ -10,7 +10,7 @@ import pathlib
 
 from absl import app, flags
 
-from levanter_flax import cli
+from levanter_flax import cli, paths
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.launch import local, xm
 from levanter_flax.launch.experiment import load_experiment, work_units
@@ -34,7 +34,8 @@ def main(argv: list[str]) -> None:
     if _EXECUTOR.value == "xm":
       xm.run(experiment, units, _XM_TARGET.value, _XM_WORKDIR_ROOT.value)
       return
-    outcomes = local.run(experiment, units, pathlib.Path(_ROOT.value), _MAX_PARALLEL.value)
+    outcomes = local.run(experiment, units, paths.resolve(_ROOT.value, "--root"),
+                         _MAX_PARALLEL.value)
   except UserError as e:
     exit_with_error(str(e))
   print(local.status_table(outcomes))

@@ -1,7 +1,7 @@
 """Runs an experiment's work units as local subprocesses, a few at a time.
 
-Each unit trains in <root>/<experiment>/<unit>/ with its output in log.txt
-there. A unit is done when the config.json there is the unit's config and its
+Each unit trains in <root>/<experiment>/<unit>/ (local or gs://) with its
+output in log.txt there. A unit is done when the config.json there is the unit's config and its
 run wrote the checkpoint of its last step, so a rerun skips done units and
 resumes the others from their checkpoints. A workdir whose run had another
 config is refused, unless only trainer.num_train_steps grew: the run extends.
@@ -9,14 +9,18 @@ An interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint
 and stop cleanly.
 """
 import dataclasses
+import os
 import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Optional
 
-from levanter_flax import config
+from etils import epath
+
+from levanter_flax import config, paths
 from levanter_flax.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
 
@@ -28,13 +32,13 @@ _CHOSEN_BY_AUTO = ("trainer.batch_size", "trainer.gradient_accumulation_steps")
 @dataclasses.dataclass
 class Outcome:
   unit: WorkUnit
-  workdir: pathlib.Path
+  workdir: epath.Path
   state: str = "pending"  # pending, running, finished, skipped, refused, failed, interrupted.
   returncode: Optional[int] = None
   seconds: float = 0.0
 
 
-def is_done(workdir: pathlib.Path, wanted: dict[str, Any]) -> bool:
+def is_done(workdir: epath.Path, wanted: dict[str, Any]) -> bool:
   """Whether `workdir` holds the finished run of the config `wanted` (WorkUnit.resolved).
 
   False for a new workdir, an unfinished run of `wanted`, and a run that only
@@ -76,7 +80,7 @@ def _as_the_trainer_saves(saved: dict[str, Any], wanted: dict[str, Any]) -> dict
   return {**wanted, **{k: saved.get(k) for k in _CHOSEN_BY_AUTO}}
 
 
-def run(experiment: Experiment, units: list[WorkUnit], root: pathlib.Path, max_parallel: int,
+def run(experiment: Experiment, units: list[WorkUnit], root: epath.Path, max_parallel: int,
         poll_seconds: float = 0.5) -> list[Outcome]:
   """Runs the units not done yet, at most `max_parallel` at once; returns every unit's outcome."""
   outcomes = [Outcome(u, root / experiment.name / u.name) for u in units]
@@ -117,7 +121,7 @@ def _start(experiment: Experiment, outcome: Outcome) -> subprocess.Popen:
   outcome.workdir.mkdir(parents=True, exist_ok=True)
   command = [sys.executable, "-m", "levanter_flax.main", f"--workdir={outcome.workdir}",
              *outcome.unit.flags(experiment.config)]
-  with open(outcome.workdir / "log.txt", "a", encoding="utf-8") as log:
+  with open(_log(outcome), "a", encoding="utf-8") as log:
     log.write(f"$ {' '.join(command)}\n")
     log.flush()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -136,8 +140,21 @@ def _finish(outcome: Outcome, returncode: int, interrupted: bool) -> None:
     outcome.state = "interrupted"
   else:
     outcome.state = "failed"
-  detail = f"exit {returncode}" + (f", see {outcome.workdir / 'log.txt'}" if returncode else "")
+  if paths.is_remote(outcome.workdir):  # Kept with the run, as for a local root.
+    epath.Path(_log(outcome)).copy(outcome.workdir / "log.txt", overwrite=True)
+  detail = f"exit {returncode}" + (f", see {_log(outcome)}" if returncode else "")
   _say(outcome, f"{outcome.state} ({detail}) after {outcome.seconds:.0f} s")
+
+
+def _log(outcome: Outcome) -> str:
+  """<workdir>/log.txt; for a gs:// workdir, a local file (a process writes it as it goes),
+  copied there when the unit ends."""
+  if not paths.is_remote(outcome.workdir):
+    return str(outcome.workdir / "log.txt")
+  local = pathlib.Path(tempfile.gettempdir(), "levanter_flax-launch",
+                       *os.fspath(outcome.workdir)[len("gs://"):].split("/"))
+  local.mkdir(parents=True, exist_ok=True)
+  return str(local / "log.txt")
 
 
 def _finished(outcome: Outcome) -> bool:
