@@ -1,14 +1,17 @@
 #!/bin/bash
 # Trains on every worker of a Cloud TPU VM slice (e.g. v5p-64: 8 workers).
 #
-#   TPU_NAME=my-slice ZONE=us-east5-a WORKDIR=/mnt/shared/runs/gpt2_small \
-#       bash launch/tpu/train_on_pod.sh --config=configs/gpt2_small.py --config.trainer.batch_size=512
+#   TPU_NAME=my-slice ZONE=us-east5-a WORKDIR=gs://my-bucket/runs/gpt2_small \
+#       bash launch/tpu/train_on_pod.sh --config=configs/gpt2_small.py --config.trainer.batch_size=512 \
+#       --config.data.dataset=gs://my-bucket/data/my_corpus
 #
 # The same command runs on all workers (--worker=all); jax.distributed finds the slice's workers
-# from the TPU metadata, so no coordinator flags are needed. WORKDIR must be a filesystem every
-# worker mounts (Filestore, or a GCS bucket through gcsfuse): orbax writes checkpoints from all.
+# from the TPU metadata, so no coordinator flags are needed. WORKDIR is a gs:// path (or one every
+# worker mounts): orbax writes each checkpoint from all workers, straight to Cloud Storage. The
+# workers authenticate as the TPU VM's service account, which needs read and write access to the
+# bucket (roles/storage.objectUser).
 set -euo pipefail
-: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR to a shared path}"
+: "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}" "${WORKDIR:?set WORKDIR to a gs:// path}"
 REPO_DIR=${REPO_DIR:-levanter_flax}
 
 # Every value that goes into the workers' shell is quoted for it: paths and flags may hold spaces
