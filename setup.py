@@ -25,6 +25,10 @@ setuptools.setup(
         # gs:// paths (paths.py): the bucket check and the workdir lock; orbax imports it too.
         # etils.epath reads and writes gs:// through TensorFlow's GCS filesystem.
         "google-cloud-storage>=2.18,<4",
+        # prepare's Parquet (FineWeb, DCLM, The Stack) and .zst (The Pile, Dolma) sources: most
+        # corpora ship so; pyarrow also comes with tensorflow-datasets.
+        "pyarrow>=15",
+        "zstandard>=0.22",
         # Hugging Face checkpoints: trainer.init_from_hf and export_hf.
         "safetensors>=0.4,<1",
         # `python -m levanter_flax.report` draws its PNGs with it.

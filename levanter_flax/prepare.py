@@ -19,10 +19,12 @@ from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError, exit_with_error
 
 _SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
-_INPUT = flags.DEFINE_list("input", [], "text/jsonl: files or globs (.gz is read compressed); "
+_INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet: files or globs, local or gs:// "
+                           "(.gz and .zst are read compressed); "
                            "tfds: the dataset name, e.g. lm1b or wikipedia/20230601.en.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where the shards and manifest go.")
-_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "jsonl/tfds: the field with the text.")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "jsonl/parquet/tfds: the field (column) "
+                                  "with the text.")
 _SEPARATOR = flags.DEFINE_string("separator", "", "text: split files into documents on this "
                                  r"(escapes allowed, e.g. '\n\n'); default one document per file.")
 _TFDS_SPLIT = flags.DEFINE_string("tfds_split", "train", "tfds: the split to read.")

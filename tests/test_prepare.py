@@ -85,6 +85,66 @@ def test_separator_splits_files_and_jsonl_gz_reads_a_field(tmp_path):
   assert sorted(read_documents(tmp_path / "jsonl")) == sorted(r["text"] for r in records)
 
 
+def test_parquet_reads_every_row_group_and_skips_nulls(tmp_path):
+  import pyarrow
+  from pyarrow import parquet
+  texts = random_documents(25)
+  column = texts[:10] + [None, ""] + texts[10:]
+  table = pyarrow.table({"id": list(range(len(column))), "content": column})
+  parquet.write_table(table, tmp_path / "a.parquet", row_group_size=4)  # 7 row groups.
+  parquet.write_table(table.slice(0, 3), tmp_path / "b.parquet")
+  assert parquet.ParquetFile(tmp_path / "a.parquet").num_row_groups == 7
+  spec = sources.SourceSpec(kind="parquet", inputs=(str(tmp_path / "*.parquet"),),
+                            text_field="content")
+  prepare.prepare_dataset(prepare.PrepareOptions(source=spec, output_dir=tmp_path / "out",
+                                                 validation_fraction=0.2, num_shards=3))
+  assert sorted(read_documents(tmp_path / "out")) == sorted(texts + texts[:3])
+  assert prepare.load_manifest(tmp_path / "out")["source"]["empty_documents_skipped"] == 2
+
+
+def test_zst_text_and_jsonl_are_read_as_they_are_decompressed(tmp_path):
+  import zstandard
+  texts = random_documents(12)
+  jsonl = "\n".join(json.dumps({"text": t}) for t in texts).encode()
+  # Two frames, as a file written in parts (The Pile's are) holds.
+  (tmp_path / "a.jsonl.zst").write_bytes(
+      zstandard.compress(jsonl[:100]) + zstandard.compress(jsonl[100:]))
+  (tmp_path / "b.txt.zst").write_bytes(zstandard.compress(texts[0].encode()))
+  options = dict(validation_fraction=0.0, num_shards=2)
+  prepare.prepare_dataset(prepare.PrepareOptions(source=sources.SourceSpec(
+      kind="jsonl", inputs=(str(tmp_path / "*.jsonl.zst"),)), output_dir=tmp_path / "j", **options))
+  assert sorted(read_documents(tmp_path / "j")) == sorted(texts)
+  prepare.prepare_dataset(prepare.PrepareOptions(source=sources.SourceSpec(
+      kind="text", inputs=(str(tmp_path / "*.txt.zst"),)), output_dir=tmp_path / "t", **options))
+  assert read_documents(tmp_path / "t") == [texts[0]]
+
+
+@pytest.mark.parametrize("kind, name, write, fragment", [
+    ("parquet", "a.parquet", lambda p: _parquet(p, {"body": ["x"]}),
+     "a.parquet: Parquet file has no column 'text'; it has ['body'] (set --text_field)"),
+    ("parquet", "a.parquet", lambda p: _parquet(p, {"text": [1, 2]}),
+     "a.parquet: column 'text' is int64, not a string"),
+    ("parquet", "a.parquet", lambda p: p.write_bytes(b"PAR1 not really"),
+     "cannot read Parquet file"),
+    ("jsonl", "a.jsonl.zst", lambda p: p.write_bytes(b"\x28\xb5\x2f\xfd garbage"),
+     "cannot read input file"),
+])
+def test_bad_parquet_and_zst_files_are_named(tmp_path, kind, name, write, fragment):
+  write(tmp_path / name)
+  with pytest.raises(UserError) as error:
+    prepare.prepare_dataset(prepare.PrepareOptions(
+        source=sources.SourceSpec(kind=kind, inputs=(str(tmp_path / name),)),
+        output_dir=tmp_path / "out"))
+  assert fragment in str(error.value) and str(tmp_path / name) in str(error.value)
+  assert not (tmp_path / "out" / prepare.MANIFEST).exists()
+
+
+def _parquet(path, columns):
+  import pyarrow
+  from pyarrow import parquet
+  parquet.write_table(pyarrow.table(columns), path)
+
+
 def test_tfds_dataset_is_read_offline_from_its_data_dir(tmp_path):
   import tensorflow_datasets as tfds
   texts = random_documents(10)

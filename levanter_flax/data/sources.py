@@ -1,4 +1,4 @@
-"""Where documents come from: text files, JSON lines, a TFDS dataset, or the Python stdlib.
+"""Where documents come from: text files, JSON lines, Parquet, a TFDS dataset, or the stdlib.
 
 Each reader yields (key, text) pairs. The key names the document (a path,
 file:line, or dataset index) in error messages and decides its split, so the
@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import glob
 import gzip
+import io
 import itertools
 import json
 import os
@@ -16,21 +17,22 @@ import sys
 import sysconfig
 from typing import BinaryIO, Callable, Iterator
 
+import zstandard
 from etils import epath
 
 from levanter_flax import paths
 from levanter_flax.data import import_tensorflow
 from levanter_flax.errors import UserError
 
-KINDS = ("stdlib", "text", "jsonl", "tfds")
+KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds")
 DECODE_POLICIES = ("replace", "error")
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceSpec:
   kind: str  # One of KINDS.
-  inputs: tuple[str, ...] = ()  # File globs (text, jsonl); the dataset name (tfds).
-  text_field: str = "text"  # jsonl and tfds: the feature holding the text.
+  inputs: tuple[str, ...] = ()  # File globs (text, jsonl, parquet); the dataset name (tfds).
+  text_field: str = "text"  # jsonl, parquet and tfds: the feature holding the text.
   separator: str = ""  # text: split files into documents on this; "" = one per file.
   tfds_split: str = "train"
   tfds_data_dir: str = ""
@@ -94,23 +96,64 @@ def _glob_files(pattern: str) -> list[str]:
   return [p for p in gfile.glob(pattern) if not gfile.isdir(p)]
 
 
+# What a truncated or corrupt compressed file, or an I/O error, raises while it is read.
+_READ_ERRORS = (OSError, EOFError, zstandard.ZstdError)
+
+
 @contextlib.contextmanager
 def _open(path: str) -> Iterator[BinaryIO]:
-  """Local or gs://, decompressed if it ends in .gz."""
+  """Local or gs://, decompressed as it is read if it ends in .gz or .zst."""
   with epath.Path(path).open("rb") as raw:
-    if not path.endswith(".gz"):
+    if path.endswith(".gz"):
+      with gzip.GzipFile(fileobj=raw) as unzipped:
+        yield unzipped
+    elif path.endswith(".zst"):
+      reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+      with io.BufferedReader(reader) as unzipped:
+        yield unzipped
+    else:
       yield raw
-      return
-    with gzip.GzipFile(fileobj=raw) as unzipped:
-      yield unzipped
 
 
 def _read(path: str) -> bytes:
   try:
     with _open(path) as f:
       return f.read()
-  except (OSError, EOFError) as e:
+  except _READ_ERRORS as e:
     raise UserError(f"cannot read input file {path}: {e}") from e
+
+
+def _parquet_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
+                       stats: SourceStats) -> Iterator[tuple[str, str]]:
+  """The text column of a Parquet file, one row group in memory at a time.
+
+  A null is an empty document: skipped and counted, as an empty string is.
+  """
+  import pyarrow  # pylint: disable=g-import-not-at-top  # Only Parquet sources need it.
+  from pyarrow import parquet  # pylint: disable=g-import-not-at-top
+  relative = os.path.relpath(path, root)
+  with epath.Path(path).open("rb") as raw:
+    try:
+      file = parquet.ParquetFile(raw)
+    except (pyarrow.ArrowException, OSError) as e:
+      raise UserError(f"cannot read Parquet file {path}: {e}") from None
+    schema = file.schema_arrow
+    if spec.text_field not in schema.names:
+      raise UserError(f"{path}: Parquet file has no column {spec.text_field!r}; it has "
+                      f"{schema.names} (set --text_field)")
+    kind = schema.field(spec.text_field).type
+    if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
+      raise UserError(f"{path}: column {spec.text_field!r} is {kind}, not a string")
+    row = 0
+    for group in range(file.num_row_groups):
+      try:
+        texts = file.read_row_group(group, columns=[spec.text_field]).column(0).to_pylist()
+      except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"cannot read Parquet file {path}, row group {group}: {e}") from None
+      for text in texts:
+        if keep():
+          yield f"{relative}:{row}", text or ""
+        row += 1
 
 
 def _jsonl_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
@@ -140,10 +183,13 @@ def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], b
 
   Keys are relative to `root`, so moving the corpus does not change its split.
   """
+  if spec.kind == "parquet":
+    yield from _parquet_documents(spec, path, root, keep, stats)
+    return
   if spec.kind == "jsonl":
     try:
       yield from _jsonl_documents(spec, path, root, keep, stats)
-    except (OSError, EOFError) as e:  # A truncated or corrupt .gz, an I/O error.
+    except _READ_ERRORS as e:
       raise UserError(f"cannot read input file {path}: {e}") from None
     return
   key = os.path.relpath(path, root)
