@@ -158,10 +158,10 @@ class _ObjectLease:
 
   def __init__(self, path: epath.Path):
     from google.cloud import storage  # pylint: disable=g-import-not-at-top  # gs:// only.
-    bucket, name = os.fspath(path)[len("gs://"):].split("/", 1)
-    self._path, self._name = path, name
+    bucket, self._name = paths.split_gcs(path)
+    self._path = path
     self._bucket = storage.Client().bucket(bucket)
-    self._blob = self._bucket.blob(name)
+    self._blob = None  # A new one per attempt: a used one reads the generation it last wrote.
     self._generation: Optional[int] = None
     self._holder = ""
     self._stop = threading.Event()
@@ -184,7 +184,7 @@ class _ObjectLease:
   def try_acquire(self) -> bool:
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
     self._holder = json.dumps(_who())
-    self._blob = self._bucket.blob(self._name)  # A used one reads the generation it last wrote.
+    self._blob = self._bucket.blob(self._name)
     if not self._write(if_generation_match=0):
       try:
         self._blob.reload(timeout=self.REQUEST_SECONDS)

@@ -61,9 +61,10 @@ def _cut_torn_tail(path: epath.Path) -> None:
     return
   if paths.is_remote(path):  # An object is rewritten whole; it has no tail to truncate.
     data = path.read_bytes()
-    if not data.endswith(b"\n") and data:
-      _warn_torn(path, len(data) - data.rfind(b"\n") - 1)
-      path.write_bytes(data[:data.rfind(b"\n") + 1])
+    tail_start = data.rfind(b"\n") + 1
+    if tail_start < len(data):
+      _warn_torn(path, len(data) - tail_start)
+      path.write_bytes(data[:tail_start])
     return
   with open(path, "rb+") as f:
     size = f.seek(0, os.SEEK_END)

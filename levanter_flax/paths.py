@@ -55,13 +55,15 @@ def resolve(value: PathLike, what: str) -> epath.Path:
   return epath.Path(os.path.abspath(os.path.expanduser(text)))
 
 
-def bucket_of(path: PathLike) -> str:
-  return os.fspath(path)[len("gs://"):].split("/", 1)[0]
+def split_gcs(path: PathLike) -> tuple[str, str]:
+  """gs://bucket/a/b -> ("bucket", "a/b")."""
+  bucket, _, name = os.fspath(path)[len("gs://"):].partition("/")
+  return bucket, name
 
 
 def check_bucket(path: PathLike, what: str) -> None:
   """Raises a UserError naming `path` if its bucket is missing, forbidden or unreachable."""
-  problem = _bucket_problem(bucket_of(path))
+  problem = _bucket_problem(split_gcs(path)[0])
   if problem:
     raise UserError(f"{what} {os.fspath(path)}: {problem}")
 
@@ -123,13 +125,13 @@ def write_atomically(path: epath.Path, data: Union[str, bytes]) -> None:
       target.unlink()
 
 
-def copy_tree(source: PathLike, destination: epath.Path) -> None:
-  """Copies the local directory `source` to `destination` (local or gs://)."""
-  for root, _, files in os.walk(source):
-    target = destination / os.path.relpath(root, source)
+def copy_tree(source: epath.Path, destination: epath.Path) -> None:
+  """Copies the files under the directory `source` to `destination`, each local or gs://."""
+  for root, _, files in source.walk():
+    target = destination / os.fspath(root)[len(os.fspath(source)):].strip("/")
     target.mkdir(parents=True, exist_ok=True)
     for name in files:
-      epath.Path(os.path.join(root, name)).copy(target / name, overwrite=True)
+      (epath.Path(root) / name).copy(target / name, overwrite=True)
 
 
 @contextlib.contextmanager
@@ -142,7 +144,7 @@ def staged(directory: epath.Path) -> Iterator[epath.Path]:
   local = tempfile.mkdtemp(prefix="levanter_flax-")
   try:
     yield epath.Path(local)
-    copy_tree(local, directory)
+    copy_tree(epath.Path(local), directory)
   finally:
     shutil.rmtree(local, ignore_errors=True)
 
@@ -161,10 +163,7 @@ def move_tree(source: epath.Path, destination: epath.Path) -> None:
   if not is_remote(source):
     source.rename(destination)
     return
-  for root, _, files in source.walk():
-    relative = os.fspath(root)[len(os.fspath(source)):].strip("/")
-    for name in files:
-      (epath.Path(root) / name).copy(destination / relative / name, overwrite=True)
+  copy_tree(source, destination)
   source.rmtree()
 
 

@@ -9,7 +9,6 @@ An interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint
 and stop cleanly.
 """
 import dataclasses
-import os
 import pathlib
 import signal
 import subprocess
@@ -152,7 +151,7 @@ def _log(outcome: Outcome) -> str:
   if not paths.is_remote(outcome.workdir):
     return str(outcome.workdir / "log.txt")
   local = pathlib.Path(tempfile.gettempdir(), "levanter_flax-launch",
-                       *os.fspath(outcome.workdir)[len("gs://"):].split("/"))
+                       *paths.split_gcs(outcome.workdir))
   local.mkdir(parents=True, exist_ok=True)
   return str(local / "log.txt")
 
