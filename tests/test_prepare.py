@@ -337,7 +337,7 @@ from levanter_flax.data import prepare, sources, tfrecord
 logging.basicConfig(level=logging.INFO)
 write, run_shards = tfrecord.ShardWriter.write, prepare._run_shards
 tfrecord.ShardWriter.write = lambda self, tokens: (time.sleep(0.1), write(self, tokens))
-prepare._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))
+prepare._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))[1]
 prepare.prepare_dataset(prepare.PrepareOptions(
     source=sources.SourceSpec(kind="text", inputs=(sys.argv[1],)),
     output_dir=pathlib.Path(sys.argv[2]), num_shards=4, validation_fraction=0.2), wait=True)

@@ -6,6 +6,11 @@ finished shard is marked by a small `.done.json` written after its TFRecord
 files, and the manifest comes last; a restarted run with the same arguments
 keeps finished shards and redoes only the rest. One process at a time writes
 a directory: it holds the directory's lock (locks.DirectoryLock) throughout.
+
+Two engines write the shards: a process pool on this machine, or an Apache
+Beam pipeline (beam_engine.py) for corpora no single machine can tokenize.
+Both run the same functions on the same shard indices, so their shards and
+manifest are the same bytes.
 """
 import concurrent.futures
 import ctypes
@@ -31,6 +36,8 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ARGUMENTS = "prepare_args.json"
 TRAINED_TOKENIZER = "tokenizer.json"
+TOKENIZER_SAMPLE = "tokenizer_sample.json"  # What the trained tokenizer saw; goes into the manifest.
+ENGINES = ("local", "beam")
 SPLITS = ("train", "validation")
 DEFAULT_CACHE_DIR = "~/.cache/levanter_flax"
 
@@ -40,15 +47,23 @@ class PrepareOptions:
   source: sources.SourceSpec
   output_dir: epath.Path
   tokenizer: str = "byte"  # "byte" or a tokenizer file; see tokenizers.load_tokenizer.
-  train_tokenizer_vocab_size: int = 0  # > 0: first train a BPE of this size on the train split.
+  train_tokenizer_vocab_size: int = 0  # > 0: first train a BPE of this size on a sample.
+  # The BPE's sample: each of the num_shards parts gives its first train documents up to
+  # this many bytes / num_shards (see tokenizer_sample).
+  tokenizer_sample_bytes: int = 1 << 30
   num_shards: int = 8
   validation_fraction: float = 0.01
-  num_workers: int = 1
+  engine: str = "local"  # One of ENGINES.
+  num_workers: int = 1  # local: processes; beam: the local runner's worker processes.
+  beam_pipeline_options: tuple[str, ...] = ()  # Passed to Beam; see beam_engine.
 
   def arguments(self) -> dict:
     """What decides the shards' contents; a restart must repeat them exactly."""
     args = dataclasses.asdict(self)
-    del args["output_dir"], args["num_workers"]  # Where and how fast, not what.
+    for where_and_how_fast in ("output_dir", "engine", "num_workers", "beam_pipeline_options"):
+      del args[where_and_how_fast]
+    if not self.train_tokenizer_vocab_size:
+      del args["tokenizer_sample_bytes"]
     return json.loads(json.dumps(args))  # Tuples become lists, as they read back.
 
 
@@ -69,8 +84,11 @@ def _write_json_atomically(path: epath.Path, value) -> None:
   paths.write_atomically(path, json.dumps(value, indent=2))
 
 
-def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> None:
-  """Tokenizes this shard's documents into its train and validation TFRecord files."""
+def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> dict:
+  """Tokenizes this shard's documents into its train and validation TFRecord files.
+
+  Returns what its done marker says. Rerun (a Beam retry), it writes the same bytes again.
+  """
   tokenizer = load_tokenizer(tokenizer_spec)
   dtype = tfrecord.token_dtype(tokenizer.vocab_size)
   stats = sources.SourceStats()
@@ -87,11 +105,24 @@ def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str,
     done[split] = {"file": writer.path.name, "num_documents": writer.num_documents,
                    "num_tokens": writer.num_tokens, "num_text_bytes": text_bytes[split]}
   _write_json_atomically(directory / _done_name(index, num_shards), done)
+  return done
 
 
-def _write_shard_task(args) -> int:
-  _write_shard(*args)
-  return args[-1]
+def finished_shards(options: PrepareOptions) -> set[int]:
+  return {i for i in range(options.num_shards)
+          if (options.output_dir / _done_name(i, options.num_shards)).exists()}
+
+
+def shard_record(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> dict:
+  """Shard `index`'s done marker: read back if a run before this one finished it, else written."""
+  marker = options.output_dir / _done_name(index, options.num_shards)
+  if marker.exists():
+    return json.loads(marker.read_text())
+  return _write_shard(options, files, tokenizer_spec, index)
+
+
+def _write_shard_task(args) -> tuple[int, dict]:
+  return args[-1], shard_record(*args)
 
 
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
@@ -173,47 +204,85 @@ def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> Non
                     f"({', '.join(changed)}); use a new --output_dir")
 
 
-# What a killed writer leaves: shards' and JSON files' temp files (see
-# _write_json_atomically, tfrecord.ShardWriter, tokenizers.train_bpe).
-_TEMP_FILES = ("*.tfrecord.tmp-*", "*.done.json.tmp-*", f"{MANIFEST}.tmp-*",
-               f"{ARGUMENTS}.tmp-*", f"{TRAINED_TOKENIZER}.tmp")
+# What a killed writer leaves: every file here is written under a temp name
+# first (paths.write_atomically, tfrecord.ShardWriter), all ending .tmp-<pid>.
+_TEMP_FILES = "*.tmp-*"
 
 
 def _remove_temp_files(directory: epath.Path) -> None:
   """Deletes temp files of killed runs; only under the lock, where no writer is alive."""
-  for pattern in _TEMP_FILES:
-    for stale in directory.glob(pattern):
-      if stale.exists():
-        stale.unlink()
+  for stale in directory.glob(_TEMP_FILES):
+    if stale.exists():
+      stale.unlink()
 
 
-def _tokenizer_spec(options: PrepareOptions, files: list[str]) -> str:
-  """The tokenizer to use, training one into the output directory first if asked."""
-  if not options.train_tokenizer_vocab_size:
-    return options.tokenizer
+def tokenizer_sample(options: PrepareOptions, files: list[str], part: int) -> list[str]:
+  """Part `part`'s share of the tokenizer's training text.
+
+  Its train-split documents in order, until they reach tokenizer_sample_bytes
+  / num_shards bytes (the last one may cross it). A rule of parts, not of
+  whole-corpus order, so Beam workers sample the parts in parallel and the
+  local engine gets the same sample. Reading stops at the budget: a TB corpus
+  costs only the sample's bytes.
+  """
+  budget = -(-options.tokenizer_sample_bytes // options.num_shards)
+  texts, size = [], 0
+  for key, text in sources.documents(options.source, files, part, options.num_shards,
+                                     sources.SourceStats()):
+    if size >= budget:
+      break
+    if not is_validation(key, options.validation_fraction):
+      texts.append(text)
+      size += len(text.encode("utf-8"))
+  return texts
+
+
+def train_tokenizer(options: PrepareOptions, samples: list[list[str]]) -> str:
+  """Trains the BPE on the parts' samples, in part order; returns its path as a tokenizer spec."""
+  texts = [text for sample in samples for text in sample]
+  logging.info("Training a %d-token byte-level BPE on %d documents sampled from %s",
+               options.train_tokenizer_vocab_size, len(texts),
+               ", ".join(options.source.inputs) or options.source.kind)
   path = options.output_dir / TRAINED_TOKENIZER
-  if not path.exists():
-    logging.info("Training a %d-token byte-level BPE on %s", options.train_tokenizer_vocab_size,
-                 ", ".join(options.source.inputs) or options.source.kind)
-    texts = (text for key, text in sources.documents(options.source, files, 0, 1,
-                                                     sources.SourceStats())
-             if not is_validation(key, options.validation_fraction))
-    train_bpe(texts, options.train_tokenizer_vocab_size, path)
+  # What it saw first, so that a finished tokenizer.json always has its record.
+  _write_json_atomically(options.output_dir / TOKENIZER_SAMPLE, {
+      "rule": (f"the train documents of each of the {options.num_shards} shards' parts, in "
+               f"order, until they reach {options.tokenizer_sample_bytes} / "
+               f"{options.num_shards} bytes"),
+      "documents": len(texts), "text_bytes": sum(len(t.encode("utf-8")) for t in texts)})
+  train_bpe(texts, options.train_tokenizer_vocab_size, path)
   return str(path)
 
 
-def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) -> None:
-  todo = [i for i in range(options.num_shards)
-          if not (options.output_dir / _done_name(i, options.num_shards)).exists()]
-  if len(todo) < options.num_shards:
-    logging.info("Keeping %d finished shards in %s", options.num_shards - len(todo),
-                 options.output_dir)
-  tasks = [(options, files, tokenizer_spec, i) for i in todo]
-  if options.num_workers <= 1 or len(tasks) <= 1:
-    for task in tasks:
-      _write_shard_task(task)
-    return
-  _run_in_workers(options, tasks)
+def _tokenizer_to_train(options: PrepareOptions) -> bool:
+  return bool(options.train_tokenizer_vocab_size) and not (
+      options.output_dir / TRAINED_TOKENIZER).exists()
+
+
+def tokenizer_spec(options: PrepareOptions) -> str:
+  """The tokenizer the shards use: given, or trained into the output directory."""
+  if options.train_tokenizer_vocab_size:
+    return str(options.output_dir / TRAINED_TOKENIZER)
+  return options.tokenizer
+
+
+def _run_locally(options: PrepareOptions, files: list[str], train: bool) -> None:
+  """The local engine: trains the tokenizer if asked, writes the shards, then the manifest."""
+  if train:
+    train_tokenizer(options, [tokenizer_sample(options, files, i)
+                              for i in range(options.num_shards)])
+  records = _run_shards(options, files, tokenizer_spec(options))
+  write_manifest(options, len(files), tokenizer_spec(options), records)
+
+
+def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) -> list[dict]:
+  """Every shard's done marker, in shard order; writes the shards that lack one."""
+  tasks = [(options, files, tokenizer_spec, i) for i in range(options.num_shards)]
+  finished = finished_shards(options)
+  todo = [t for t in tasks if t[-1] not in finished]
+  if options.num_workers > 1 and len(todo) > 1:
+    _run_in_workers(options, todo)
+  return [_write_shard_task(task)[1] for task in tasks]  # Those just written: read back.
 
 
 def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
@@ -228,7 +297,7 @@ def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
       initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
     try:
       for done in concurrent.futures.as_completed([pool.submit(_write_shard_task, t) for t in tasks]):
-        logging.info("Wrote shard %d of %d", done.result() + 1, options.num_shards)
+        logging.info("Wrote shard %d of %d", done.result()[0] + 1, options.num_shards)
     except BaseException as e:
       pool.shutdown(wait=False, cancel_futures=True)
       for worker in multiprocessing.active_children():  # Busy with other shards: not needed now.
@@ -240,9 +309,10 @@ def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
       raise
 
 
-def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_files: int) -> dict:
-  done = [json.loads((options.output_dir / _done_name(i, options.num_shards)).read_text())
-          for i in range(options.num_shards)]
+def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
+                   done: list[dict]) -> dict:
+  """Sums the shards' done markers (in shard order) into the manifest, written last."""
+  tokenizer = identity(load_tokenizer(tokenizer_spec))
   stats = sources.SourceStats()
   for shard in done:
     stats.add(sources.SourceStats(**shard["stats"]))
@@ -264,6 +334,8 @@ def _write_manifest(options: PrepareOptions, tokenizer: TokenizerIdentity, num_f
                  **dataclasses.asdict(stats)},
       "splits": splits,
   }
+  if options.train_tokenizer_vocab_size:
+    manifest["tokenizer_training"] = json.loads((options.output_dir / TOKENIZER_SAMPLE).read_text())
   _write_json_atomically(options.output_dir / MANIFEST, manifest)
   return manifest
 
@@ -289,6 +361,9 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   files = sources.resolve_files(options.source)
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
+  if options.engine == "beam":
+    from levanter_flax.data import beam_engine  # pylint: disable=g-import-not-at-top  # Optional.
+    pipeline = beam_engine.pipeline(options)
   wanted = options.arguments() | _input_fingerprint(options, files)
   if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
     _check_arguments(options, wanted, record=False)
@@ -299,10 +374,14 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
     _check_arguments(options, wanted, record=True)
     if (options.output_dir / MANIFEST).exists():  # Finished by the process we waited for.
       return options.output_dir
-    tokenizer_spec = _tokenizer_spec(options, files)
-    tokenizer = identity(load_tokenizer(tokenizer_spec))
-    _run_shards(options, files, tokenizer_spec)
-    manifest = _write_manifest(options, tokenizer, len(files))
+    train = _tokenizer_to_train(options)
+    if finished := len(finished_shards(options)):
+      logging.info("Keeping %d finished shards in %s", finished, options.output_dir)
+    if options.engine == "beam":
+      beam_engine.run(pipeline, options, files, train)
+    else:
+      _run_locally(options, files, train)
+    manifest = json.loads((options.output_dir / MANIFEST).read_text())
   _log_summary(options, manifest)
   return options.output_dir
 

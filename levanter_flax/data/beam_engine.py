@@ -1,0 +1,221 @@
+"""prepare's shards written by an Apache Beam pipeline: local, Dataflow, Flink or Spark.
+
+The pipeline runs prepare's own functions on one element per shard index, so
+its shards, done markers and manifest are the bytes the local engine writes;
+Beam spreads the shards over workers and retries failed ones:
+
+  shard indices -> write each shard (or read back its done marker) -> combine -> manifest
+  [with --train_tokenizer: shard indices -> each part's sample -> combine -> train BPE,
+   a side input of the shard writers]
+
+A run that dies is rerun as a whole: shards whose done marker exists are kept,
+and the manifest, the mark of a usable dataset, is written last, by the
+combine. Apache Beam is an optional install (the [beam] extra).
+"""
+import contextlib
+import functools
+import io
+import logging as std_logging
+import os
+import re
+import select
+import sys
+import threading
+
+from absl import logging
+
+from levanter_flax import paths
+from levanter_flax.data import prepare
+from levanter_flax.errors import UserError
+
+# The local runner; without --runner Beam 2.77's DirectRunner first downloads Prism.
+DEFAULT_RUNNER = "FnApiRunner"
+LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner",
+                 "PrismRunner")
+_INSTALL = 'pip install "levanter_flax[beam]" (add apache-beam[gcp] for Dataflow)'
+
+
+def _import_beam():
+  try:
+    import apache_beam  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise UserError(f"--engine=beam needs Apache Beam: {_INSTALL}") from None
+  return apache_beam
+
+
+def pipeline(options: prepare.PrepareOptions):
+  """A Beam pipeline configured by --beam_pipeline_options; bad options are named in one line.
+
+  The local runner gets num_workers worker processes (with one, it runs in
+  this process); a remote one must be able to reach every path.
+  """
+  beam = _import_beam()
+  from apache_beam.options import pipeline_options as beam_options  # pylint: disable=g-import-not-at-top
+  flags = list(options.beam_pipeline_options)
+  argparse_says = io.StringIO()
+  try:
+    with contextlib.redirect_stderr(argparse_says):  # Its usage: every option Beam has.
+      parsed = beam_options.PipelineOptions(flags)
+      known, given = parsed.get_all_options(), parsed.get_all_options(drop_default=True)
+      unknown = sorted(set(parsed.get_all_options(retain_unknown_options=True)) - set(known))
+  except (SystemExit, ValueError, TypeError) as e:  # argparse exits on a bad value.
+    reason = (argparse_says.getvalue().strip().splitlines() or [str(e)])[-1].split("error: ")[-1]
+    raise UserError(f"--beam_pipeline_options={' '.join(flags)!r}: {reason}") from None
+  if unknown:
+    raise UserError(f"--beam_pipeline_options: unknown Beam option(s) --{', --'.join(unknown)}")
+  runner = known.get("runner") or DEFAULT_RUNNER
+  overrides = {"runner": runner}
+  if runner in LOCAL_RUNNERS and "direct_num_workers" not in given:
+    overrides |= {"direct_num_workers": options.num_workers,
+                  "direct_running_mode": ("multi_processing" if options.num_workers > 1
+                                          else "in_memory")}
+  try:
+    beam.runners.create_runner(runner)
+    if runner not in LOCAL_RUNNERS:
+      _check_workers_see(options, runner)
+    # Dataflow checks its options here, and may look for its default staging bucket.
+    return beam.Pipeline(options=beam_options.PipelineOptions(flags, **overrides))
+  except (ValueError, ImportError) as e:
+    reason = " ".join(str(e).split())  # Dataflow's lists its missing options a line each.
+    raise UserError(f"--beam_pipeline_options: runner {runner!r}: {reason}") from None
+
+
+def _check_workers_see(options: prepare.PrepareOptions, runner: str) -> None:
+  """A remote runner's workers read and write object storage, not this machine's disk."""
+  spec = options.source
+  given = {"--output_dir": str(options.output_dir)}
+  if spec.kind in ("text", "jsonl", "parquet"):
+    given |= {"--input": pattern for pattern in spec.inputs if not paths.is_remote(pattern)}
+  if spec.kind == "tfds":
+    given["--tfds_data_dir"] = spec.tfds_data_dir
+  if options.tokenizer != "byte":
+    given["--tokenizer"] = options.tokenizer
+  for flag, value in given.items():
+    if not paths.is_remote(value):
+      raise UserError(f"{flag}={value or '(default)'} is on this machine, which {runner}'s "
+                      f"workers cannot see: use gs://")
+  if spec.kind == "stdlib":
+    raise UserError(f"the stdlib corpus is this machine's Python; {runner}'s workers have their "
+                    f"own: prepare it locally (--engine=local)")
+
+
+# Where a worker logs the traceback of a failed element.
+_TRACEBACK_LOGGERS = ("apache_beam.runners.common", "apache_beam.runners.worker.sdk_worker")
+
+
+@functools.cache
+def _die_with(driver_pid: int) -> None:
+  """Ends this local worker process when the driver ends, even by kill -9.
+
+  Otherwise the workers of a killed prepare write on to the end of their
+  bundles (hours, on a big corpus) for nobody. They are the driver's
+  grandchildren (Beam starts them through a shell), so PR_SET_PDEATHSIG, which
+  watches the parent, cannot tell; a pidfd watches the driver itself. Linux only.
+  """
+  try:
+    driver = os.pidfd_open(driver_pid)
+  except ProcessLookupError:
+    os._exit(1)  # pylint: disable=protected-access
+  except (AttributeError, OSError):
+    return
+  def wait_then_exit():
+    select.select([driver], [], [])
+    os._exit(1)  # pylint: disable=protected-access
+  threading.Thread(target=wait_then_exit, daemon=True, name="die-with-driver").start()
+
+
+def _step(function, local_driver_pid: int, *args):
+  """Runs `function(*args)` on a worker; bad input fails the pipeline with its one line.
+
+  A UserError fails every retry alike and stops the job; its line reaches the
+  driver in the runner's exception (see run), so the worker's logged traceback
+  is noise. A local runner's worker processes (children of `local_driver_pid`;
+  0 on a remote runner) also print it to their stderr, which is ours.
+  """
+  local_worker = local_driver_pid and os.getpid() != local_driver_pid
+  if local_worker:
+    _die_with(local_driver_pid)
+  try:
+    return function(*args)
+  except UserError:
+    for name in _TRACEBACK_LOGGERS:
+      std_logging.getLogger(name).setLevel(std_logging.CRITICAL)
+    if local_worker:
+      sys.stderr = open(os.devnull, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    raise
+
+
+def _sample(options, files: list[str], index: int) -> tuple[int, list[str]]:
+  return index, prepare.tokenizer_sample(options, files, index)
+
+
+def _train(options, samples: list[tuple[int, list[str]]]) -> str:
+  return prepare.train_tokenizer(options, [texts for _, texts in sorted(samples)])
+
+
+def _shard(options, files: list[str], index: int, tokenizer_spec: str) -> tuple[int, dict]:
+  return index, prepare.shard_record(options, files, tokenizer_spec, index)
+
+
+def _manifest(options, num_files: int, records: list[tuple[int, dict]], tokenizer_spec: str) -> None:
+  prepare.write_manifest(options, num_files, tokenizer_spec, [r for _, r in sorted(records)])
+
+
+def _build(pipeline, options, files: list[str], train_tokenizer: bool, local_driver_pid: int):
+  beam = _import_beam()
+  step = lambda function, *args: functools.partial(_step, function, local_driver_pid, *args)
+  indices = range(options.num_shards)
+  tokenizer_spec = prepare.tokenizer_spec(options)
+  if train_tokenizer:
+    tokenizer_spec = beam.pvalue.AsSingleton(
+        pipeline
+        | "Parts" >> beam.Create(indices)
+        | "Sample" >> beam.Map(step(_sample, options, files))
+        | "Samples" >> beam.combiners.ToList()
+        | "TrainTokenizer" >> beam.Map(step(_train, options)))
+  _ = (pipeline
+       | "Shards" >> beam.Create(indices)
+       | "WriteShard" >> beam.Map(step(_shard, options, files), tokenizer_spec)
+       | "DoneMarkers" >> beam.combiners.ToList()
+       | "WriteManifest" >> beam.Map(step(_manifest, options, len(files)), tokenizer_spec))
+
+
+# How a worker's UserError reaches this process: inside the text of the runner's exception.
+_USER_ERROR = re.compile(r"UserError: (.+)$", re.MULTILINE)
+_STEP_NAME = re.compile(r" \[while running '[^']*'\]")  # Beam's suffix.
+
+
+def run(pipeline, options, files: list[str], train_tokenizer: bool) -> None:
+  """Runs the pipeline to the end; a worker's UserError is raised here as one."""
+  from apache_beam.runners.runner import PipelineState  # pylint: disable=g-import-not-at-top
+  runner = pipeline.options.get_all_options()["runner"]
+  _build(pipeline, options, files, train_tokenizer,
+         os.getpid() if runner in LOCAL_RUNNERS else 0)
+  logging.info("Running the Beam pipeline on %s", runner)
+  # Beam's own INFO lines (the local runner relays every worker's) drown ours; Dataflow's
+  # (the job's URL, its state) stay. The local runner relays worker tracebacks at ERROR.
+  std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
+  std_logging.getLogger("apache_beam.runners.dataflow").setLevel(std_logging.INFO)
+  std_logging.getLogger("apache_beam.runners.portability").setLevel(std_logging.CRITICAL)
+  result = None
+  try:
+    result = pipeline.run()
+    result.wait_until_finish()
+  except UserError as e:  # From a step run in this process, its name appended by Beam.
+    raise UserError(_STEP_NAME.sub("", str(e))) from None
+  except Exception as e:  # pylint: disable=broad-except  # Runners wrap a worker's error.
+    found = _USER_ERROR.findall(str(e))
+    if found:
+      raise UserError(_STEP_NAME.sub("", found[-1])) from None
+    raise
+  finally:
+    if result is not None and not PipelineState.is_terminal(result.state):
+      _cancel(result)
+
+
+def _cancel(result) -> None:
+  """Interrupted while waiting: a Dataflow job would otherwise run on without us."""
+  try:
+    result.cancel()
+  except Exception as e:  # pylint: disable=broad-except  # Best effort, on the way out.
+    logging.warning("Could not cancel the Beam job (%s); cancel it with your runner's tools", e)
