@@ -1,7 +1,10 @@
 """prepare on Apache Beam: the local engine's bytes, two worker processes, restarts, one-line errors."""
+import dataclasses
 import gzip
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -139,7 +142,12 @@ def test_bad_pipeline_options_and_paths_remote_workers_cannot_see_are_named(tmp_
       beam_pipeline_options=("--runner=DataflowRunner",))
   with pytest.raises(UserError, match="runner 'DataflowRunner': Pipeline has validations errors: "
                                       "Missing GCS path option: temp_location. Missing"):
-    beam_engine.pipeline(on_gcs)
+    beam_engine.pipeline(on_gcs, num_files=8)
+  with pytest.raises(UserError, match="3 input files for --num_shards=8: with fewer files than "
+                                      "shards every DataflowRunner worker reads every file"):
+    beam_engine.pipeline(dataclasses.replace(on_gcs, beam_pipeline_options=(
+        "--runner=DataflowRunner", "--project=p", "--region=r", "--temp_location=gs://b/t")),
+                         num_files=3)
 
 
 def test_without_beam_installed_the_engine_says_what_to_install(tmp_path, monkeypatch):
@@ -162,3 +170,26 @@ def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   assert last.startswith(f"levanter_flax: error: cannot read input file "
                          f"{tmp_path / 'input' / 'd.jsonl.zst'}: "), last
   assert not (tmp_path / "out" / prepare.MANIFEST).exists()
+
+
+def test_a_killed_beam_worker_is_one_line_and_the_rerun_finishes(tmp_path):
+  source = mixed_jsonl(tmp_path / "input")
+  killed = []
+  def kill_the_first_worker():
+    while not killed:
+      for child in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+          if WORKER_MODULE in (child / "cmdline").read_bytes().split(b"\0"):
+            os.kill(int(child.name), signal.SIGKILL)
+            killed.append(int(child.name))
+            break
+        except OSError:
+          pass
+  killer = threading.Thread(target=kill_the_first_worker, daemon=True)
+  killer.start()
+  with pytest.raises(UserError, match="a Beam worker process died \\(killed, or out of memory\\?\\) "
+                                      "while writing .*: run the same command again"):
+    prepare_with("beam", source, tmp_path / "beam", num_workers=2)
+  assert killed and not (tmp_path / "beam" / prepare.MANIFEST).exists()
+  prepare_with("beam", source, tmp_path / "beam", num_workers=2)
+  assert_same_files(prepare_with("local", source, tmp_path / "local"), tmp_path / "beam")

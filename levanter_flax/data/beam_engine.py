@@ -17,10 +17,12 @@ import functools
 import io
 import logging as std_logging
 import os
+import queue
 import re
 import select
 import sys
 import threading
+import time
 
 from absl import logging
 
@@ -43,7 +45,7 @@ def _import_beam():
   return apache_beam
 
 
-def pipeline(options: prepare.PrepareOptions):
+def pipeline(options: prepare.PrepareOptions, num_files: int):
   """A Beam pipeline configured by --beam_pipeline_options; bad options are named in one line.
 
   The local runner gets num_workers worker processes (with one, it runs in
@@ -72,7 +74,7 @@ def pipeline(options: prepare.PrepareOptions):
   try:
     beam.runners.create_runner(runner)
     if runner not in LOCAL_RUNNERS:
-      _check_workers_see(options, runner)
+      _check_remote_job(options, num_files, runner)
     # Dataflow checks its options here, and may look for its default staging bucket.
     return beam.Pipeline(options=beam_options.PipelineOptions(flags, **overrides))
   except (ValueError, ImportError) as e:
@@ -80,9 +82,13 @@ def pipeline(options: prepare.PrepareOptions):
     raise UserError(f"--beam_pipeline_options: runner {runner!r}: {reason}") from None
 
 
-def _check_workers_see(options: prepare.PrepareOptions, runner: str) -> None:
-  """A remote runner's workers read and write object storage, not this machine's disk."""
+def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: str) -> None:
+  """A remote runner's workers see only object storage, and each should read its own files."""
   spec = options.source
+  if spec.kind in ("text", "jsonl", "parquet") and num_files < options.num_shards:
+    raise UserError(f"{num_files} input files for --num_shards={options.num_shards}: with fewer "
+                    f"files than shards every {runner} worker reads every file; use at most "
+                    f"{num_files} shards or split the input")
   given = {"--output_dir": str(options.output_dir)}
   if spec.kind in ("text", "jsonl", "parquet"):
     given |= {"--input": pattern for pattern in spec.inputs if not paths.is_remote(pattern)}
@@ -183,34 +189,98 @@ def _build(pipeline, options, files: list[str], train_tokenizer: bool, local_dri
 # How a worker's UserError reaches this process: inside the text of the runner's exception.
 _USER_ERROR = re.compile(r"UserError: (.+)$", re.MULTILINE)
 _STEP_NAME = re.compile(r" \[while running '[^']*'\]")  # Beam's suffix.
+_WORKER_DIED = "Worker subprocess exited with return code"
+
+
+class _WorkerDied(Exception):
+  pass
 
 
 def run(pipeline, options, files: list[str], train_tokenizer: bool) -> None:
   """Runs the pipeline to the end; a worker's UserError is raised here as one."""
-  from apache_beam.runners.runner import PipelineState  # pylint: disable=g-import-not-at-top
   runner = pipeline.options.get_all_options()["runner"]
-  _build(pipeline, options, files, train_tokenizer,
-         os.getpid() if runner in LOCAL_RUNNERS else 0)
+  local = runner in LOCAL_RUNNERS
+  _build(pipeline, options, files, train_tokenizer, os.getpid() if local else 0)
   logging.info("Running the Beam pipeline on %s", runner)
-  # Beam's own INFO lines (the local runner relays every worker's) drown ours; Dataflow's
-  # (the job's URL, its state) stay. The local runner relays worker tracebacks at ERROR.
+  # Beam's own INFO lines drown ours; Dataflow's (the job's URL, its state) stay. The local
+  # runner's errors, each worker's traceback included, reach us in its exception.
   std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
   std_logging.getLogger("apache_beam.runners.dataflow").setLevel(std_logging.INFO)
-  std_logging.getLogger("apache_beam.runners.portability").setLevel(std_logging.CRITICAL)
-  result = None
+  for name in ("apache_beam.runners.portability", "apache_beam.runners.worker"):
+    std_logging.getLogger(name).setLevel(std_logging.CRITICAL if local else std_logging.WARNING)
   try:
-    result = pipeline.run()
-    result.wait_until_finish()
+    _run_watched(pipeline)
   except UserError as e:  # From a step run in this process, its name appended by Beam.
     raise UserError(_STEP_NAME.sub("", str(e))) from None
+  except _WorkerDied:
+    raise UserError(f"a Beam worker process died (killed, or out of memory?) while writing "
+                    f"{options.output_dir}; its finished shards are kept: run the same command "
+                    f"again") from None
   except Exception as e:  # pylint: disable=broad-except  # Runners wrap a worker's error.
-    found = _USER_ERROR.findall(str(e))
-    if found:
+    if found := _USER_ERROR.findall(str(e)):
       raise UserError(_STEP_NAME.sub("", found[-1])) from None
     raise
+
+
+def _run_watched(pipeline) -> None:
+  """Runs the pipeline in a thread, and stops waiting for it when a local worker dies.
+
+  The local runner reports a dead worker process (kill -9, the OOM killer) in
+  an exception of the thread that started it; it may wait for that worker's
+  bundle for ever (it does when the worker dies starting), so this process
+  stops waiting and leaves it; the other workers die with this process.
+  """
+  from apache_beam.runners.runner import PipelineState  # pylint: disable=g-import-not-at-top
+  outcome, started = queue.Queue(), []
+  def run_pipeline():
+    try:
+      started.append(pipeline.run())
+      outcome.put(started[-1].wait_until_finish())
+    except BaseException as e:  # pylint: disable=broad-except  # Handed to the caller.
+      outcome.put(e)
+  print_thread_error = threading.excepthook
+  def thread_died(error):
+    if not _in_beam(error.exc_traceback):
+      print_thread_error(error)
+    elif _WORKER_DIED in str(error.exc_value):
+      outcome.put(_WorkerDied())
+  # Left in place after a failure: Beam's threads die on as the process ends, saying again
+  # what the one line says.
+  threading.excepthook = thread_died
+  try:
+    threading.Thread(target=run_pipeline, daemon=True, name="beam-pipeline").start()
+    ending = outcome.get()
+    if isinstance(ending, Exception) and not isinstance(ending, (UserError, _WorkerDied)):
+      # A dead worker can fail the pipeline before its thread has said it died.
+      ending = _worker_death_within(outcome, seconds=2) or ending
+    if isinstance(ending, BaseException):
+      raise ending
+    if ending != PipelineState.DONE:  # Cancelled from outside, say.
+      raise UserError(f"the Beam job ended {ending}; run the same command again to finish it")
+    threading.excepthook = print_thread_error
   finally:
-    if result is not None and not PipelineState.is_terminal(result.state):
-      _cancel(result)
+    if started and not PipelineState.is_terminal(started[-1].state):
+      _cancel(started[-1])
+
+
+def _in_beam(traceback) -> bool:
+  """Whether a thread's exception was raised in Beam's or gRPC's code."""
+  while traceback is not None:
+    if re.search(r"[/\\](apache_beam|grpc)[/\\]", traceback.tb_frame.f_code.co_filename):
+      return True
+    traceback = traceback.tb_next
+  return False
+
+
+def _worker_death_within(outcome: queue.Queue, seconds: float):
+  deadline = time.monotonic() + seconds
+  while (left := deadline - time.monotonic()) > 0:
+    try:
+      if isinstance(reported := outcome.get(timeout=left), _WorkerDied):
+        return reported
+    except queue.Empty:
+      break
+  return None
 
 
 def _cancel(result) -> None:

@@ -363,7 +363,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
     load_tokenizer(options.tokenizer)
   if options.engine == "beam":
     from levanter_flax.data import beam_engine  # pylint: disable=g-import-not-at-top  # Optional.
-    pipeline = beam_engine.pipeline(options)
+    pipeline = beam_engine.pipeline(options, len(files))
   wanted = options.arguments() | _input_fingerprint(options, files)
   if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
     _check_arguments(options, wanted, record=False)
