@@ -34,8 +34,9 @@ _ON_DECODE_ERROR = flags.DEFINE_enum("on_decode_error", "replace", sources.DECOD
                                      "Non-UTF-8 input: replace bad bytes (counted) or stop.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "byte", "'byte', a tokenizer.json (Hugging Face), "
                                  "or a SentencePiece .model file.")
-_TRAIN_TOKENIZER = flags.DEFINE_bool("train_tokenizer", False, "Train a byte-level BPE on the "
-                                     "train split first; saved as <output_dir>/tokenizer.json.")
+_TRAIN_TOKENIZER = flags.DEFINE_bool("train_tokenizer", False, "Train a byte-level BPE on a "
+                                     "sample of the train split first (--tokenizer_sample_mb); "
+                                     "saved as <output_dir>/tokenizer.json.")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 50257, "With --train_tokenizer: its size.")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 8, "Train shards (also validation shards); "
                                    "at least the number of training processes.", lower_bound=1)

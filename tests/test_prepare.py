@@ -198,10 +198,11 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
   (directory / "train-00001-of-00004.tfrecord.tmp-998").write_bytes(b"partial")
   for name in ("shard-00002-of-00004.done.json", prepare.MANIFEST, prepare.ARGUMENTS):
     (directory / f"{name}.tmp-999").write_text("{")
+  (directory / "notes.tmp-1").write_text("not ours")  # Someone else's file stays.
   prepare_again(tmp_path)
   after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.glob("*.tfrecord")}
   assert after.keys() == before.keys()
-  assert not list(directory.glob("*.tmp-*"))
+  assert [p.name for p in directory.glob("*.tmp-*")] == ["notes.tmp-1"]
   for name in before:
     assert after[name][1] == before[name][1], name
     assert (after[name][0] == before[name][0]) == ("00002" not in name), name
@@ -270,6 +271,20 @@ def test_bad_sources_are_named(tmp_path):
 def run_prepare(*args):
   return subprocess.run([sys.executable, "-m", "levanter_flax.prepare", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
+
+
+def test_a_tokenizer_trained_by_an_older_prepare_is_kept_if_complete(tmp_path):
+  """Before tokenizer_sample_bytes, the BPE learnt from the whole train split."""
+  options = {"train_tokenizer_vocab_size": 300, "tokenizer_sample_bytes": 2000}
+  directory = prepare_texts(tmp_path, random_documents(10), **options)
+  assert prepare.load_manifest(directory)["tokenizer_training"]["documents"] > 0
+  arguments = json.loads((directory / prepare.ARGUMENTS).read_text())
+  del arguments["tokenizer_sample_bytes"]
+  (directory / prepare.ARGUMENTS).write_text(json.dumps(arguments))
+  assert prepare_again(tmp_path, **options) == directory
+  (directory / prepare.MANIFEST).unlink()
+  with pytest.raises(UserError, match="partly prepared by an older prepare"):
+    prepare_again(tmp_path, **options)
 
 
 def test_command_line_trains_a_tokenizer_and_names_bad_input(tmp_path):

@@ -136,6 +136,10 @@ def test_bad_pipeline_options_and_paths_remote_workers_cannot_see_are_named(tmp_
       prepare_with("beam", source, tmp_path / "out", beam_pipeline_options=flags)
     assert message in str(error.value)
   assert not (tmp_path / "out").exists()
+  # Beam's short names for local runners are local too: no gs:// needed.
+  direct = prepare.PrepareOptions(source=source, output_dir=tmp_path / "out", engine="beam",
+                                  beam_pipeline_options=("--runner=direct",))
+  assert beam_engine.is_local(beam_engine.pipeline(direct, num_files=3).runner)
   on_gcs = prepare.PrepareOptions(
       source=sources.SourceSpec(kind="jsonl", inputs=("gs://b/in/*.jsonl",)),
       output_dir=epath.Path("gs://b/out"), engine="beam",

@@ -32,8 +32,10 @@ from levanter_flax.errors import UserError
 
 # The local runner; without --runner Beam 2.77's DirectRunner first downloads Prism.
 DEFAULT_RUNNER = "FnApiRunner"
-LOCAL_RUNNERS = ("FnApiRunner", "DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner",
-                 "PrismRunner")
+# Runner classes (whatever name chose them: "direct", "DirectRunner", a module path) that
+# run here, as Beam's StandardOptions.LOCAL_RUNNERS lists them.
+LOCAL_RUNNERS = ("BundleBasedDirectRunner", "DirectRunner", "SwitchingDirectRunner", "FnApiRunner",
+                 "PrismRunner", "TestDirectRunner")
 _INSTALL = 'pip install "levanter_flax[beam]" (add apache-beam[gcp] for Dataflow)'
 
 
@@ -58,7 +60,7 @@ def pipeline(options: prepare.PrepareOptions, num_files: int):
   try:
     with contextlib.redirect_stderr(argparse_says):  # Its usage: every option Beam has.
       parsed = beam_options.PipelineOptions(flags)
-      known, given = parsed.get_all_options(), parsed.get_all_options(drop_default=True)
+      known = parsed.get_all_options()
       unknown = sorted(set(parsed.get_all_options(retain_unknown_options=True)) - set(known))
   except (SystemExit, ValueError, TypeError) as e:  # argparse exits on a bad value.
     reason = (argparse_says.getvalue().strip().splitlines() or [str(e)])[-1].split("error: ")[-1]
@@ -66,20 +68,33 @@ def pipeline(options: prepare.PrepareOptions, num_files: int):
   if unknown:
     raise UserError(f"--beam_pipeline_options: unknown Beam option(s) --{', --'.join(unknown)}")
   runner = known.get("runner") or DEFAULT_RUNNER
-  overrides = {"runner": runner}
-  if runner in LOCAL_RUNNERS and "direct_num_workers" not in given:
-    overrides |= {"direct_num_workers": options.num_workers,
-                  "direct_running_mode": ("multi_processing" if options.num_workers > 1
-                                          else "in_memory")}
   try:
-    beam.runners.create_runner(runner)
-    if runner not in LOCAL_RUNNERS:
-      _check_remote_job(options, num_files, runner)
+    local = is_local(beam.runners.create_runner(runner))
+  except (ValueError, ImportError, AttributeError) as e:
+    raise UserError(f"--beam_pipeline_options: runner {runner!r}: {e}") from None
+  overrides = {"runner": runner}
+  if local and not any(f.startswith("--direct_") for f in flags):
+    workers = min(options.num_workers, options.num_shards)
+    overrides |= {"direct_num_workers": workers,
+                  "direct_running_mode": "multi_processing" if workers > 1 else "in_memory"}
+  if not local:
+    _check_remote_job(options, num_files, runner)
+  try:
     # Dataflow checks its options here, and may look for its default staging bucket.
     return beam.Pipeline(options=beam_options.PipelineOptions(flags, **overrides))
-  except (ValueError, ImportError) as e:
-    reason = " ".join(str(e).split())  # Dataflow's lists its missing options a line each.
-    raise UserError(f"--beam_pipeline_options: runner {runner!r}: {reason}") from None
+  except Exception as e:  # pylint: disable=broad-except  # Each runner raises its own.
+    raise UserError(f"--beam_pipeline_options: runner {runner!r}: {_one_line(e)}") from None
+
+
+def is_local(runner) -> bool:
+  """Whether a Beam runner object runs the pipeline in this machine's processes."""
+  return type(runner).__name__ in LOCAL_RUNNERS
+
+
+def _one_line(error: Exception, limit: int = 600) -> str:
+  """An exception's text on one line (Dataflow's list one problem a line), cut at `limit`."""
+  text = " ".join(str(error).split()) or type(error).__name__
+  return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: str) -> None:
@@ -91,7 +106,7 @@ def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: s
                     f"{num_files} shards or split the input")
   given = {"--output_dir": str(options.output_dir)}
   if spec.kind in ("text", "jsonl", "parquet"):
-    given |= {"--input": pattern for pattern in spec.inputs if not paths.is_remote(pattern)}
+    given["--input"] = next((p for p in spec.inputs if not paths.is_remote(p)), "gs://")
   if spec.kind == "tfds":
     given["--tfds_data_dir"] = spec.tfds_data_dir
   if options.tokenizer != "byte":
@@ -189,6 +204,7 @@ def _build(pipeline, options, files: list[str], train_tokenizer: bool, local_dri
 # How a worker's UserError reaches this process: inside the text of the runner's exception.
 _USER_ERROR = re.compile(r"UserError: (.+)$", re.MULTILINE)
 _STEP_NAME = re.compile(r" \[while running '[^']*'\]")  # Beam's suffix.
+# What Beam's local runner (local_job_service.SubprocessSdkWorker, 2.72-2.77) raises.
 _WORKER_DIED = "Worker subprocess exited with return code"
 
 
@@ -199,17 +215,12 @@ class _WorkerDied(Exception):
 def run(pipeline, options, files: list[str], train_tokenizer: bool) -> None:
   """Runs the pipeline to the end; a worker's UserError is raised here as one."""
   runner = pipeline.options.get_all_options()["runner"]
-  local = runner in LOCAL_RUNNERS
+  local = is_local(pipeline.runner)
   _build(pipeline, options, files, train_tokenizer, os.getpid() if local else 0)
   logging.info("Running the Beam pipeline on %s", runner)
-  # Beam's own INFO lines drown ours; Dataflow's (the job's URL, its state) stay. The local
-  # runner's errors, each worker's traceback included, reach us in its exception.
-  std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
-  std_logging.getLogger("apache_beam.runners.dataflow").setLevel(std_logging.INFO)
-  for name in ("apache_beam.runners.portability", "apache_beam.runners.worker"):
-    std_logging.getLogger(name).setLevel(std_logging.CRITICAL if local else std_logging.WARNING)
   try:
-    _run_watched(pipeline)
+    with _quiet_beam_logs(local):
+      _run_watched(pipeline, local)
   except UserError as e:  # From a step run in this process, its name appended by Beam.
     raise UserError(_STEP_NAME.sub("", str(e))) from None
   except _WorkerDied:
@@ -219,10 +230,35 @@ def run(pipeline, options, files: list[str], train_tokenizer: bool) -> None:
   except Exception as e:  # pylint: disable=broad-except  # Runners wrap a worker's error.
     if found := _USER_ERROR.findall(str(e)):
       raise UserError(_STEP_NAME.sub("", found[-1])) from None
-    raise
+    if local:
+      raise
+    # Submission (API off, no permission) or the job (FAILED, CANCELLED): say it in a line.
+    raise UserError(f"the {runner} job for {options.output_dir} failed: {_one_line(e)}; "
+                    f"finished shards are kept: run the same command again") from None
 
 
-def _run_watched(pipeline) -> None:
+@contextlib.contextmanager
+def _quiet_beam_logs(local: bool):
+  """Beam's INFO lines drown ours; a local run's errors reach us in its exception.
+
+  Dataflow's INFO lines (the job's URL, its state) stay.
+  """
+  levels = {"apache_beam": std_logging.WARNING, "apache_beam.runners.dataflow": std_logging.INFO}
+  for name in ("apache_beam.runners.portability", "apache_beam.runners.worker",
+               *_TRACEBACK_LOGGERS):
+    levels[name] = std_logging.CRITICAL if local else std_logging.WARNING
+  loggers = {name: std_logging.getLogger(name) for name in levels}
+  before = {name: logger.level for name, logger in loggers.items()}
+  for name, logger in loggers.items():
+    logger.setLevel(levels[name])
+  try:
+    yield
+  finally:
+    for name, logger in loggers.items():
+      logger.setLevel(before[name])
+
+
+def _run_watched(pipeline, local: bool) -> None:
   """Runs the pipeline in a thread, and stops waiting for it when a local worker dies.
 
   The local runner reports a dead worker process (kill -9, the OOM killer) in
@@ -230,8 +266,7 @@ def _run_watched(pipeline) -> None:
   bundle for ever (it does when the worker dies starting), so this process
   stops waiting and leaves it; the other workers die with this process.
   """
-  from apache_beam.runners.runner import PipelineState  # pylint: disable=g-import-not-at-top
-  outcome, started = queue.Queue(), []
+  outcome, started, worker_died, beam_thread_errors = queue.Queue(), [], [], []
   def run_pipeline():
     try:
       started.append(pipeline.run())
@@ -240,27 +275,36 @@ def _run_watched(pipeline) -> None:
       outcome.put(e)
   print_thread_error = threading.excepthook
   def thread_died(error):
-    if not _in_beam(error.exc_traceback):
-      print_thread_error(error)
-    elif _WORKER_DIED in str(error.exc_value):
+    if _WORKER_DIED in str(error.exc_value):
+      worker_died.append(error.exc_value)
       outcome.put(_WorkerDied())
-  # Left in place after a failure: Beam's threads die on as the process ends, saying again
-  # what the one line says.
-  threading.excepthook = thread_died
+    elif _in_beam(error.exc_traceback):  # Printed at the end, unless a dead worker caused it.
+      beam_thread_errors.append(error)
+    else:
+      print_thread_error(error)
+  if local:
+    threading.excepthook = thread_died
   try:
     threading.Thread(target=run_pipeline, daemon=True, name="beam-pipeline").start()
     ending = outcome.get()
-    if isinstance(ending, Exception) and not isinstance(ending, (UserError, _WorkerDied)):
+    if (local and isinstance(ending, Exception) and not _USER_ERROR.search(str(ending))
+        and not isinstance(ending, (UserError, _WorkerDied))):
       # A dead worker can fail the pipeline before its thread has said it died.
       ending = _worker_death_within(outcome, seconds=2) or ending
+    if not worker_died:
+      for error in beam_thread_errors:
+        print_thread_error(error)
     if isinstance(ending, BaseException):
       raise ending
-    if ending != PipelineState.DONE:  # Cancelled from outside, say.
+    if ending != "DONE":  # A local run that was cancelled, say; Dataflow's raise.
       raise UserError(f"the Beam job ended {ending}; run the same command again to finish it")
-    threading.excepthook = print_thread_error
   finally:
-    if started and not PipelineState.is_terminal(started[-1].state):
-      _cancel(started[-1])
+    # After a dead worker, Beam's threads die on as the process ends, each saying again
+    # what the one line says: the hook stays for them.
+    if not worker_died:
+      threading.excepthook = print_thread_error
+    if started:
+      _cancel_unless_ended(started[-1])
 
 
 def _in_beam(traceback) -> bool:
@@ -283,9 +327,11 @@ def _worker_death_within(outcome: queue.Queue, seconds: float):
   return None
 
 
-def _cancel(result) -> None:
+def _cancel_unless_ended(result) -> None:
   """Interrupted while waiting: a Dataflow job would otherwise run on without us."""
+  from apache_beam.runners.runner import PipelineState  # pylint: disable=g-import-not-at-top
   try:
-    result.cancel()
+    if not PipelineState.is_terminal(result.state):  # On Dataflow, an API call.
+      result.cancel()
   except Exception as e:  # pylint: disable=broad-except  # Best effort, on the way out.
     logging.warning("Could not cancel the Beam job (%s); cancel it with your runner's tools", e)

@@ -198,22 +198,32 @@ def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> Non
     raise UserError(f"cannot read {path}: {e}; use a new --output_dir") from e
   if "input_mtimes" not in previous:  # Prepared before mtimes were recorded: sizes alone.
     wanted = {k: v for k, v in wanted.items() if k != "input_mtimes"}
+  if "tokenizer_sample_bytes" in wanted and "tokenizer_sample_bytes" not in previous:
+    if not record:  # Complete, its tokenizer trained on the whole train split.
+      wanted = {k: v for k, v in wanted.items() if k != "tokenizer_sample_bytes"}
+    else:
+      raise UserError(f"{options.output_dir} was partly prepared by an older prepare, which "
+                      f"trained its tokenizer otherwise; use a new --output_dir")
   changed = sorted(k for k in set(wanted) | set(previous) if wanted.get(k) != previous.get(k))
   if changed:
     raise UserError(f"{options.output_dir} was prepared with different arguments "
                     f"({', '.join(changed)}); use a new --output_dir")
 
 
-# What a killed writer leaves: every file here is written under a temp name
-# first (paths.write_atomically, tfrecord.ShardWriter), all ending .tmp-<pid>.
-_TEMP_FILES = "*.tmp-*"
+# What a killed writer leaves: each file is written under a temp name first
+# (paths.write_atomically, tfrecord.ShardWriter; not on gs://, where objects
+# appear whole), its own name + .tmp-<pid>.
+_TEMP_FILES = ("train-*.tmp-*", "validation-*.tmp-*", "shard-*.done.json.tmp-*",
+               *(f"{name}.tmp-*" for name in (MANIFEST, ARGUMENTS, TRAINED_TOKENIZER,
+                                               TOKENIZER_SAMPLE)))
 
 
 def _remove_temp_files(directory: epath.Path) -> None:
   """Deletes temp files of killed runs; only under the lock, where no writer is alive."""
-  for stale in directory.glob(_TEMP_FILES):
-    if stale.exists():
-      stale.unlink()
+  for pattern in _TEMP_FILES:
+    for stale in directory.glob(pattern):
+      if stale.exists():
+        stale.unlink()
 
 
 def tokenizer_sample(options: PrepareOptions, files: list[str], part: int) -> list[str]:
@@ -361,6 +371,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   files = sources.resolve_files(options.source)
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
+  pipeline = None
   if options.engine == "beam":
     from levanter_flax.data import beam_engine  # pylint: disable=g-import-not-at-top  # Optional.
     pipeline = beam_engine.pipeline(options, len(files))
@@ -370,14 +381,14 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
     return options.output_dir
   paths.make_dirs(options.output_dir, "dataset directory")
   with locks.locked(options.output_dir, "dataset directory", wait=wait):
+    _check_arguments(options, wanted, record=True)  # First: is this directory ours at all?
     _remove_temp_files(options.output_dir)
-    _check_arguments(options, wanted, record=True)
     if (options.output_dir / MANIFEST).exists():  # Finished by the process we waited for.
       return options.output_dir
     train = _tokenizer_to_train(options)
     if finished := len(finished_shards(options)):
       logging.info("Keeping %d finished shards in %s", finished, options.output_dir)
-    if options.engine == "beam":
+    if pipeline is not None:
       beam_engine.run(pipeline, options, files, train)
     else:
       _run_locally(options, files, train)
