@@ -49,7 +49,7 @@ def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("da
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
   schedule = optim.learning_rate_schedule(optimizer, 1000)
   steps = step.build_sharded_steps(models.build(model_cfg), optim.make_optimizer(optimizer, schedule),
-                                   schedule, partitioner, model_cfg.seq_len, num_microbatches)
+                                   schedule, partitioner, num_microbatches)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len),
                                              dtype=np.int32)
   with partitioner.activation_context():

@@ -51,7 +51,7 @@ def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   steps = step.build_sharded_steps(models.build(run.model),
                                    optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, run.model.seq_len, accumulation)
+                                   partitioner, accumulation)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        steps.abstract_state, steps.state_shardings)
   batch = {"tokens": jax.ShapeDtypeStruct(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import partitioning
+from levanter_flax import models, partitioning
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -23,8 +23,8 @@ class TrainState:
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
-               rng: jax.Array, seq_len: int) -> TrainState:
-  params = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+               rng: jax.Array) -> TrainState:
+  params = models.init_params(model.config, rng)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params))
 
@@ -151,12 +151,12 @@ class ShardedSteps:
 
 def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
                         schedule: optax.Schedule, partitioner: partitioning.Partitioner,
-                        seq_len: int, num_microbatches: int = 1) -> ShardedSteps:
+                        num_microbatches: int = 1) -> ShardedSteps:
   """Lays the state out with `partitioner` and jits init, train and eval with explicit shardings.
 
   Call (and trace) the functions inside partitioner.activation_context().
   """
-  init = functools.partial(init_state, model, optimizer, seq_len=seq_len)
+  init = functools.partial(init_state, model, optimizer)
   abstract = jax.eval_shape(init, jax.random.key(0))
   shardings = TrainState(
       step=partitioner.replicated,

@@ -162,7 +162,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   model = models.build(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
-  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner, run.model.seq_len,
+  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner,
                                    trainer.gradient_accumulation_steps)
   num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))

@@ -67,7 +67,7 @@ def compiled_bytes(run, partitioner, per_device: int, accumulation: int) -> int:
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   steps = step.build_sharded_steps(models.build(run.model),
                                    optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, run.model.seq_len, accumulation)
+                                   partitioner, accumulation)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        steps.abstract_state, steps.state_shardings)
   tokens = jax.ShapeDtypeStruct((per_device * partitioner.data_parallel_size * accumulation,

@@ -65,7 +65,7 @@ def spec_of(array: jax.Array) -> tuple:
 def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSteps:
   schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
   return step.build_sharded_steps(GPT2LMHeadModel(model), optim.make_optimizer(OPTIMIZER, schedule),
-                                  schedule, partitioner, model.seq_len)
+                                  schedule, partitioner)
 
 
 def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL):

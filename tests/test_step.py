@@ -7,9 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from levanter_flax import flops, metrics, optim, partitioning, step
+from levanter_flax import flops, metrics, models, optim, partitioning, step
 from levanter_flax.models.common import REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.llama import LlamaConfig
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 
@@ -45,6 +46,30 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   new_loss, new_grads = loss_and_grads(dataclasses.replace(TINY, **change), num_microbatches)
   assert float(new_loss) == pytest.approx(float(loss), rel=1e-6)
   assert_trees_close(new_grads, grads, 1e-5)
+
+
+FAMILIES = {
+    "gpt2": TINY,
+    "llama": LlamaConfig(vocab_size=128, seq_len=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                         hidden_dim=64, intermediate_dim=96),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scanning_the_layers_leaves_the_run_unchanged(family):
+  """The same seed gives the same parameters, loss and gradients with scan_layers on or off."""
+  cfg = FAMILIES[family]
+  scanned_cfg = dataclasses.replace(cfg, scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(1), (4, cfg.seq_len), 0, cfg.vocab_size)
+  results = []
+  for c in (cfg, scanned_cfg):
+    params = models.init_params(c, jax.random.key(0))
+    results.append((params, *jax.jit(lambda p, t, c=c: step.accumulated_loss_and_grads(
+        models.build(c), p, t, 1))(params, tokens)))
+  (params, loss, grads), (scanned_params, scanned_loss, scanned_grads) = results
+  assert_trees_close(models.unstack_layers(cfg, scanned_params), params, 0)
+  assert float(scanned_loss) == pytest.approx(float(loss), rel=1e-6)
+  assert_trees_close(models.unstack_layers(cfg, scanned_grads), grads, 1e-5)
 
 
 def test_accumulation_lowers_peak_memory():
