@@ -222,7 +222,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
   config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.
   config.sharding.optimizer_axis = ""  # ZeRO-1: also shard optimizer state.
-  # Where activations' heads, MLP and vocab dimensions go; the rules' axis.
+  # Where the logical heads, kv_heads, MLP and vocab dimensions go, of parameters (as the
+  # rules name them) and activations alike.
   config.sharding.tensor_axis = "model"
   config.sharding.strict = False  # Refuse parameters that no rule matches.
   return config

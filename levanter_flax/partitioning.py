@@ -2,10 +2,13 @@
 
 A rule is (regex, spec): the regex is matched against a parameter's
 '/'-joined Flax path (e.g. "h_3/attn/c_attn/kernel") and the first match wins.
-A spec gives each array dimension a mesh axis name, a tuple of names, or None.
-On top of the rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis`
-(ZeRO-1) shard each array along its largest evenly divisible dimension that no
-rule has claimed.
+A spec gives each array dimension a logical axis name (LOGICAL_AXES: what the
+dimension is), a mesh axis name, a tuple of names, or None. Logical names are
+the ones the models' activation constraints use too, and ShardingConfig maps
+both onto the mesh: heads, kv_heads, mlp and vocab onto `tensor_axis`, the
+batch onto `activation_axis`; the rest are not split by a rule. On top of the
+rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis` (ZeRO-1) shard each
+array along its largest evenly divisible dimension that no rule has claimed.
 """
 import contextlib
 import dataclasses
@@ -23,6 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter_flax.errors import UserError
 
 AxisNames = Union[None, str, tuple[str, ...]]
+
+# What a dimension is, for parameters and activations alike.
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "mlp", "vocab", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,25 +89,42 @@ class Partitioner:
   def __init__(self, mesh: Mesh, config: ShardingConfig):
     self.mesh = mesh
     self.config = config
-    for pattern, spec in config.rules:
-      for axis in (a for entry in spec for a in _axes_of(entry)):
-        self._check_axis(axis, f"config.sharding.rules entry {pattern!r}")
     for key in ("activation_axis", "parameter_axis", "optimizer_axis", "tensor_axis"):
       for axis in _axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
+    tensor = config.tensor_axis
+    self.logical_axes = {"batch": config.activation_axis, "length": None, "embed": None,
+                         "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor,
+                         "layers": None}
+    self._rules = tuple((pattern, tuple(self._mesh_axes(entry, pattern) for entry in spec))
+                        for pattern, spec in config.rules)
 
   def _check_axis(self, axis: str, where: str) -> None:
     if axis not in self.mesh.shape:
       raise UserError(f"{where} names mesh axis {axis!r}, but the mesh has only "
                       f"{tuple(self.mesh.shape)} (trainer.device_mesh)")
 
+  def _mesh_axes(self, entry: AxisNames, pattern: str) -> AxisNames:
+    """A rule's spec entry on this mesh: mesh axis names as they are, logical ones mapped."""
+    axes = []
+    for name in _axes_of(entry):
+      if name in self.mesh.shape:
+        axes.append(name)
+      elif name in self.logical_axes:
+        axes.extend(_axes_of(self.logical_axes[name]))
+      else:
+        raise UserError(f"config.sharding.rules entry {pattern!r} names {name!r}, which is "
+                        f"neither a mesh axis {tuple(self.mesh.shape)} (trainer.device_mesh) "
+                        f"nor a logical axis ({', '.join(LOGICAL_AXES)})")
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
   def _axis_size(self, entry: AxisNames) -> int:
     return math.prod(self.mesh.shape[a] for a in _axes_of(entry))
 
   def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
-    """The first matching rule's spec. A spec shorter than the array names its trailing
-    dimensions; the leading ones (the layer axis of scanned blocks) are not split."""
-    for pattern, spec in self.config.rules:
+    """The first matching rule's spec, on the mesh. A spec shorter than the array names its
+    trailing dimensions; the leading ones (the layer axis of scanned blocks) are not split."""
+    for pattern, spec in self._rules:
       if re.search(pattern, name):
         if len(spec) > len(shape):
           raise UserError(f"config.sharding.rules entry {pattern!r} gives {len(spec)} "
@@ -178,14 +201,16 @@ class Partitioner:
   def data_parallel_size(self) -> int:
     return self._axis_size(self.config.activation_axis)
 
+  def unmatched(self, abstract_params) -> set[str]:
+    """The parameters no rule matches: replicated, unless a ZeRO axis splits them."""
+    return {path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)
+            if not any(re.search(pattern, path_name(path)) for pattern, _ in self._rules)}
+
   def activation_context(self) -> contextlib.ExitStack:
     """Within it, the model's logical activation constraints resolve on this mesh."""
-    tensor = self.config.tensor_axis
-    rules = (("batch", self.config.activation_axis), ("length", None), ("embed", None),
-             ("heads", tensor), ("mlp", tensor), ("vocab", tensor))
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(self.mesh))
-    stack.enter_context(nn.logical_axis_rules(rules))
+    stack.enter_context(nn.logical_axis_rules(tuple(self.logical_axes.items())))
     return stack
 
 
@@ -204,13 +229,20 @@ def _bytes(n: float) -> str:
       return f"{n:.1f} {unit}"
 
 
-def layout_table(abstract_params, param_shardings, abstract_opt_state, opt_state_shardings) -> str:
-  """One row per parameter: shape, spec, per-device shape and bytes; then the per-device totals."""
+def layout_table(abstract_params, param_shardings, abstract_opt_state, opt_state_shardings,
+                 unmatched: frozenset[str] = frozenset()) -> str:
+  """One row per parameter: shape, spec, per-device shape and bytes; then the per-device totals.
+
+  A parameter in `unmatched` (no partition rule) says so after its spec.
+  """
   rows = [("parameter", "shape", "spec", "per device", "bytes/device")]
   leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
   for (path, x), sharding in zip(leaves, jax.tree.leaves(param_shardings)):
-    shard = sharding.shard_shape(x.shape)
-    rows.append((path_name(path), str(tuple(x.shape)), str(tuple(sharding.spec)), str(shard),
+    shard, name = sharding.shard_shape(x.shape), path_name(path)
+    spec = str(tuple(sharding.spec))
+    if name in unmatched:
+      spec += " (no rule)" if any(sharding.spec) else " (no rule: replicated)"
+    rows.append((name, str(tuple(x.shape)), spec, str(shard),
                  _bytes(math.prod(shard) * np.dtype(x.dtype).itemsize)))
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]

@@ -143,10 +143,12 @@ class ShardedSteps:
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], Metrics]
+  unmatched_params: frozenset[str]  # Those no partition rule matches.
 
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
-                                     self.abstract_state.opt_state, self.state_shardings.opt_state)
+                                     self.abstract_state.opt_state, self.state_shardings.opt_state,
+                                     self.unmatched_params)
 
 
 def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
@@ -174,4 +176,5 @@ def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformatio
                          donate_argnums=(0,)),
       eval_step=jax.jit(make_eval_step(model), in_shardings=(shardings.params, batch),
                         out_shardings=replicated),
+      unmatched_params=frozenset(partitioner.unmatched(abstract.params)),
   )

@@ -163,15 +163,29 @@ def test_layout_table_lists_params_and_totals():
   steps = build(Partitioner(make_mesh((("data", 8),)), sharding_config(parameter_axis="data")))
   table = steps.layout_table()
   row = next(line for line in table.splitlines() if line.startswith("wte/embedding "))
-  assert "(384, 64)" in row and "('data', None)" in row and "(48, 64)" in row and "12.0 KiB" in row
+  assert "(384, 64)" in row and "('data', None) (no rule)" in row and "(48, 64)" in row
+  assert "12.0 KiB" in row
   params_bytes = sum(x.size * 4 for x in jax.tree.leaves(steps.abstract_state.params))
   assert table.splitlines()[-1].startswith(
       f"per device: params {params_bytes / 8 / 1024:.1f} KiB + optimizer state ")
 
 
+def test_rules_mix_logical_and_mesh_axes_and_the_table_names_what_none_matched():
+  rules = ((r"wte/embedding$", ("vocab", "data")), (r"c_fc/kernel$", (None, "mlp")))
+  steps = build(Partitioner(make_mesh((("data", 2), ("model", 4))),
+                            sharding_config(rules=rules, tensor_axis="model")))
+  rows = {line.split()[0]: line for line in steps.layout_table().splitlines()}
+  assert "('model', 'data')" in rows["wte/embedding"] and "no rule" not in rows["wte/embedding"]
+  assert "(None, 'model')" in rows["h_0/mlp/c_fc/kernel"]
+  assert "(None, None) (no rule: replicated)" in rows["h_0/attn/c_attn/kernel"]
+  assert steps.unmatched_params == {
+      name for name in rows if "/" in name and not name.endswith(("wte/embedding", "c_fc/kernel"))}
+
+
 @pytest.mark.parametrize("device_mesh, config, model, message", [
-    ((("data", 8),), sharding_config(rules=PARTITION_RULES), MODEL,
-     "config.sharding.rules entry 'wte/embedding$' names mesh axis 'model', but the mesh has only ('data',)"),
+    ((("data", 8),), sharding_config(rules=((r"wte/embedding$", ("model", None)),)), MODEL,
+     "config.sharding.rules entry 'wte/embedding$' names 'model', which is neither a mesh axis "
+     "('data',) (trainer.device_mesh) nor a logical axis (batch, length, embed, heads, "),
     ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL),
      GPT2Config(vocab_size=383, seq_len=32, num_layers=1, num_heads=4, hidden_dim=64),
      "parameter wte/embedding (383, 64): dimension 0 (383) is not divisible by mesh axis 'model' of size 2"),

@@ -19,23 +19,24 @@ from levanter_flax.models.attention import causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 
 
-# Megatron-style tensor parallelism over the `model` axis: QKV and MLP-in are
-# split by output column, attention-out and MLP-out by input row, so each block
-# needs one all-reduce per matmul pair; embeddings and an untied head are split by vocabulary.
-# LayerNorms, position embeddings and the row-split layers' biases (added after the
-# all-reduce) are replicated. Every parameter has a rule, so config.sharding.strict can be on.
+# Megatron-style tensor parallelism, in logical axes (sharding.tensor_axis takes heads,
+# mlp and vocab): QKV and MLP-in are split by output column, attention-out and MLP-out
+# by input row, so each block needs one all-reduce per matmul pair; embeddings and an
+# untied head are split by vocabulary. LayerNorms, position embeddings and the row-split
+# layers' biases (added after the all-reduce) are not split. Every parameter has a rule,
+# so config.sharding.strict can be on.
 PARTITION_RULES = (
-    (r"wte/embedding$", ("model", None)),
-    (r"attn/c_attn/kernel$", (None, "model")),
-    (r"attn/c_attn/bias$", ("model",)),
-    (r"attn/c_proj/kernel$", ("model", None)),
-    (r"mlp/c_fc/kernel$", (None, "model")),
-    (r"mlp/c_fc/bias$", ("model",)),
-    (r"mlp/c_proj/kernel$", ("model", None)),
-    (r"lm_head/kernel$", (None, "model")),  # Only with tie_word_embeddings=False.
-    (r"(attn|mlp)/c_proj/bias$", (None,)),
-    (r"wpe/embedding$", (None, None)),
-    (r"(ln_1|ln_2|ln_f)/(scale|bias)$", (None,)),
+    (r"wte/embedding$", ("vocab", "embed")),
+    (r"attn/c_attn/kernel$", ("embed", "heads")),
+    (r"attn/c_attn/bias$", ("heads",)),
+    (r"attn/c_proj/kernel$", ("heads", "embed")),
+    (r"mlp/c_fc/kernel$", ("embed", "mlp")),
+    (r"mlp/c_fc/bias$", ("mlp",)),
+    (r"mlp/c_proj/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),  # Only with tie_word_embeddings=False.
+    (r"(attn|mlp)/c_proj/bias$", ("embed",)),
+    (r"wpe/embedding$", ("length", "embed")),
+    (r"(ln_1|ln_2|ln_f)/(scale|bias)$", ("embed",)),
 )
 
 

@@ -20,17 +20,19 @@ from levanter_flax.errors import UserError
 from levanter_flax.models.attention import causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 
-# Tensor parallelism over `model`: Q/K/V, gate and up split by output column,
-# o_proj and down_proj by input row; embeddings and the head by vocabulary.
-# Every parameter has a rule, so config.sharding.strict can be on.
+# Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
+# and vocab): Q/K/V, gate and up split by output column, o_proj and down_proj by input
+# row; embeddings and the head by vocabulary. Every parameter has a rule, so
+# config.sharding.strict can be on.
 PARTITION_RULES = (
-    (r"embed_tokens/embedding$", ("model", None)),
-    (r"self_attn/(q_proj|k_proj|v_proj)/kernel$", (None, "model")),
-    (r"self_attn/o_proj/kernel$", ("model", None)),
-    (r"mlp/(gate_proj|up_proj)/kernel$", (None, "model")),
-    (r"mlp/down_proj/kernel$", ("model", None)),
-    (r"lm_head/kernel$", (None, "model")),
-    (r"(input_layernorm|post_attention_layernorm|norm)/scale$", (None,)),  # Replicated: small.
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"self_attn/q_proj/kernel$", ("embed", "heads")),
+    (r"self_attn/(k_proj|v_proj)/kernel$", ("embed", "kv_heads")),
+    (r"self_attn/o_proj/kernel$", ("heads", "embed")),
+    (r"mlp/(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
+    (r"mlp/down_proj/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+    (r"(input_layernorm|post_attention_layernorm|norm)/scale$", ("embed",)),  # Small: whole.
 )
 ROPE_TYPES = ("default", "linear", "llama3")
 
