@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config_file
-from levanter_flax import models, optim, step
+from levanter_flax import models, optim, partitioning, step
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
@@ -203,16 +203,29 @@ def test_bad_layouts_are_named(device_mesh, config, model, message):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
-def test_every_shipped_config_gives_every_parameter_a_rule(name):
-  """config.sharding.strict passes: no parameter is replicated by accident."""
+def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(name):
+  """With config.sharding.strict no parameter is replicated by accident, and the rules lay
+  the model out on a data x model mesh of the config's tensor-parallel size (2 if it has
+  none), with no devices: an AbstractMesh. GPT-2's own vocabulary (50257) splits on no
+  model axis; its configs that pad it (to 50304) do."""
   config = load_config_file(name)
   config.sharding.strict = True
   run = to_run_config(config)
-  partitioner = Partitioner(make_mesh(run.trainer.device_mesh), run.sharding)
-  shapes = jax.eval_shape(models.build(run.model).init, jax.random.key(0),
-                          jax.numpy.zeros((1, 8), jax.numpy.int32))
-  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-    partitioner.rule_spec(path_name(path), leaf.shape)  # Raises for a parameter with no rule.
+  tensor = dict(run.trainer.device_mesh).get("model", 1)
+  mesh = jax.sharding.AbstractMesh((4, tensor if tensor > 1 else 2), ("data", "model"))
+  partitioner = Partitioner(mesh, run.sharding)
+  params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+  if run.model.vocab_size % mesh.shape["model"]:
+    with pytest.raises(UserError, match=r"dimension 0 \(50257\) is not divisible by mesh axis "
+                                        r"'model' of size 2"):
+      partitioner.param_shardings(params)
+    return
+  shardings = partitioner.param_shardings(params)  # Raises for a parameter with no rule.
+  split = [s for s in jax.tree.leaves(shardings) if "model" in jax.tree.leaves(tuple(s.spec))]
+  blocks = 1 if run.model.scan_layers else run.model.num_layers  # Scanned: stacked leaves.
+  assert len(split) >= 4 * blocks  # Attention in and out, MLP in and out.
+  assert partitioning.per_device_bytes(params, shardings) < sum(
+      x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1.5
 
 
 @pytest.mark.parametrize("args, fragment", [
