@@ -176,7 +176,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.hang_watchdog_seconds = 1800.0
 
   config.optimizer = ml_collections.ConfigDict()
-  # adamw, lion, adafactor or sophia_h; configs/optim/ holds presets (load_preset).
+  # A key of optim.OPTIMIZERS: adamw, lion, adafactor or sophia_h. A key below that the
+  # chosen one does not read must keep its default. configs/optim/ holds presets (load_preset).
   config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
   config.optimizer.warmup_steps = 200
@@ -551,6 +552,20 @@ def state_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   return changes(saved, now, [k for k in STATE_KEYS if k in now or k in saved])
 
 
+def _check_optimizer(chosen: optim.OptimizerConfig) -> None:
+  """A known name, and no key set that the chosen optimizer would silently ignore."""
+  if chosen.name not in optim.OPTIMIZERS:
+    raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
+                    f"got {chosen.name!r}")
+  default = default_config().optimizer
+  for key in optim.ignored_keys(chosen.name):
+    if getattr(chosen, key) != default[key]:
+      reads = ", ".join(optim.OPTIMIZERS[chosen.name].keys)
+      raise UserError(f"config.optimizer.{key} ({getattr(chosen, key)}) does not apply to "
+                      f"{chosen.name}, which reads only {reads} besides the schedule: set it "
+                      f"back to its default ({default[key]}) or choose another optimizer")
+
+
 def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   """Validates `config` and returns it as plain typed objects."""
   sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
@@ -590,9 +605,7 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
     raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
                     f"config.trainer.gradient_accumulation_steps "
                     f"({run.trainer.gradient_accumulation_steps})")
-  if run.optimizer.name not in optim.OPTIMIZERS:
-    raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
-                    f"got {run.optimizer.name!r}")
+  _check_optimizer(run.optimizer)
   if run.trainer.nan_policy not in ("halt", "skip"):
     raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; got {run.trainer.nan_policy!r}")
   if run.data.on_corrupt_record not in ("fail", "skip"):

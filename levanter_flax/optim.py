@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adamw", "lion", "adafactor", "sophia_h")
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -19,7 +17,7 @@ class OptimizerConfig:
   beta2: float
   epsilon: float
   min_learning_rate_ratio: float
-  name: str = "adamw"
+  name: str = "adamw"  # A key of OPTIMIZERS.
   hessian_update_interval: int = 10  # sophia_h: steps between Hessian estimates (the paper's k).
   sophia_gamma: float = 0.01  # sophia_h: the Hessian's scale in the update's denominator.
 
@@ -43,30 +41,59 @@ def decay_mask(params):
       lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
+def _adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.epsilon,
+                     weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
+def _lion(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return optax.lion(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
+                    mask=decay_mask)
+
+
+def _adafactor(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  # Its second-moment decay is a schedule of its own (1 - t^-0.8), and its step is relative
+  # to each parameter's scale: learning rates near 1e-2 are usual. optax adds its decay
+  # after the learning rate, so it is scaled here to stay decoupled weight decay
+  # (lr * weight_decay * param), as in AdamW.
+  return optax.adafactor(
+      schedule, weight_decay_mask=decay_mask,
+      weight_decay_rate=(lambda count: cfg.weight_decay * schedule(count)) if cfg.weight_decay else None)
+
+
+def _sophia_h(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  return sophia_h(schedule, b1=cfg.beta1, b2=cfg.beta2, gamma=cfg.sophia_gamma, eps=cfg.epsilon,
+                  weight_decay=cfg.weight_decay, update_interval=cfg.hessian_update_interval)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  build: Callable[[OptimizerConfig, optax.Schedule], optax.GradientTransformation]
+  keys: tuple[str, ...]  # The OptimizerConfig fields it reads besides SHARED_KEYS.
+
+
+# What every optimizer reads: its name, the schedule and the clipping.
+SHARED_KEYS = ("name", "learning_rate", "warmup_steps", "min_learning_rate_ratio", "max_grad_norm")
+OPTIMIZERS = {
+    "adamw": Optimizer(_adamw, ("weight_decay", "beta1", "beta2", "epsilon")),
+    "lion": Optimizer(_lion, ("weight_decay", "beta1", "beta2")),
+    "adafactor": Optimizer(_adafactor, ("weight_decay",)),
+    "sophia_h": Optimizer(_sophia_h, ("weight_decay", "beta1", "beta2", "epsilon", "sophia_gamma",
+                                      "hessian_update_interval")),
+}
+
+
+def ignored_keys(name: str) -> tuple[str, ...]:
+  """The OptimizerConfig fields that the optimizer `name` does not read."""
+  return tuple(f.name for f in dataclasses.fields(OptimizerConfig)
+               if f.name not in SHARED_KEYS + OPTIMIZERS[name].keys)
+
+
 def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
   """Clipping, then the named optimizer. Its update takes `loss_fn` (params -> loss) as an extra
   argument, which only sophia_h uses."""
   clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 else optax.identity()
-  if cfg.name == "adamw":
-    update = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.epsilon,
-                         weight_decay=cfg.weight_decay, mask=decay_mask)
-  elif cfg.name == "lion":
-    update = optax.lion(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
-                        mask=decay_mask)
-  elif cfg.name == "adafactor":
-    # Its second-moment decay is a schedule of its own (1 - t^-0.8), and its step is relative
-    # to each parameter's scale: learning rates near 1e-2 are usual. beta1/beta2 do not apply.
-    # optax adds its decay after the learning rate, so it is scaled here to stay decoupled
-    # weight decay (lr * weight_decay * param), as in AdamW.
-    update = optax.adafactor(
-        schedule, weight_decay_mask=decay_mask,
-        weight_decay_rate=(lambda count: cfg.weight_decay * schedule(count)) if cfg.weight_decay else None)
-  elif cfg.name == "sophia_h":
-    update = sophia_h(schedule, b1=cfg.beta1, b2=cfg.beta2, gamma=cfg.sophia_gamma, eps=cfg.epsilon,
-                      weight_decay=cfg.weight_decay, update_interval=cfg.hessian_update_interval)
-  else:
-    raise ValueError(f"unknown optimizer {cfg.name!r}")  # config.py refuses it first.
-  return optax.chain(clip, update)
+  return optax.chain(clip, OPTIMIZERS[cfg.name].build(cfg, schedule))
 
 
 def hessian_diagonal_estimate(loss_fn: Callable[[Any], jax.Array], params: Any, u: Any) -> Any:

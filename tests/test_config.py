@@ -81,6 +81,23 @@ def test_bad_values_are_named(section, key, value, message):
     to_run_config(config)
 
 
+def test_an_optimizer_key_the_chosen_optimizer_ignores_is_refused():
+  config = default_config()
+  config.optimizer.name = "adafactor"
+  config.optimizer.weight_decay = 0.01  # Adafactor reads it.
+  assert to_run_config(config).optimizer.name == "adafactor"
+  config.optimizer.beta1 = 0.8
+  with pytest.raises(UserError, match=re.escape(
+      "config.optimizer.beta1 (0.8) does not apply to adafactor, which reads only weight_decay "
+      "besides the schedule: set it back to its default (0.9) or choose another optimizer")):
+    to_run_config(config)
+  config.optimizer.name, config.optimizer.sophia_gamma = "adamw", 0.05
+  config.optimizer.beta1 = 0.9
+  with pytest.raises(UserError, match=r"config.optimizer.sophia_gamma \(0.05\) does not apply "
+                                      r"to adamw"):
+    to_run_config(config)
+
+
 def test_wrong_type_is_named():
   config = default_config()
   # A config file that builds its own ConfigDict is not type-checked by it.
