@@ -66,9 +66,8 @@ def main(argv):
   tokens_per_second = trainer.batch_size * model.seq_len / step_seconds
   per_device = tokens_per_second / jax.device_count()
   params = compiled.steps.abstract_state.params
-  shape = (model.num_layers, model.num_heads, model.head_dim, model.seq_len, params)
-  nanogpt_flops = flops.model_flops_per_token(*shape, causal=False) * per_device
-  causal_flops = flops.model_flops_per_token(*shape, causal=True) * per_device
+  nanogpt_flops = models.flops_per_token(model, params, causal=False) * per_device
+  causal_flops = models.flops_per_token(model, params, causal=True) * per_device
   peak = flops.peak_flops_per_device(device, trainer.peak_flops_per_device)
   peak_source = "device table" if peak else f"measured f32 {_MATMUL_SIZE.value}^2 matmul"
   peak = peak or square_matmul_flops(_MATMUL_SIZE.value)

@@ -360,7 +360,7 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
     raise UserError(f"{workdir / 'config.json'} is not JSON: {e}") from None
   try:
     fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-    model_cfg = models.CONFIGS[fields.get("architecture", "gpt2")](**fields)
+    model_cfg = models.FAMILIES[fields.get("architecture", "gpt2")].config(**fields)
   except (AttributeError, KeyError, TypeError) as e:  # Not an object, a family or its fields.
     raise UserError(f"{workdir / 'config.json'} does not describe a model this version can "
                     f"build: {_first_line(e)}") from None

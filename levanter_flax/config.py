@@ -397,10 +397,10 @@ def _model_section(config: ml_collections.ConfigDict):
   if not isinstance(section, ml_collections.ConfigDict):
     raise UserError("config section config.model is missing")
   architecture = section.get("architecture", "gpt2")
-  if architecture not in models.CONFIGS:
-    raise UserError(f"config.model.architecture must be one of {', '.join(models.CONFIGS)}; "
+  if architecture not in models.FAMILIES:
+    raise UserError(f"config.model.architecture must be one of {', '.join(models.FAMILIES)}; "
                     f"got {architecture!r}")
-  return _fields(models.CONFIGS[architecture], section, "model")
+  return _fields(models.FAMILIES[architecture].config, section, "model")
 
 
 def _fields(cls, section: ml_collections.ConfigDict, path: str):
@@ -527,7 +527,7 @@ def defaults(architecture: str) -> dict[str, Any]:
   did what the default does.
   """
   sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-  sections["model"] = models.CONFIGS[architecture]
+  sections["model"] = models.FAMILIES[architecture].config
   found = {}
   for section, cls in sections.items():
     for field in dataclasses.fields(cls):
@@ -541,7 +541,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any],
             keys: Optional[Sequence[str]] = None) -> list[str]:
   """'model.num_layers 12 -> 24' for each key (of `keys`, or any) whose value differs."""
   architecture = saved.get("model.architecture", "gpt2")  # The only family before there was a key.
-  missing = defaults(architecture if architecture in models.CONFIGS else "gpt2")
+  missing = defaults(architecture if architecture in models.FAMILIES else "gpt2")
   saved = {**{k: v for k, v in missing.items() if k in now}, **saved}
   keys = sorted(set(saved) | set(now) if keys is None else keys)
   return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]

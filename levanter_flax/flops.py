@@ -2,8 +2,6 @@
 
 Pure jax, so the benchmarks can use it on machines without clu or TensorFlow.
 """
-from typing import Any
-
 import jax
 
 # Dense bfloat16 peak FLOP/s per chip (per GPU), by jax's device_kind.
@@ -34,17 +32,3 @@ def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: 
   """
   attention = 12 * num_layers * num_heads * head_dim * seq_len
   return 6 * num_params + (attention / 2 if causal else attention)
-
-
-def model_flops_per_token(num_layers: int, num_heads: int, head_dim: int, seq_len: int,
-                          params: Any, causal: bool = True) -> float:
-  """flops_per_token for a GPT-2 or Llama params tree (arrays or shapes)."""
-  # Tables that are only looked up are no matmul: GPT-2's positions, an untied input embedding.
-  # (A tied GPT-2's token embedding counts: it is also the LM head.)
-  tables = LOOKUP_TABLES + (("wte",) if "lm_head" in params else ())
-  lookups = sum(params[name]["embedding"].size for name in tables if name in params)
-  num_params = sum(x.size for x in jax.tree.leaves(params)) - lookups
-  return flops_per_token(num_params, num_layers, num_heads, head_dim, seq_len, causal)
-
-
-LOOKUP_TABLES = ("wpe", "embed_tokens")

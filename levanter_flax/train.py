@@ -350,9 +350,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
   evaluate = _make_evaluate(run, steps, sources)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
-      flops_per_token=flops.model_flops_per_token(
-          run.model.num_layers, run.model.num_heads, run.model.head_dim, run.model.seq_len,
-          steps.abstract_state.params),
+      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.params),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,

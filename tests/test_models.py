@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config_file
-from levanter_flax import flops, step
+from levanter_flax import models, step
 from levanter_flax.config import to_run_config
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
@@ -123,5 +123,5 @@ def test_an_untied_head_is_its_own_matrix_in_logits_loss_and_flops():
       float(step.next_token_loss(model, params, tokens)), rel=1e-5)
   # The token embedding becomes a lookup and the head a matmul: the same FLOPs as tied.
   tied_params = GPT2LMHeadModel(tied).init(jax.random.key(0), tokens)["params"]
-  count = lambda p: flops.model_flops_per_token(2, 4, 8, 16, p)
+  count = lambda p: models.flops_per_token(cfg, p)
   assert count(params) == count(tied_params)

@@ -137,8 +137,7 @@ def test_flops_per_token_matches_xlas_count_of_the_compiled_step(family):
   loss_and_grads = jax.jit(lambda p, t: step.accumulated_loss_and_grads(models.build(cfg), p, t, 1))
   cost = loss_and_grads.lower(params, tokens).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
-  ours = batch * cfg.seq_len * flops.model_flops_per_token(
-      cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.seq_len, params, causal=False)
+  ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False)
   assert 1.0 <= xla / ours < 1.02, (xla, ours)
 
 

@@ -1,22 +1,29 @@
-"""The model families: each one's config dataclass, Flax module and partition rules."""
+"""The model families, registered by name (config.model.architecture); see family.py.
+
+A new family is its module (config dataclass, Flax module, partition rules in
+logical axes, Hugging Face layout, FAMILY), one line in FAMILIES, and a config.
+"""
 import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from levanter_flax import flops
 from levanter_flax.models import gpt2, llama
+from levanter_flax.models.family import ModelFamily
 
-CONFIGS = {"gpt2": gpt2.GPT2Config, "llama": llama.LlamaConfig}
-PARTITION_RULES = {"gpt2": gpt2.PARTITION_RULES, "llama": llama.PARTITION_RULES}
-# The name of each family's stack of blocks: <name>_<i> unrolled, <name> scanned.
-LAYER_STACKS = {"gpt2": "h", "llama": "layers"}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+
+
+def family(cfg) -> ModelFamily:
+  """The family of a model config (any family's config dataclass)."""
+  return FAMILIES[cfg.architecture]
 
 
 def build(cfg, decode: bool = False) -> nn.Module:
-  """The Flax module for a model config (GPT2Config or LlamaConfig); decode: on a KV cache."""
-  module = {"gpt2": gpt2.GPT2LMHeadModel, "llama": llama.LlamaForCausalLM}[cfg.architecture]
-  return module(cfg, decode=decode)
+  """The Flax module for a model config; decode: on a KV cache."""
+  return family(cfg).module(cfg, decode=decode)
 
 
 def init_params(cfg, rng: jax.Array) -> dict:
@@ -34,8 +41,17 @@ def init_params(cfg, rng: jax.Array) -> dict:
 
 def unstack_layers(cfg, tree: dict) -> dict:
   """A scanned model's params (or gradients) laid out as the unrolled model's."""
-  name = LAYER_STACKS[cfg.architecture]
+  name = family(cfg).layer_stack
   tree = dict(tree)
   stack = tree.pop(name)
   return tree | {f"{name}_{i}": jax.tree.map(lambda x, i=i: x[i], stack)
                  for i in range(cfg.num_layers)}
+
+
+def flops_per_token(cfg, params, causal: bool = True) -> float:
+  """flops.flops_per_token for a model config and its params (arrays or shapes): every
+  parameter counts as a matmul weight but the family's lookup tables."""
+  lookups = sum(params[name]["embedding"].size for name in family(cfg).lookup_tables(params))
+  num_params = sum(x.size for x in jax.tree.leaves(params)) - lookups
+  return flops.flops_per_token(num_params, cfg.num_layers, cfg.num_heads, cfg.head_dim,
+                               cfg.seq_len, causal)

@@ -15,8 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from levanter_flax.errors import UserError
+from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
+from levanter_flax.models.family import HFLayout, ModelFamily
 
 
 # Megatron-style tensor parallelism, in logical axes (sharding.tensor_axis takes heads,
@@ -164,3 +167,72 @@ class GPT2LMHeadModel(nn.Module):
     if "lm_head" in params:
       return params["lm_head"]["kernel"].T
     return params["wte"]["embedding"]
+
+
+# Hugging Face's GPT2LMHeadModel. Its Conv1D weights are stored [in, out], like our kernels.
+
+
+def config_from_hf(hf: dict) -> GPT2Config:
+  if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+    raise UserError(f"GPT-2 activation_function {hf['activation_function']!r} is not supported "
+                    f"(only the tanh GELU, gelu_new)")
+  # Values that change the logits and that our GPT-2 does not compute. reorder_and_upcast_attn
+  # is fine: it only reorders the scaling and runs attention in float32, the same arithmetic.
+  hf_keys.refuse_unless(hf, "GPT-2", {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                              "add_cross_attention": False})
+  hidden_dim = hf_keys.integer(hf, "n_embd")
+  if hf_keys.integer(hf, "n_inner", 4 * hidden_dim) != 4 * hidden_dim:
+    raise UserError(f"GPT-2 config n_inner={hf['n_inner']!r} is not supported (only 4 x n_embd, "
+                    f"{4 * hidden_dim}, or null)")
+  tied = hf.get("tie_word_embeddings", True)
+  if not isinstance(tied, bool):
+    raise UserError(f"tie_word_embeddings must be true or false, got {tied!r}")
+  return GPT2Config(vocab_size=hf_keys.integer(hf, "vocab_size"), seq_len=hf_keys.integer(hf, "n_positions"),
+                    num_layers=hf_keys.integer(hf, "n_layer"), num_heads=hf_keys.integer(hf, "n_head"),
+                    hidden_dim=hidden_dim,
+                    layer_norm_epsilon=hf_keys.number(hf, "layer_norm_epsilon", 1e-5),
+                    initializer_range=hf_keys.number(hf, "initializer_range", 0.02),
+                    tie_word_embeddings=tied)
+
+
+def config_to_hf(cfg: GPT2Config) -> dict:
+  return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+          "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.hidden_dim,
+          "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
+          "layer_norm_epsilon": cfg.layer_norm_epsilon, "activation_function": "gelu_new",
+          "initializer_range": cfg.initializer_range,
+          "tie_word_embeddings": cfg.tie_word_embeddings,
+          "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def hf_tensor_names(cfg: GPT2Config) -> dict[str, tuple[str, bool]]:
+  """Our parameter path -> (HF tensor name, transposed?)."""
+  names = {"wte/embedding": "transformer.wte.weight", "wpe/embedding": "transformer.wpe.weight",
+           "ln_f/scale": "transformer.ln_f.weight", "ln_f/bias": "transformer.ln_f.bias"}
+  for i in range(cfg.num_layers):
+    for ours, theirs in (("ln_1/scale", "ln_1.weight"), ("ln_1/bias", "ln_1.bias"),
+                         ("ln_2/scale", "ln_2.weight"), ("ln_2/bias", "ln_2.bias"),
+                         ("attn/c_attn/kernel", "attn.c_attn.weight"),
+                         ("attn/c_attn/bias", "attn.c_attn.bias"),
+                         ("attn/c_proj/kernel", "attn.c_proj.weight"),
+                         ("attn/c_proj/bias", "attn.c_proj.bias"),
+                         ("mlp/c_fc/kernel", "mlp.c_fc.weight"), ("mlp/c_fc/bias", "mlp.c_fc.bias"),
+                         ("mlp/c_proj/kernel", "mlp.c_proj.weight"),
+                         ("mlp/c_proj/bias", "mlp.c_proj.bias")):
+      names[f"h_{i}/{ours}"] = f"transformer.h.{i}.{theirs}"
+  names = {ours: (theirs, False) for ours, theirs in names.items()}
+  if not cfg.tie_word_embeddings:  # A Linear, [vocab, hidden]; our Dense kernel is its transpose.
+    names["lm_head/kernel"] = ("lm_head.weight", True)
+  return names
+
+
+def lookup_tables(params: dict) -> tuple[str, ...]:
+  """Positions are only looked up; so is the token embedding when an untied head exists
+  (tied, it is also the LM head's matmul)."""
+  return ("wpe", "wte") if "lm_head" in params else ("wpe",)
+
+
+FAMILY = ModelFamily(
+    name="gpt2", config=GPT2Config, module=GPT2LMHeadModel, partition_rules=PARTITION_RULES,
+    layer_stack="h", lookup_tables=lookup_tables,
+    hf=HFLayout("GPT2LMHeadModel", config_from_hf, config_to_hf, hf_tensor_names))

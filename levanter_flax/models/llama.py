@@ -10,6 +10,7 @@ scan_layers the blocks' parameters are stacked under `layers`.
 """
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -17,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.errors import UserError
+from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
+from levanter_flax.models.family import HFLayout, ModelFamily
 
 # Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
 # and vocab): Q/K/V, gate and up split by output column, o_proj and down_proj by input
@@ -207,3 +210,106 @@ class LlamaForCausalLM(nn.Module):
   def output_embedding(params) -> jax.Array:
     """The LM head as [vocab, hidden_dim]."""
     return params["lm_head"]["kernel"].T
+
+
+# Hugging Face's LlamaForCausalLM. Its Linear weights are [out, in]: transposed. RoPE needs no
+# permutation: HF's layout is the half-split one used here.
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+  hf_keys.refuse_unless(hf, "Llama", {"tie_word_embeddings": False, "attention_bias": False,
+                               "mlp_bias": False, "hidden_act": "silu"})
+  heads, hidden_dim = hf_keys.integer(hf, "num_attention_heads"), hf_keys.integer(hf, "hidden_size")
+  head_dim = hf_keys.integer(hf, "head_dim", hidden_dim // heads)
+  if head_dim * heads != hidden_dim:
+    raise UserError(f"Llama head_dim {head_dim} x {heads} heads != hidden_size {hidden_dim}: "
+                    f"not supported")
+  seq_len = hf_keys.integer(hf, "max_position_embeddings")
+  return LlamaConfig(vocab_size=hf_keys.integer(hf, "vocab_size"), seq_len=seq_len,
+                     num_layers=hf_keys.integer(hf, "num_hidden_layers"), num_heads=heads,
+                     num_kv_heads=hf_keys.integer(hf, "num_key_value_heads", heads),
+                     hidden_dim=hidden_dim, intermediate_dim=hf_keys.integer(hf, "intermediate_size"),
+                     rms_norm_epsilon=hf_keys.number(hf, "rms_norm_eps", 1e-6),
+                     initializer_range=hf_keys.number(hf, "initializer_range", 0.02),
+                     **_rope_from_hf(hf, seq_len))
+
+
+def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
+  """LlamaConfig's rope_* fields from rope_parameters (transformers 5) or rope_scaling (4.x).
+
+  Like transformers 5, a non-empty rope_scaling wins over rope_parameters, and a rope_theta
+  inside the dictionary over the top-level one.
+  """
+  key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+  rope = hf.get(key) or {}
+  if not isinstance(rope, dict):
+    raise UserError(f"{key} must be an object, got {rope!r}")
+  where = f"{key}."
+  type_key = "rope_type" if "rope_type" in rope or "type" not in rope else "type"  # 4.x: "type".
+  rope_type = rope.get(type_key, "default")
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+  if partial != 1:
+    raise UserError(f"Llama config partial_rotary_factor={partial!r} is not supported (only 1.0)")
+  theta = hf_keys.number(rope, "rope_theta", None, where) or hf_keys.number(hf, "rope_theta", 10000.0)
+  if rope_type == "default":
+    return {"rope_theta": theta}
+  if rope_type not in ROPE_TYPES:
+    raise UserError(f"Llama config {where}{type_key}={rope_type!r} is not supported (only "
+                    f"{', '.join(ROPE_TYPES)})")
+  fields = {"rope_theta": theta, "rope_type": rope_type,
+            "rope_factor": hf_keys.number(rope, "factor", where=where)}
+  if rope_type == "llama3":
+    # As transformers: a top-level original_max_position_embeddings first, max_position_embeddings
+    # last.
+    original = hf_keys.integer(hf, "original_max_position_embeddings", None) or hf_keys.integer(
+        rope, "original_max_position_embeddings", seq_len, where)
+    low = hf_keys.number(rope, "low_freq_factor", where=where)
+    high = hf_keys.number(rope, "high_freq_factor", where=where)
+    if low >= high:  # The ramp between them divides by high - low.
+      raise UserError(f"{where}low_freq_factor {low} must be below {where}high_freq_factor {high}")
+    fields |= {"rope_low_freq_factor": low, "rope_high_freq_factor": high,
+               "rope_original_seq_len": original}
+  return fields
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+  return {**_rope_to_hf(cfg), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
+          "hidden_size": cfg.hidden_dim, "intermediate_size": cfg.intermediate_dim,
+          "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+          "num_key_value_heads": cfg.num_kv_heads, "rms_norm_eps": cfg.rms_norm_epsilon,
+          "rope_theta": cfg.rope_theta, "hidden_act": "silu", "tie_word_embeddings": False,
+          "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.initializer_range}
+
+
+def _rope_to_hf(cfg: LlamaConfig) -> dict:
+  """The RoPE scaling keys, or none; both spellings, so transformers 4 (rope_scaling) and 5
+  (rope_parameters, which it gives rope_scaling precedence over) read the same thing."""
+  if cfg.rope_type == "default":
+    return {}
+  rope = {"rope_type": cfg.rope_type, "factor": cfg.rope_factor}
+  if cfg.rope_type == "llama3":
+    rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
+             "high_freq_factor": cfg.rope_high_freq_factor,
+             "original_max_position_embeddings": cfg.rope_original_seq_len}
+  return {"rope_scaling": rope, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta}}
+
+
+def hf_tensor_names(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
+  names = {"embed_tokens/embedding": ("model.embed_tokens.weight", False),
+           "norm/scale": ("model.norm.weight", False), "lm_head/kernel": ("lm_head.weight", True)}
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      names[f"layers_{i}/{norm}/scale"] = (f"{prefix}.{norm}.weight", False)
+    for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      names[f"layers_{i}/self_attn/{part}/kernel"] = (f"{prefix}.self_attn.{part}.weight", True)
+    for part in ("gate_proj", "up_proj", "down_proj"):
+      names[f"layers_{i}/mlp/{part}/kernel"] = (f"{prefix}.mlp.{part}.weight", True)
+  return names
+
+
+FAMILY = ModelFamily(
+    name="llama", config=LlamaConfig, module=LlamaForCausalLM, partition_rules=PARTITION_RULES,
+    layer_stack="layers", lookup_tables=lambda params: ("embed_tokens",),
+    hf=HFLayout("LlamaForCausalLM", config_from_hf, config_to_hf, hf_tensor_names))
