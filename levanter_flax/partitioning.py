@@ -177,6 +177,12 @@ class Partitioner:
     return self.sharding(PartitionSpec())
 
   def param_shardings(self, abstract_params) -> Any:
+    names = [path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)]
+    if self._rules and self.unmatched(abstract_params) == set(names):
+      # Another family's rules (the default is GPT-2's): everything would be replicated.
+      raise UserError(f"config.sharding.rules match none of the model's parameters (e.g. "
+                      f"{names[0]}); set them to its family's rules, e.g. "
+                      f"<family module>.PARTITION_RULES, or to () for none")
     return jax.tree_util.tree_map_with_path(
         lambda path, x: self.sharding(self.param_spec(path_name(path), x.shape)), abstract_params)
 

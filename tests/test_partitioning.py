@@ -196,6 +196,8 @@ def test_rules_mix_logical_and_mesh_axes_and_the_table_names_what_none_matched()
      "trainer.device_mesh {'data': 3, 'model': 2}: the sizes multiply to 6 but there are 8 devices"),
     ((("data", 8),), sharding_config(parameter_axis="fsdp"), MODEL,
      "config.sharding.parameter_axis names mesh axis 'fsdp'"),
+    ((("data", 8),), sharding_config(rules=models.FAMILIES["llama"].partition_rules), MODEL,
+     "config.sharding.rules match none of the model's parameters (e.g. h_0/attn/c_attn/bias)"),
 ])
 def test_bad_layouts_are_named(device_mesh, config, model, message):
   with pytest.raises(UserError, match=re.escape(message)):
