@@ -78,7 +78,8 @@ def default_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
   config.model = ml_collections.ConfigDict()
-  config.model.architecture = "gpt2"  # Or "llama": config.model = llama_model_config().
+  # Or another family of models.FAMILIES: config.model = model_config("llama", ...).
+  config.model.architecture = "gpt2"
   config.model.vocab_size = 50257  # GPT-2's; must cover the tokenizer's vocabulary.
   config.model.seq_len = 1024
   config.model.num_layers = 12
@@ -230,42 +231,37 @@ def default_config() -> ml_collections.ConfigDict:
   return config
 
 
-def llama_model_config() -> ml_collections.ConfigDict:
-  """The model section of a Llama (TinyLlama-1.1B's shape); set the sizes after.
+def model_config(architecture: str, **values) -> ml_collections.ConfigDict:
+  """The model section of a family: its config dataclass's fields, defaults unless in `values`.
 
-  A config file does config.model = llama_model_config() and
-  config.sharding.rules = llama.PARTITION_RULES. The compute keys (remat,
-  dtype, param_dtype, attention_impl, scan_layers, cross_entropy_block_size)
-  mean what they mean for GPT-2.
+  A config file does config.model = model_config("qwen2", vocab_size=..., ...)
+  and config.sharding.rules = <family module>.PARTITION_RULES. The compute keys
+  (remat, dtype, param_dtype, attention_impl, scan_layers,
+  cross_entropy_block_size) mean what they mean for GPT-2; the family's module
+  documents the rest.
   """
+  if architecture not in models.FAMILIES:
+    raise UserError(f"unknown model architecture {architecture!r}; known: "
+                    f"{', '.join(models.FAMILIES)}")
   model = ml_collections.ConfigDict()
-  model.architecture = "llama"
-  model.vocab_size = 32000
-  model.seq_len = 2048
-  model.num_layers = 22
-  model.num_heads = 32
-  model.num_kv_heads = 4  # Grouped-query attention: each key/value head serves 8 query heads.
-  model.hidden_dim = 2048
-  model.intermediate_dim = 5632  # SwiGLU's width.
-  model.rope_theta = 10000.0
-  # RoPE scaling for longer contexts, as Hugging Face's rope_parameters: "default"
-  # (none), "linear" (positions / rope_factor) or "llama3" (Llama 3.1's: low
-  # frequencies / rope_factor, a ramp between the two frequency factors, measured
-  # against rope_original_seq_len). Changes what the weights compute.
-  model.rope_type = "default"
-  model.rope_factor = 1.0
-  model.rope_low_freq_factor = 1.0
-  model.rope_high_freq_factor = 4.0
-  model.rope_original_seq_len = 8192
-  model.rms_norm_epsilon = 1e-5
-  model.initializer_range = 0.02
-  model.remat = "none"
-  model.dtype = "float32"
-  model.param_dtype = "float32"
-  model.attention_impl = "auto"
-  model.scan_layers = False
-  model.cross_entropy_block_size = 0
+  model.architecture = architecture
+  for field in dataclasses.fields(models.FAMILIES[architecture].config):
+    if field.name == "architecture":
+      continue
+    if field.name in values:
+      model[field.name] = values[field.name]
+    elif field.default is not dataclasses.MISSING:
+      model[field.name] = field.default
+    else:
+      raise UserError(f"model_config({architecture!r}) needs {field.name}")
   return model
+
+
+def llama_model_config() -> ml_collections.ConfigDict:
+  """The model section of a Llama (TinyLlama-1.1B's shape); set the sizes after."""
+  # Grouped-query attention: each key/value head serves 8 query heads; SwiGLU 5632 wide.
+  return model_config("llama", vocab_size=32000, seq_len=2048, num_layers=22, num_heads=32,
+                      num_kv_heads=4, hidden_dim=2048, intermediate_dim=5632)
 
 
 def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -392,7 +388,7 @@ def _section(cls, config: ml_collections.ConfigDict, name: str):
 
 
 def _model_section(config: ml_collections.ConfigDict):
-  """GPT2Config or LlamaConfig, as config.model.architecture says."""
+  """The family's config dataclass, as config.model.architecture says."""
   section = config.get("model")
   if not isinstance(section, ml_collections.ConfigDict):
     raise UserError("config section config.model is missing")
@@ -495,7 +491,7 @@ def _check_rules(rules) -> None:
 # before anything is restored. Anything else may change on resume, and is logged.
 STATE_KEYS = ("model.architecture", "model.vocab_size", "model.seq_len", "model.num_layers",
               "model.num_heads", "model.num_kv_heads", "model.hidden_dim", "model.intermediate_dim",
-              "model.scan_layers", "model.param_dtype", "model.tie_word_embeddings",
+              "model.scan_layers", "model.param_dtype", "model.tie_word_embeddings", "model.qkv_bias",
               "optimizer.name")
 
 

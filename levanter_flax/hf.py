@@ -6,6 +6,7 @@ module reads and writes the files. A config value that would change the logits
 and that we do not compute is refused by key, never ignored; so are tensors that
 are not floating point (quantized checkpoints). bfloat16 tensors load too.
 """
+import dataclasses
 import json
 import os
 from typing import Any
@@ -154,13 +155,17 @@ def _get(tree: dict, path: str):
   return tree
 
 
+# What a config may change about a checkpoint's weights without changing what they compute.
+_FREE_FIELDS = ("seq_len", "initializer_range", "remat", "dtype", "param_dtype", "attention_impl",
+                "scan_layers", "cross_entropy_block_size")
+
+
 def differences(hf_cfg: Any, run_cfg: Any) -> list[str]:
   """'model.num_layers 12 (checkpoint) != 24 (config)' for each field that shapes the weights or
   changes what they compute."""
-  fields = ("architecture", "vocab_size", "num_layers", "num_heads", "num_kv_heads", "hidden_dim",
-            "intermediate_dim", "tie_word_embeddings", "rope_theta", "rope_type", "rope_factor",
-            "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len",
-            "rms_norm_epsilon", "layer_norm_epsilon")
+  fields = [f.name for f in dataclasses.fields(hf_cfg) if f.name not in _FREE_FIELDS]
+  fields += [f.name for f in dataclasses.fields(run_cfg)
+             if f.name not in _FREE_FIELDS and f.name not in fields]
   return [f"model.{f} {getattr(hf_cfg, f, None)} (checkpoint) != "
-          f"{getattr(run_cfg, f, None)} (config)" for f in fields if getattr(hf_cfg, f, None) != getattr(run_cfg, f, None)]
-
+          f"{getattr(run_cfg, f, None)} (config)" for f in fields
+          if getattr(hf_cfg, f, None) != getattr(run_cfg, f, None)]

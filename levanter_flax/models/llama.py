@@ -32,9 +32,11 @@ PARTITION_RULES = (
     (r"self_attn/q_proj/kernel$", ("embed", "heads")),
     (r"self_attn/(k_proj|v_proj)/kernel$", ("embed", "kv_heads")),
     (r"self_attn/o_proj/kernel$", ("heads", "embed")),
+    (r"self_attn/q_proj/bias$", ("heads",)),  # Only with qkv_bias (Qwen2).
+    (r"self_attn/(k_proj|v_proj)/bias$", ("kv_heads",)),
     (r"mlp/(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
     (r"mlp/down_proj/kernel$", ("mlp", "embed")),
-    (r"lm_head/kernel$", ("embed", "vocab")),
+    (r"lm_head/kernel$", ("embed", "vocab")),  # Only with tie_word_embeddings=False.
     (r"(input_layernorm|post_attention_layernorm|norm)/scale$", ("embed",)),  # Small: whole.
 )
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -62,6 +64,8 @@ class LlamaConfig:
   rope_original_seq_len: int = 8192  # HF's original_max_position_embeddings: the pretraining one.
   rms_norm_epsilon: float = 1e-5
   initializer_range: float = 0.02
+  tie_word_embeddings: bool = False  # True: the token embedding is the LM head (Llama 3.2 1B).
+  qkv_bias: bool = False  # Biases on the query, key and value projections: Qwen2's, not Llama's.
   remat: str = "none"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -70,6 +74,9 @@ class LlamaConfig:
   cross_entropy_block_size: int = 0
 
   def __post_init__(self):
+    if self.qkv_bias and self.architecture == "llama":
+      raise UserError("config.model.qkv_bias: a Llama with query, key and value biases is a "
+                      "Qwen2; set config.model.architecture='qwen2'")
     # config.py builds this from config.model; an unknown rope type must not silently mean none.
     if self.rope_type not in ROPE_TYPES:
       raise UserError(f"config.model.rope_type must be one of {', '.join(ROPE_TYPES)}; "
@@ -121,9 +128,10 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray
   return rotated.astype(x.dtype)
 
 
-def _dense(features: int, cfg: LlamaConfig, name: str) -> nn.Dense:
-  return nn.Dense(features, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                  kernel_init=nn.initializers.normal(cfg.initializer_range), name=name)
+def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                  kernel_init=nn.initializers.normal(cfg.initializer_range),
+                  bias_init=nn.initializers.zeros, name=name)
 
 
 def _rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
@@ -140,9 +148,9 @@ class Attention(nn.Module):
                token_mask: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
-    q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj")(x).reshape(
+    q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj", cfg.qkv_bias)(x).reshape(
         batch, length, cfg.num_heads, cfg.head_dim)
-    k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name)(x).reshape(
+    k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name, cfg.qkv_bias)(x).reshape(
         batch, length, cfg.num_kv_heads, cfg.head_dim) for name in ("k_proj", "v_proj"))
     frequencies = rope_frequencies(cfg)
     q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
@@ -204,12 +212,16 @@ class LlamaForCausalLM(nn.Module):
     x = _rms_norm(cfg, "norm")(x)
     if return_hidden:
       return x
-    return constrain(_dense(cfg.vocab_size, cfg, "lm_head")(x), "batch", "length", "vocab")
+    logits = embed.attend(x) if cfg.tie_word_embeddings else _dense(cfg.vocab_size, cfg,
+                                                                     "lm_head")(x)
+    return constrain(logits, "batch", "length", "vocab")
 
   @staticmethod
   def output_embedding(params) -> jax.Array:
-    """The LM head as [vocab, hidden_dim]."""
-    return params["lm_head"]["kernel"].T
+    """The LM head as [vocab, hidden_dim]: its own, or the token embedding when tied."""
+    if "lm_head" in params:
+      return params["lm_head"]["kernel"].T
+    return params["embed_tokens"]["embedding"]
 
 
 # Hugging Face's LlamaForCausalLM. Its Linear weights are [out, in]: transposed. RoPE needs no
@@ -217,21 +229,29 @@ class LlamaForCausalLM(nn.Module):
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
-  hf_keys.refuse_unless(hf, "Llama", {"tie_word_embeddings": False, "attention_bias": False,
-                               "mlp_bias": False, "hidden_act": "silu"})
+  hf_keys.refuse_unless(hf, "Llama", {"attention_bias": False, "mlp_bias": False,
+                                      "hidden_act": "silu"})
+  return LlamaConfig(**llama_fields_from_hf(hf))
+
+
+def llama_fields_from_hf(hf: dict) -> dict[str, Any]:
+  """LlamaConfig's fields from a config.json of the Llama kind (Llama, Qwen2, Mistral)."""
   heads, hidden_dim = hf_keys.integer(hf, "num_attention_heads"), hf_keys.integer(hf, "hidden_size")
   head_dim = hf_keys.integer(hf, "head_dim", hidden_dim // heads)
   if head_dim * heads != hidden_dim:
-    raise UserError(f"Llama head_dim {head_dim} x {heads} heads != hidden_size {hidden_dim}: "
+    raise UserError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden_dim}: "
                     f"not supported")
   seq_len = hf_keys.integer(hf, "max_position_embeddings")
-  return LlamaConfig(vocab_size=hf_keys.integer(hf, "vocab_size"), seq_len=seq_len,
-                     num_layers=hf_keys.integer(hf, "num_hidden_layers"), num_heads=heads,
-                     num_kv_heads=hf_keys.integer(hf, "num_key_value_heads", heads),
-                     hidden_dim=hidden_dim, intermediate_dim=hf_keys.integer(hf, "intermediate_size"),
-                     rms_norm_epsilon=hf_keys.number(hf, "rms_norm_eps", 1e-6),
-                     initializer_range=hf_keys.number(hf, "initializer_range", 0.02),
-                     **_rope_from_hf(hf, seq_len))
+  tied = hf.get("tie_word_embeddings", False)
+  if not isinstance(tied, bool):
+    raise UserError(f"tie_word_embeddings must be true or false, got {tied!r}")
+  return dict(vocab_size=hf_keys.integer(hf, "vocab_size"), seq_len=seq_len,
+              num_layers=hf_keys.integer(hf, "num_hidden_layers"), num_heads=heads,
+              num_kv_heads=hf_keys.integer(hf, "num_key_value_heads", heads),
+              hidden_dim=hidden_dim, intermediate_dim=hf_keys.integer(hf, "intermediate_size"),
+              rms_norm_epsilon=hf_keys.number(hf, "rms_norm_eps", 1e-6),
+              initializer_range=hf_keys.number(hf, "initializer_range", 0.02),
+              tie_word_embeddings=tied, **_rope_from_hf(hf, seq_len))
 
 
 def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
@@ -273,13 +293,19 @@ def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
-  return {**_rope_to_hf(cfg), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-          "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
+  return {**llama_fields_to_hf(cfg), "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          "attention_bias": False, "mlp_bias": False}
+
+
+def llama_fields_to_hf(cfg: LlamaConfig) -> dict:
+  """The config.json keys every model of the Llama kind (Llama, Qwen2, Mistral) shares."""
+  return {**_rope_to_hf(cfg), "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
           "hidden_size": cfg.hidden_dim, "intermediate_size": cfg.intermediate_dim,
           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
           "num_key_value_heads": cfg.num_kv_heads, "rms_norm_eps": cfg.rms_norm_epsilon,
-          "rope_theta": cfg.rope_theta, "hidden_act": "silu", "tie_word_embeddings": False,
-          "attention_bias": False, "mlp_bias": False, "initializer_range": cfg.initializer_range}
+          "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+          "tie_word_embeddings": cfg.tie_word_embeddings,
+          "initializer_range": cfg.initializer_range}
 
 
 def _rope_to_hf(cfg: LlamaConfig) -> dict:
@@ -296,20 +322,31 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict:
 
 
 def hf_tensor_names(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
+  """Our parameter path -> (HF tensor name, transposed?); the same for Qwen2 and Mistral."""
   names = {"embed_tokens/embedding": ("model.embed_tokens.weight", False),
-           "norm/scale": ("model.norm.weight", False), "lm_head/kernel": ("lm_head.weight", True)}
+           "norm/scale": ("model.norm.weight", False)}
+  if not cfg.tie_word_embeddings:
+    names["lm_head/kernel"] = ("lm_head.weight", True)
   for i in range(cfg.num_layers):
     prefix = f"model.layers.{i}"
     for norm in ("input_layernorm", "post_attention_layernorm"):
       names[f"layers_{i}/{norm}/scale"] = (f"{prefix}.{norm}.weight", False)
     for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[f"layers_{i}/self_attn/{part}/kernel"] = (f"{prefix}.self_attn.{part}.weight", True)
+    if cfg.qkv_bias:
+      for part in ("q_proj", "k_proj", "v_proj"):
+        names[f"layers_{i}/self_attn/{part}/bias"] = (f"{prefix}.self_attn.{part}.bias", False)
     for part in ("gate_proj", "up_proj", "down_proj"):
       names[f"layers_{i}/mlp/{part}/kernel"] = (f"{prefix}.mlp.{part}.weight", True)
   return names
 
 
+def lookup_tables(params: dict) -> tuple[str, ...]:
+  """The token embedding is only looked up, unless tied: then it is the LM head's matmul too."""
+  return ("embed_tokens",) if "lm_head" in params else ()
+
+
 FAMILY = ModelFamily(
     name="llama", config=LlamaConfig, module=LlamaForCausalLM, partition_rules=PARTITION_RULES,
-    layer_stack="layers", lookup_tables=lambda params: ("embed_tokens",),
+    layer_stack="layers", lookup_tables=lookup_tables,
     hf=HFLayout("LlamaForCausalLM", config_from_hf, config_to_hf, hf_tensor_names))
