@@ -28,6 +28,13 @@ def _llama(**changes):
       "rope_theta": 500.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **changes})
 
 
+def _qwen2(**changes):
+  return transformers.Qwen2Config(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **changes})
+
+
 # Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -41,6 +48,9 @@ HF_CONFIGS = {
     "llama_rope_linear": lambda: _llama(
         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}),
     "llama_rope_llama3": lambda: _llama(rope_parameters=dict(LLAMA3)),
+    "llama_tied": lambda: _llama(tie_word_embeddings=True),
+    "qwen2": lambda: _qwen2(),
+    "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 
@@ -54,6 +64,8 @@ def hf_model(name: str, seed: int = 0):
         tensor.add_(0.3 * torch.randn_like(tensor))
       if "q_proj" in key or "k_proj" in key:  # Peaked attention, so positions (RoPE) matter.
         tensor.mul_(6.0)
+      if key.endswith(".bias"):  # Initialised to zero: a dropped bias would not show.
+        tensor.add_(0.3 * torch.randn_like(tensor))
   return model.eval()
 
 
@@ -135,7 +147,10 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
      r"rope_parameters.factor must be a positive number, got '4'"),
     ("llama", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
     ("llama", {"hidden_act": "gelu"}, r"Llama config hidden_act='gelu' is not supported"),
-    ("llama", {"tie_word_embeddings": True}, r"Llama config tie_word_embeddings=True"),
+    ("llama", {"attention_bias": True}, r"Llama config attention_bias=True is not supported"),
+    ("llama", {"tie_word_embeddings": "yes"}, r"tie_word_embeddings must be true or false"),
+    ("qwen2", {"use_sliding_window": True},
+     r"Qwen2 config use_sliding_window=True is not supported \(only False\)"),
     ("llama", {"num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2.5"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True},
      r"GPT-2 config scale_attn_by_inverse_layer_idx=True is not supported \(only False\)"),
@@ -148,7 +163,7 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
 ])
 def test_configs_we_cannot_represent_are_refused_by_key(tmp_path, name, changes, message):
   config = json.loads(HF_CONFIGS[name]().to_json_string())
-  config["architectures"] = [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[name]]
+  config["architectures"] = [models.FAMILIES[name].hf.architecture]
   (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
   with pytest.raises(UserError, match=re.escape(str(tmp_path / "config.json")) + ".*" + message):
     hf.load(tmp_path)

@@ -64,7 +64,7 @@ def spec_of(array: jax.Array) -> tuple:
 
 def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSteps:
   schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
-  return step.build_sharded_steps(GPT2LMHeadModel(model), optim.make_optimizer(OPTIMIZER, schedule),
+  return step.build_sharded_steps(models.build(model), optim.make_optimizer(OPTIMIZER, schedule),
                                   schedule, partitioner)
 
 
@@ -99,6 +99,24 @@ def layout_run(request):
 def test_losses_match_single_device(layout_run, single_device_losses):
   name, losses, _ = layout_run
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5, err_msg=name)
+
+
+# Sizes for a tiny model of any family; each takes the fields it has.
+TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  hidden_dim=64, intermediate_dim=96)
+
+
+@pytest.mark.parametrize("name", sorted(models.FAMILIES))
+def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
+  family = models.FAMILIES[name]
+  fields = {f.name for f in dataclasses.fields(family.config)}
+  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields})
+  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  config = sharding_config(rules=family.partition_rules, tensor_axis="model", parameter_axis="data",
+                           strict=True)
+  eight, state = train((("data", 4), ("model", 2)), config, model=model)
+  np.testing.assert_allclose(eight, one, rtol=1e-5)
+  assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
 
 
 def test_scanned_layers_keep_the_rules_and_the_losses():

@@ -10,7 +10,6 @@ import pytest
 from levanter_flax import flops, metrics, models, optim, partitioning, step
 from levanter_flax.models.common import REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.models.llama import LlamaConfig
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 
@@ -48,17 +47,18 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   assert_trees_close(new_grads, grads, 1e-5)
 
 
-FAMILIES = {
-    "gpt2": TINY,
-    "llama": LlamaConfig(vocab_size=128, seq_len=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                         hidden_dim=64, intermediate_dim=96),
-}
+def tiny(family: str, **sizes):
+  """A tiny model of any registered family: each takes the sizes it has fields for."""
+  sizes = dict(vocab_size=128, seq_len=32, num_layers=3, num_heads=4, num_kv_heads=2,
+               hidden_dim=64, intermediate_dim=96) | sizes
+  config = models.FAMILIES[family].config
+  return config(**{k: v for k, v in sizes.items() if k in {f.name for f in dataclasses.fields(config)}})
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(models.FAMILIES))
 def test_scanning_the_layers_leaves_the_run_unchanged(family):
   """The same seed gives the same parameters, loss and gradients with scan_layers on or off."""
-  cfg = FAMILIES[family]
+  cfg = tiny(family)
   scanned_cfg = dataclasses.replace(cfg, scan_layers=True)
   tokens = jax.random.randint(jax.random.key(1), (4, cfg.seq_len), 0, cfg.vocab_size)
   results = []
@@ -113,12 +113,11 @@ def test_flops_per_token_is_nanogpts_count_with_causal_attention_halved():
 
 
 # Wide enough that matmuls are nearly all of the work, as in the models MFU is quoted for.
+FLOPS_SIZES = dict(vocab_size=512, seq_len=128, num_layers=2, hidden_dim=256, intermediate_dim=688)
 FLOPS_CONFIGS = {
-    "gpt2": GPT2Config(vocab_size=512, seq_len=128, num_layers=2, num_heads=4, hidden_dim=256),
-    "gpt2-untied": GPT2Config(vocab_size=512, seq_len=128, num_layers=2, num_heads=4,
-                              hidden_dim=256, tie_word_embeddings=False),
-    "llama": LlamaConfig(vocab_size=512, seq_len=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         hidden_dim=256, intermediate_dim=688),
+    **{family: tiny(family, **FLOPS_SIZES) for family in models.FAMILIES},
+    "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
+    "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),
 }
 
 
