@@ -420,7 +420,7 @@ def _fields(cls, section: ml_collections.ConfigDict, path: str):
 
 
 _MAY_BE_ZERO = ("seed", "cross_entropy_block_size", "target_batch_size", "memory_budget_bytes",
-                "keep_checkpoint_every_steps")
+                "keep_checkpoint_every_steps", "sliding_window")
 
 
 def _check_positive(run: RunConfig) -> None:

@@ -35,6 +35,13 @@ def _qwen2(**changes):
       "rope_theta": 500.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **changes})
 
 
+def _mistral(**changes):
+  return transformers.MistralConfig(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-5, **changes})
+
+
 # Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -51,6 +58,8 @@ HF_CONFIGS = {
     "llama_tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2": lambda: _qwen2(),
     "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
+    "mistral": lambda: _mistral(sliding_window=4),  # Shorter than the 16 tokens: it matters.
+    "mistral_no_window": lambda: _mistral(sliding_window=None),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 
@@ -97,6 +106,16 @@ def test_an_export_loads_in_transformers_with_the_same_logits(name, tmp_path):
 def _saved(model, directory):
   model.save_pretrained(directory)
   return directory
+
+
+def test_mistrals_sliding_window_matters_and_none_means_none(tmp_path):
+  model = hf_model("mistral")
+  cfg, params = hf.load(_saved(model, tmp_path / "window"))
+  assert cfg.sliding_window == 4
+  unwindowed = models.build(dataclasses.replace(cfg, sliding_window=0))
+  assert np.max(np.abs(np.asarray(unwindowed.apply({"params": params}, TOKENS))
+                       - hf_logits(model))) > 1e-2
+  assert hf.load(_saved(hf_model("mistral_no_window"), tmp_path / "none"))[0].sliding_window == 0
 
 
 @pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])

@@ -14,6 +14,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
+from levanter_flax.models.mistral import MistralConfig
 from levanter_flax.sample import SamplingConfig, choose, generate
 from levanter_flax.train import train_and_evaluate
 
@@ -24,6 +25,9 @@ MODELS = {
     "llama_scanned": LlamaConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
                                  num_kv_heads=2, hidden_dim=16, intermediate_dim=24,
                                  scan_layers=True),
+    # A window shorter than the prompts: the cache must forget as training does.
+    "mistral": MistralConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
+                             num_kv_heads=2, hidden_dim=16, intermediate_dim=24, sliding_window=3),
 }
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
 

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from levanter_flax import flops
-from levanter_flax.models import gpt2, llama, qwen2
+from levanter_flax.models import gpt2, llama, mistral, qwen2
 from levanter_flax.models.family import ModelFamily
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
 
 
 def family(cfg) -> ModelFamily:

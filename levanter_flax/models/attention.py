@@ -1,6 +1,8 @@
-"""Causal attention for both model families, with a KV cache for decoding.
+"""Causal attention for every model family, with a KV cache for decoding.
 
-Training calls it on whole sequences. Decoding (`decode=True`) keeps each
+A `window` > 0 (Mistral's sliding window) lets each token see only itself and
+the window - 1 tokens before it, in training and on the cache alike. Training
+calls it on whole sequences. Decoding (`decode=True`) keeps each
 layer's keys and values in the "cache" collection: the first call with a
 sequence as long as the cache creates it, then each call writes its tokens at
 the cache index and attends to everything written so far that is a real token
@@ -13,10 +15,11 @@ import jax.numpy as jnp
 
 def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
                      implementation: str, decode: bool = False,
-                     token_mask: jax.Array | None = None) -> jax.Array:
+                     token_mask: jax.Array | None = None, window: int = 0) -> jax.Array:
   """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim]."""
   if not decode:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+                                        local_window_size=(window - 1, 0) if window else None)
   creating = not module.has_variable("cache", "keys")
   keys = module.variable("cache", "keys", jnp.zeros, k.shape, k.dtype)
   values = module.variable("cache", "values", jnp.zeros, v.shape, v.dtype)
@@ -32,6 +35,9 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
   real.value = jax.lax.dynamic_update_slice(real.value, token_mask, (0, start))
   index.value = start + length
   slots = jnp.arange(keys.value.shape[1])
-  visible = slots[None, :] <= start + jnp.arange(length)[:, None]  # [length, cache]: causal.
+  query_slots = start + jnp.arange(length)[:, None]
+  visible = slots[None, :] <= query_slots  # [length, cache]: causal.
+  if window:  # Prompts are left-padded, so slots after a real token are real: slots count tokens.
+    visible &= slots[None, :] > query_slots - window
   mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
   return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)

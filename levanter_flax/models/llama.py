@@ -66,6 +66,7 @@ class LlamaConfig:
   initializer_range: float = 0.02
   tie_word_embeddings: bool = False  # True: the token embedding is the LM head (Llama 3.2 1B).
   qkv_bias: bool = False  # Biases on the query, key and value projections: Qwen2's, not Llama's.
+  sliding_window: int = 0  # > 0: each token attends to itself and this many - 1 before (Mistral).
   remat: str = "none"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -77,6 +78,12 @@ class LlamaConfig:
     if self.qkv_bias and self.architecture == "llama":
       raise UserError("config.model.qkv_bias: a Llama with query, key and value biases is a "
                       "Qwen2; set config.model.architecture='qwen2'")
+    if self.sliding_window and self.architecture != "mistral":
+      raise UserError(f"config.model.sliding_window: {self.architecture} has no sliding window; "
+                      f"Mistral does (architecture='mistral')")
+    if self.sliding_window < 0:
+      raise UserError(f"config.model.sliding_window must be >= 0 (0: none); "
+                      f"got {self.sliding_window}")
     # config.py builds this from config.model; an unknown rope type must not silently mean none.
     if self.rope_type not in ROPE_TYPES:
       raise UserError(f"config.model.rope_type must be one of {', '.join(ROPE_TYPES)}; "
@@ -158,7 +165,7 @@ class Attention(nn.Module):
     v = constrain(v, "batch", "length", "heads", None)
     # dot_product_attention shares each key/value head among num_heads / num_kv_heads queries.
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           decode=self.decode, token_mask=token_mask)
+                           decode=self.decode, token_mask=token_mask, window=cfg.sliding_window)
     return _dense(cfg.hidden_dim, cfg, "o_proj")(out.reshape(batch, length, cfg.hidden_dim))
 
 
