@@ -419,12 +419,12 @@ def _fields(cls, section: ml_collections.ConfigDict, path: str):
   return cls(**values)
 
 
-_MAY_BE_ZERO = ("seed", "cross_entropy_block_size", "target_batch_size", "memory_budget_bytes",
-                "keep_checkpoint_every_steps", "sliding_window")
+_MAY_BE_ZERO = ("seed", "target_batch_size", "memory_budget_bytes", "keep_checkpoint_every_steps")
 
 
 def _check_positive(run: RunConfig) -> None:
-  for section in ("model", "trainer"):
+  """The trainer's integers (the model's check themselves: models/common.check_config)."""
+  for section in ("trainer",):
     for field in dataclasses.fields(getattr(run, section)):
       value = getattr(getattr(run, section), field.name)
       if (isinstance(value, int) and not isinstance(value, bool) and value <= 0
@@ -573,20 +573,6 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   _check_positive(run)
   _check_ranges(run)
   _check_rules(run.sharding.rules)
-  if run.model.hidden_dim % run.model.num_heads:
-    raise UserError(f"config.model.hidden_dim ({run.model.hidden_dim}) must be divisible by "
-                    f"config.model.num_heads ({run.model.num_heads})")
-  num_kv_heads = getattr(run.model, "num_kv_heads", run.model.num_heads)
-  if run.model.num_heads % num_kv_heads:
-    raise UserError(f"config.model.num_heads ({run.model.num_heads}) must be a multiple of "
-                    f"config.model.num_kv_heads ({num_kv_heads})")
-  for key in ("dtype", "param_dtype"):
-    if getattr(run.model, key) not in ("float32", "bfloat16", "float16"):
-      raise UserError(f"config.model.{key} must be float32, bfloat16 or float16; "
-                      f"got {getattr(run.model, key)!r}")
-  if run.model.attention_impl not in common.ATTENTION_IMPLEMENTATIONS:
-    raise UserError(f"config.model.attention_impl must be one of "
-                    f"{', '.join(common.ATTENTION_IMPLEMENTATIONS)}; got {run.model.attention_impl!r}")
   if run.trainer.load_checkpoint_items not in ("params", "state"):
     raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
                     f"got {run.trainer.load_checkpoint_items!r}")

@@ -98,6 +98,23 @@ def test_an_optimizer_key_the_chosen_optimizer_ignores_is_refused():
     to_run_config(config)
 
 
+def test_default_config_holds_each_dataclass_field_once_with_its_default():
+  """A key lives in its section's dataclass and, with its comment, in default_config(): the two
+  must agree on the names and on every default the dataclass declares."""
+  import dataclasses
+  from levanter_flax import config as config_module, models
+  defaults = default_config()
+  sections = {f.name: f.type for f in dataclasses.fields(config_module.RunConfig)}
+  sections["model"] = models.FAMILIES[defaults.model.architecture].config
+  for name, cls in sections.items():
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(defaults[name].keys()) == set(fields), name
+    for field in fields.values():
+      value = defaults[name][field.name]
+      if field.default is not dataclasses.MISSING and not hasattr(value, "to_dict"):
+        assert value == field.default, f"config.{name}.{field.name}"
+
+
 def test_wrong_type_is_named():
   config = default_config()
   # A config file that builds its own ConfigDict is not type-checked by it.

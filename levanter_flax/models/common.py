@@ -3,6 +3,8 @@ constraints, and the stack of layers (unrolled or scanned)."""
 import flax.linen as nn
 import jax
 
+from levanter_flax.errors import UserError
+
 
 # What each transformer block keeps for the backward pass; the rest is recomputed.
 REMAT_POLICIES = {
@@ -14,6 +16,30 @@ REMAT_POLICIES = {
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_config(cfg, sizes: tuple[str, ...]) -> None:
+  """What every family's config dataclass checks of itself, in __post_init__: its `sizes`
+  positive, the heads dividing the width, the compute keys known."""
+  for name in sizes:
+    if getattr(cfg, name) <= 0:
+      raise UserError(f"config key config.model.{name} must be positive, got {getattr(cfg, name)}")
+  if cfg.hidden_dim % cfg.num_heads:
+    raise UserError(f"config.model.hidden_dim ({cfg.hidden_dim}) must be divisible by "
+                    f"config.model.num_heads ({cfg.num_heads})")
+  for key in ("dtype", "param_dtype"):
+    if getattr(cfg, key) not in DTYPES:
+      raise UserError(f"config.model.{key} must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}; "
+                      f"got {getattr(cfg, key)!r}")
+  if cfg.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+    raise UserError(f"config.model.attention_impl must be one of "
+                    f"{', '.join(ATTENTION_IMPLEMENTATIONS)}; got {cfg.attention_impl!r}")
+  if cfg.cross_entropy_block_size < 0:
+    raise UserError(f"config.model.cross_entropy_block_size must be >= 0 (0: off); "
+                    f"got {cfg.cross_entropy_block_size}")
 
 
 def attention_implementation(cfg) -> str:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention
-from levanter_flax.models.common import attention_implementation, constrain, stack_layers
+from levanter_flax.models.common import (attention_implementation, check_config, constrain,
+                                         stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
 
 
@@ -61,6 +62,9 @@ class GPT2Config:
   initializer_range: float = 0.02
   # False: the LM head is its own [hidden_dim, vocab] matrix, `lm_head`, not the token embedding.
   tie_word_embeddings: bool = True
+
+  def __post_init__(self):
+    check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_dim"))
 
   @property
   def head_dim(self) -> int:

@@ -20,7 +20,8 @@ import numpy as np
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention
-from levanter_flax.models.common import attention_implementation, constrain, stack_layers
+from levanter_flax.models.common import (attention_implementation, check_config, constrain,
+                                         stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
 
 # Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
@@ -75,6 +76,11 @@ class LlamaConfig:
   cross_entropy_block_size: int = 0
 
   def __post_init__(self):
+    check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
+                        "hidden_dim", "intermediate_dim", "rope_original_seq_len"))
+    if self.num_heads % self.num_kv_heads:
+      raise UserError(f"config.model.num_heads ({self.num_heads}) must be a multiple of "
+                      f"config.model.num_kv_heads ({self.num_kv_heads})")
     if self.qkv_bias and self.architecture == "llama":
       raise UserError("config.model.qkv_bias: a Llama with query, key and value biases is a "
                       "Qwen2; set config.model.architecture='qwen2'")
