@@ -206,6 +206,27 @@ def test_two_processes_write_one_gcs_workdir(gcs_run):
   assert ".lock" not in written
 
 
+def test_parquet_and_zst_inputs_on_gcs_read_as_local_ones(gcs, tmp_path):
+  import io
+  import pyarrow
+  import zstandard
+  from pyarrow import parquet
+  from levanter_flax.data import prepare, sources
+  from test_prepare import read_documents
+  texts = random_documents(20, seed=3)
+  table = io.BytesIO()
+  parquet.write_table(pyarrow.table({"text": texts[:10] + [None]}), table, row_group_size=4)
+  upload("corpus2/a.parquet", table.getvalue())
+  upload("corpus2/b.jsonl.zst", zstandard.compress(
+      "\n".join(json.dumps({"text": t}) for t in texts[10:]).encode()))
+  for kind, pattern, expected in (("parquet", "*.parquet", texts[:10]),
+                                  ("jsonl", "*.jsonl.zst", texts[10:])):
+    directory = prepare.prepare_dataset(prepare.PrepareOptions(
+        source=sources.SourceSpec(kind=kind, inputs=(f"gs://bkt/corpus2/{pattern}",)),
+        output_dir=tmp_path / kind, num_shards=2, validation_fraction=0.0))
+    assert sorted(read_documents(directory)) == sorted(expected)
+
+
 def test_a_tokenizer_file_on_gcs_is_read(gcs):
   from levanter_flax import paths
   from levanter_flax.data import tokenizers

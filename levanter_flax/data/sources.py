@@ -123,6 +123,50 @@ def _read(path: str) -> bytes:
     raise UserError(f"cannot read input file {path}: {e}") from e
 
 
+class _SeekableGFile(io.RawIOBase):
+  """TensorFlow's GFile (what epath opens gs:// with) as a standard raw file.
+
+  pyarrow reads Parquet's footer first and then each row group by offset, so it
+  needs seek, tell and closed, which GFile does not fully provide.
+  """
+
+  def __init__(self, gfile):
+    super().__init__()
+    self._gfile = gfile
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    data = self._gfile.read(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    self._gfile.seek(offset, whence)
+    return self._gfile.tell()
+
+  def tell(self) -> int:
+    return self._gfile.tell()
+
+  def close(self) -> None:
+    self._gfile.close()
+    super().close()
+
+
+@contextlib.contextmanager
+def _open_seekable(path: str) -> Iterator[BinaryIO]:
+  with epath.Path(path).open("rb") as raw:
+    if not paths.is_remote(path):
+      yield raw
+      return
+    with io.BufferedReader(_SeekableGFile(raw), buffer_size=1 << 20) as buffered:
+      yield buffered
+
+
 def _parquet_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], bool],
                        stats: SourceStats) -> Iterator[tuple[str, str]]:
   """The text column of a Parquet file, one row group in memory at a time.
@@ -132,7 +176,7 @@ def _parquet_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[]
   import pyarrow  # pylint: disable=g-import-not-at-top  # Only Parquet sources need it.
   from pyarrow import parquet  # pylint: disable=g-import-not-at-top
   relative = os.path.relpath(path, root)
-  with epath.Path(path).open("rb") as raw:
+  with _open_seekable(path) as raw:
     try:
       file = parquet.ParquetFile(raw)
     except (pyarrow.ArrowException, OSError) as e:
