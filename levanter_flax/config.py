@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import ml_collections
 from etils import epath
 
-from levanter_flax import models, optim
+from levanter_flax import checks, models, optim
 from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
@@ -57,6 +57,23 @@ class TrainerConfig:
   profiler_start_step: int = 5
   profiler_num_steps: int = 5
   hang_watchdog_seconds: float = 1800.0
+
+  def __post_init__(self):
+    checks.positive(self, "trainer", (
+        "batch_size", "num_train_steps", "log_every_steps", "eval_every_steps", "eval_batches",
+        "checkpoint_every_steps", "keep_checkpoints", "gradient_accumulation_steps",
+        "max_consecutive_skipped_steps", "profiler_start_step", "profiler_num_steps"))
+    checks.ranges(self, "trainer", {
+        "seed": checks.at_least(0),
+        "target_batch_size": checks.at_least(0, "0: batch_size"),
+        "memory_budget_bytes": checks.at_least(0, "0: the device's"),
+        "keep_checkpoint_every_steps": checks.at_least(0, "0: none"),
+        "checkpoint_every_minutes": checks.at_least(0, "0: never"),
+        "hang_watchdog_seconds": checks.at_least(0, "0: off"),
+        "memory_fraction": checks.unit(low_open=True),
+        "peak_flops_per_device": checks.at_least(0, "0: look it up"),
+        "jax_persistent_cache_min_compile_time_secs": checks.at_least(0),
+    })
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,66 +436,6 @@ def _fields(cls, section: ml_collections.ConfigDict, path: str):
   return cls(**values)
 
 
-_MAY_BE_ZERO = ("seed", "target_batch_size", "memory_budget_bytes", "keep_checkpoint_every_steps")
-
-
-def _check_positive(run: RunConfig) -> None:
-  """The trainer's integers (the model's check themselves: models/common.check_config)."""
-  for section in ("trainer",):
-    for field in dataclasses.fields(getattr(run, section)):
-      value = getattr(getattr(run, section), field.name)
-      if (isinstance(value, int) and not isinstance(value, bool) and value <= 0
-          and not (field.name in _MAY_BE_ZERO and value == 0)):
-        raise UserError(f"config key config.{section}.{field.name} must be positive, got {value}")
-
-
-def _at_least(low: float):
-  return lambda value: value >= low
-
-
-def _above(low: float):
-  return lambda value: value > low
-
-
-def _unit(low_open: bool = False, high_open: bool = False):
-  """Within [0, 1], with either end open."""
-  return lambda value: (0 < value if low_open else 0 <= value) and (value < 1 if high_open else
-                                                                    value <= 1)
-
-
-# Numeric keys beyond "positive": each key's valid range, as words for the error.
-_RANGES = {
-    "trainer.checkpoint_every_minutes": (_at_least(0), ">= 0 (0: never)"),
-    "trainer.hang_watchdog_seconds": (_at_least(0), ">= 0 (0: off)"),
-    "trainer.memory_fraction": (_unit(low_open=True), "in (0, 1]"),
-    "trainer.peak_flops_per_device": (_at_least(0), ">= 0 (0: look it up)"),
-    "trainer.jax_persistent_cache_min_compile_time_secs": (_at_least(0), ">= 0"),
-    "trainer.distributed.num_processes": (_at_least(0), ">= 0 (0: detect)"),
-    "trainer.distributed.process_id": (_at_least(-1), ">= -1 (-1: detect)"),
-    "optimizer.learning_rate": (_above(0), "> 0"),
-    "optimizer.warmup_steps": (_at_least(0), ">= 0"),
-    "optimizer.min_learning_rate_ratio": (_unit(), "in [0, 1]"),
-    "optimizer.weight_decay": (_at_least(0), ">= 0"),
-    "optimizer.max_grad_norm": (_at_least(0), ">= 0 (0: no clipping)"),
-    "optimizer.beta1": (_unit(high_open=True), "in [0, 1)"),
-    "optimizer.beta2": (_unit(high_open=True), "in [0, 1)"),
-    "optimizer.epsilon": (_above(0), "> 0"),
-    "optimizer.hessian_update_interval": (_at_least(1), ">= 1"),
-    "optimizer.sophia_gamma": (_above(0), "> 0"),
-    "data.validation_fraction": (_unit(low_open=True, high_open=True), "in (0, 1)"),
-    "data.num_train_shards": (_at_least(1), ">= 1"),
-    "data.reader_groups": (_at_least(0), ">= 0 (0: chosen when the run first starts)"),
-}
-
-
-def _check_ranges(run: RunConfig) -> None:
-  flat = flat_dict(run)
-  flat |= {f"trainer.distributed.{k}": v for k, v in flat["trainer.distributed"].items()}
-  for key, (valid, words) in _RANGES.items():
-    if not valid(flat[key]):
-      raise UserError(f"config.{key} must be {words}; got {flat[key]}")
-
-
 def _check_rules(rules) -> None:
   for pattern, _ in rules:
     try:
@@ -570,8 +527,6 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
       raise UserError(f"unknown config section config.{key}")
   run = RunConfig(**{name: _model_section(config) if name == "model" else _section(cls, config, name)
                      for name, cls in sections.items()})
-  _check_positive(run)
-  _check_ranges(run)
   _check_rules(run.sharding.rules)
   if run.trainer.load_checkpoint_items not in ("params", "state"):
     raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "

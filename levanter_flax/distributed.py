@@ -17,6 +17,7 @@ import time
 import jax
 from absl import logging
 
+from levanter_flax import checks
 from levanter_flax.errors import UserError
 
 
@@ -27,6 +28,11 @@ class DistributedConfig:
   process_id: int = -1
   local_device_ids: tuple[int, ...] = ()  # () = all of this host's devices.
   initialization_timeout_seconds: int = 300
+
+  def __post_init__(self):
+    checks.ranges(self, "trainer.distributed", {
+        "num_processes": checks.at_least(0, "0: detect"),
+        "process_id": checks.at_least(-1, "-1: detect")})
 
 
 def detected_cluster() -> str:

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from levanter_flax import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -20,6 +22,19 @@ class OptimizerConfig:
   name: str = "adamw"  # A key of OPTIMIZERS.
   hessian_update_interval: int = 10  # sophia_h: steps between Hessian estimates (the paper's k).
   sophia_gamma: float = 0.01  # sophia_h: the Hessian's scale in the update's denominator.
+
+  def __post_init__(self):
+    checks.ranges(self, "optimizer", {
+        "learning_rate": checks.above(0),
+        "warmup_steps": checks.at_least(0),
+        "min_learning_rate_ratio": checks.unit(),
+        "weight_decay": checks.at_least(0),
+        "max_grad_norm": checks.at_least(0, "0: no clipping"),
+        "beta1": checks.unit(high_open=True),
+        "beta2": checks.unit(high_open=True),
+        "epsilon": checks.above(0),
+        "hessian_update_interval": checks.at_least(1),
+        "sophia_gamma": checks.above(0)})
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:

@@ -5,6 +5,8 @@ TensorFlow is imported only inside this package, and only for the CPU.
 import dataclasses
 import functools
 
+from levanter_flax import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -16,6 +18,12 @@ class DataConfig:
   num_train_shards: int  # The built-in dataset's.
   on_corrupt_record: str  # fail | skip
   reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
+
+  def __post_init__(self):
+    checks.ranges(self, "data", {
+        "validation_fraction": checks.unit(low_open=True, high_open=True),
+        "num_train_shards": checks.at_least(1),
+        "reader_groups": checks.at_least(0, "0: chosen when the run first starts")})
 
 
 @functools.cache
