@@ -5,7 +5,6 @@ Tokenized data: config.data.dataset and config.data.tokenizer, prepared with
 python -m levanter_flax.prepare (a Llama tokenizer.json, vocab 32000).
 """
 from levanter_flax.config import default_config, llama_model_config
-from levanter_flax.models import llama
 
 
 def get_config():
@@ -15,7 +14,6 @@ def get_config():
   config.model.scan_layers = True
   config.model.remat = "full"
   config.model.cross_entropy_block_size = 8192
-  config.sharding.rules = llama.PARTITION_RULES
 
   config.trainer.batch_size = 256  # 0.5M tokens at seq_len 2048.
   config.trainer.gradient_accumulation_steps = 4

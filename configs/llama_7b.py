@@ -5,7 +5,6 @@ axis, and `model` splits each layer Megatron-style within a host (8 GPUs or
 a TPU host). Multi-host: see launch/README.md.
 """
 from levanter_flax.config import default_config, llama_model_config, mesh
-from levanter_flax.models import llama
 
 
 def get_config():
@@ -21,7 +20,6 @@ def get_config():
   config.model.scan_layers = True
   config.model.remat = "full"
   config.model.cross_entropy_block_size = 8192
-  config.sharding.rules = llama.PARTITION_RULES
 
   config.trainer.device_mesh = mesh(data=-1, model=8)
   config.sharding.parameter_axis = "data"  # ZeRO-3.

@@ -3,7 +3,6 @@
 python -m levanter_flax.main --config=configs/llama_nano.py
 """
 from levanter_flax.config import default_config, llama_model_config
-from levanter_flax.models import llama
 
 
 def get_config():
@@ -16,7 +15,6 @@ def get_config():
   config.model.num_kv_heads = 2
   config.model.hidden_dim = 128
   config.model.intermediate_dim = 352  # About 8/3 x hidden_dim, as Llama's SwiGLU.
-  config.sharding.rules = llama.PARTITION_RULES
 
   config.trainer.batch_size = 16
   config.trainer.num_train_steps = 300

@@ -2,7 +2,6 @@
 to fine-tune from its checkpoint (--config.trainer.init_from_hf=/models/Mistral-7B-v0.1).
 """
 from levanter_flax.config import default_config, mesh, model_config
-from levanter_flax.models import mistral
 
 
 def get_config():
@@ -11,7 +10,6 @@ def get_config():
       "mistral", vocab_size=32000, seq_len=8192, num_layers=32, num_heads=32, num_kv_heads=8,
       hidden_dim=4096, intermediate_dim=14336, sliding_window=4096, dtype="bfloat16",
       remat="full", scan_layers=True, cross_entropy_block_size=8192)
-  config.sharding.rules = mistral.PARTITION_RULES
   config.trainer.device_mesh = mesh(data=-1, model=8)
   config.sharding.parameter_axis = "data"  # ZeRO-3.
   config.sharding.optimizer_axis = "data"

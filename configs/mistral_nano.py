@@ -6,7 +6,6 @@ python -m levanter_flax.main --config=configs/mistral_nano.py
 import pathlib
 
 from levanter_flax.config import load_preset, model_config
-from levanter_flax.models import mistral
 
 
 def get_config():
@@ -14,5 +13,4 @@ def get_config():
   sizes = {k: config.model[k] for k in ("vocab_size", "seq_len", "num_layers", "num_heads",
                                         "num_kv_heads", "hidden_dim", "intermediate_dim")}
   config.model = model_config("mistral", sliding_window=64, **sizes)
-  config.sharding.rules = mistral.PARTITION_RULES
   return config

@@ -5,7 +5,6 @@ python -m levanter_flax.main --config=configs/qwen2_0_5b.py \
     --config.data.dataset=/data/my_corpus --config.data.tokenizer=/models/Qwen2-0.5B/tokenizer.json
 """
 from levanter_flax.config import default_config, mesh, model_config
-from levanter_flax.models import qwen2
 
 
 def get_config():
@@ -14,7 +13,6 @@ def get_config():
       "qwen2", vocab_size=151936, seq_len=2048, num_layers=24, num_heads=14, num_kv_heads=2,
       hidden_dim=896, intermediate_dim=4864, tie_word_embeddings=True, dtype="bfloat16",
       remat="full", scan_layers=True, cross_entropy_block_size=8192)
-  config.sharding.rules = qwen2.PARTITION_RULES
   config.trainer.device_mesh = mesh(data=-1, model=1)
 
   config.trainer.batch_size = 32

@@ -5,7 +5,6 @@ python -m levanter_flax.main --config=configs/qwen2_nano.py
 import pathlib
 
 from levanter_flax.config import load_preset, model_config
-from levanter_flax.models import qwen2
 
 
 def get_config():
@@ -14,5 +13,4 @@ def get_config():
                                         "num_kv_heads", "hidden_dim", "intermediate_dim")}
   # Tied, as Qwen2-0.5B and 1.5B.
   config.model = model_config("qwen2", tie_word_embeddings=True, **sizes)
-  config.sharding.rules = qwen2.PARTITION_RULES
   return config

@@ -19,9 +19,7 @@ from levanter_flax import checks, models, optim
 from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
-from levanter_flax.models import common, gpt2
-from levanter_flax.models.gpt2 import GPT2Config
-from levanter_flax.models.llama import LlamaConfig
+from levanter_flax.models import common
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
 
@@ -78,7 +76,7 @@ class TrainerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  model: GPT2Config | LlamaConfig
+  model: Any  # The config dataclass of one of models.FAMILIES.
   trainer: TrainerConfig
   optimizer: OptimizerConfig
   data: DataConfig
@@ -236,7 +234,9 @@ def default_config() -> ml_collections.ConfigDict:
   config.data.reader_groups = 0
 
   config.sharding = ml_collections.ConfigDict()
-  config.sharding.rules = gpt2.PARTITION_RULES
+  # (regex, axes) rules tried before the model family's own (models/<family>.py's
+  # PARTITION_RULES, in logical axes), which are always there: only to override them.
+  config.sharding.rules = ()
   # Mesh axes as a name or comma-separated names ("data,model"); "" is none.
   config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
   config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.
@@ -252,7 +252,7 @@ def model_config(architecture: str, **values) -> ml_collections.ConfigDict:
   """The model section of a family: its config dataclass's fields, defaults unless in `values`.
 
   A config file does config.model = model_config("qwen2", vocab_size=..., ...)
-  and config.sharding.rules = <family module>.PARTITION_RULES. The compute keys
+  and gets the family's partition rules with it. The compute keys
   (remat, dtype, param_dtype, attention_impl, scan_layers,
   cross_entropy_block_size) mean what they mean for GPT-2; the family's module
   documents the rest.
@@ -528,6 +528,8 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   run = RunConfig(**{name: _model_section(config) if name == "model" else _section(cls, config, name)
                      for name, cls in sections.items()})
   _check_rules(run.sharding.rules)
+  run = dataclasses.replace(run, sharding=dataclasses.replace(
+      run.sharding, rules=run.sharding.rules + models.family(run.model).partition_rules))
   if run.trainer.load_checkpoint_items not in ("params", "state"):
     raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
                     f"got {run.trainer.load_checkpoint_items!r}")
