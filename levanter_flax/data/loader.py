@@ -209,8 +209,9 @@ class ShardCheck:
   there: TF would log the traceback. A shard that does not match (a
   truncated or corrupt file, tokens of another dtype) yields no window. With
   on_corrupt_record='fail' that sets `error`; with 'skip' it is counted and
-  warned about, and `error` is set only once every shard a reader group
-  reads is damaged, when no window can ever come. Once `error` is set the
+  warned about once (the reads ahead into later epochs would otherwise count
+  it again, as timing allows), and `error` is set only once every shard a
+  reader group reads is damaged, when no window can ever come. Once `error` is set the
   shard schedule stops, so the stream ends rather than wait for ever, and
   its consumer raises `error`.
   """
@@ -234,9 +235,9 @@ class ShardCheck:
       self.error = self.error or UserError(f"{problem}; set config.data.on_corrupt_record='skip' "
                                            f"to leave damaged shards out")
       return False
-    self.records_skipped += entry["num_documents"]
-    if (source_index, shard) not in self._damaged:
+    if (source_index, shard) not in self._damaged:  # Once, not once per epoch read ahead.
       logging.warning("%s; left out (config.data.on_corrupt_record='skip')", problem)
+      self.records_skipped += entry["num_documents"]
       self._damaged.add((source_index, shard))
       self._check_some_left(source_index)
     return False
