@@ -104,14 +104,14 @@ def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: s
     raise UserError(f"{num_files} input files for --num_shards={options.num_shards}: with fewer "
                     f"files than shards every {runner} worker reads every file; use at most "
                     f"{num_files} shards or split the input")
-  given = {"--output_dir": str(options.output_dir)}
+  given = [("--output_dir", str(options.output_dir))]
   if spec.kind in ("text", "jsonl", "parquet"):
-    given["--input"] = next((p for p in spec.inputs if not paths.is_remote(p)), "gs://")
+    given += [("--input", pattern) for pattern in spec.inputs]
   if spec.kind == "tfds":
-    given["--tfds_data_dir"] = spec.tfds_data_dir
+    given.append(("--tfds_data_dir", spec.tfds_data_dir))
   if options.tokenizer != "byte":
-    given["--tokenizer"] = options.tokenizer
-  for flag, value in given.items():
+    given.append(("--tokenizer", options.tokenizer))
+  for flag, value in given:
     if not paths.is_remote(value):
       raise UserError(f"{flag}={value or '(default)'} is on this machine, which {runner}'s "
                       f"workers cannot see: use gs://")
