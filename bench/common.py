@@ -17,7 +17,8 @@ OPTIMIZER = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_de
                                   max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
                                   min_learning_rate_ratio=0.1)
 DATA_PARALLEL = partitioning.ShardingConfig(rules=(), activation_axis="data", parameter_axis=None,
-                                            optimizer_axis=None, tensor_axis=None, strict=False)
+                                            optimizer_axis=None, tensor_axis=None, strict=False,
+                                            expert_axis=None)
 
 
 @dataclasses.dataclass
@@ -44,12 +45,16 @@ class CompiledStep:
 def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
                        sharding: partitioning.ShardingConfig = DATA_PARALLEL,
                        optimizer: optim.OptimizerConfig = OPTIMIZER,
-                       num_microbatches: int = 1) -> CompiledStep:
-  """The model's train step compiled for `device_mesh`, with a random batch on the devices."""
+                       num_microbatches: int = 1, document_masking: bool = False) -> CompiledStep:
+  """The model's train step compiled for `device_mesh`, with a random batch on the devices.
+
+  With document_masking, token 0 stands for EOS: the mask costs the same wherever documents end.
+  """
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
   schedule = optim.learning_rate_schedule(optimizer, 1000)
   steps = step.build_sharded_steps(models.build(model_cfg), optim.make_optimizer(optimizer, schedule),
-                                   schedule, partitioner, num_microbatches)
+                                   schedule, partitioner, num_microbatches,
+                                   0 if document_masking else None)
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len),
                                              dtype=np.int32)
   with partitioner.activation_context():

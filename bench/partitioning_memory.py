@@ -1,10 +1,13 @@
 """Per-device memory and step time of each mesh layout, on 8 devices.
 
     python bench/partitioning_memory.py [--num_layers=4 --hidden_dim=256 ...]
+    python bench/partitioning_memory.py --experts=8   # A Mixtral: expert parallelism.
 
 On a CPU box it fakes 8 devices. For each layout it prints the per-device
 bytes of parameters and optimizer state (from the shardings), the compiled
 train step's temp bytes (XLA's memory analysis) and the median step time.
+With --experts, the model is a Mixtral of that many experts (2 per token) and
+the layouts compare replicated experts with experts split over an expert axis.
 Uses only jax, flax and optax: no TensorFlow, no data files.
 """
 import argparse
@@ -16,7 +19,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # pylint: disable=g-import-not-at-top
 
 from common import DATA_PARALLEL, compile_train_step  # pylint: disable=g-import-not-at-top
-from levanter_flax import partitioning  # pylint: disable=g-import-not-at-top
+from levanter_flax import models, partitioning  # pylint: disable=g-import-not-at-top
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config  # pylint: disable=g-import-not-at-top
 
 
@@ -32,6 +35,18 @@ LAYOUTS = {
     "data=8 ZeRO-3": ((("data", 8),), _sharding(parameter_axis="data")),
     "data=2,model=4 TP+ZeRO-3": ((("data", 2), ("model", 4)),
                                  _sharding(parameter_axis="data", tensor_parallel=True)),
+}
+
+MIXTRAL_RULES = models.FAMILIES["mixtral"].partition_rules
+MIXTURE_LAYOUTS = {
+    "data=8 (experts replicated)": ((("data", 8),), DATA_PARALLEL),
+    "data=2,expert=4 (EP)": ((("data", 2), ("expert", 4)),
+                             dataclasses.replace(DATA_PARALLEL, rules=MIXTRAL_RULES,
+                                                 expert_axis="expert")),
+    "data=8 ZeRO-3": ((("data", 8),), _sharding(parameter_axis="data")),
+    "data=2,expert=4 EP+ZeRO-3": ((("data", 2), ("expert", 4)),
+                                  dataclasses.replace(DATA_PARALLEL, rules=MIXTRAL_RULES,
+                                                      expert_axis="expert", parameter_axis="data")),
 }
 
 
@@ -55,14 +70,21 @@ def main():
   parser.add_argument("--vocab_size", type=int, default=8192)
   parser.add_argument("--batch_size", type=int, default=16)
   parser.add_argument("--num_steps", type=int, default=3)
+  parser.add_argument("--experts", type=int, default=0, help="> 0: a Mixtral with this many")
   args = parser.parse_args()
-  model_cfg = GPT2Config(vocab_size=args.vocab_size, seq_len=args.seq_len, num_layers=args.num_layers,
-                         num_heads=args.num_heads, hidden_dim=args.hidden_dim)
+  sizes = dict(vocab_size=args.vocab_size, seq_len=args.seq_len, num_layers=args.num_layers,
+               num_heads=args.num_heads, hidden_dim=args.hidden_dim)
+  if args.experts:
+    model_cfg = models.FAMILIES["mixtral"].config(
+        num_kv_heads=args.num_heads, intermediate_dim=2 * args.hidden_dim, num_experts=args.experts,
+        **sizes)
+  else:
+    model_cfg = GPT2Config(**sizes)
   print(f"{jax.device_count()} x {jax.devices()[0].platform}; {model_cfg}; batch {args.batch_size}")
   mib = lambda n: f"{n / 2**20:9.2f}"
   print(f"{'layout':28s} {'params MiB':>10s} {'opt MiB':>9s} {'temp MiB':>9s} {'step s':>7s}")
   baseline = None
-  for name, (device_mesh, sharding) in LAYOUTS.items():
+  for name, (device_mesh, sharding) in (MIXTURE_LAYOUTS if args.experts else LAYOUTS).items():
     r = measure(device_mesh, sharding, model_cfg, args.batch_size, args.num_steps)
     baseline = baseline or r["params"] + r["opt_state"]
     print(f"{name:28s} {mib(r['params']):>10s} {mib(r['opt_state']):>9s} {mib(r['temp']):>9s} "

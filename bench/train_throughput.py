@@ -60,7 +60,8 @@ def main(argv):
   run = to_run_config(_CONFIG.value)
   model, trainer = run.model, run.trainer
   compiled = compile_train_step(model, trainer.batch_size, trainer.device_mesh, run.sharding,
-                                run.optimizer, trainer.gradient_accumulation_steps)
+                                run.optimizer, trainer.gradient_accumulation_steps,
+                                run.data.document_masking)
   step_seconds = compiled.median_seconds(_NUM_STEPS.value)
   device = jax.devices()[0]
   tokens_per_second = trainer.batch_size * model.seq_len / step_seconds
@@ -76,7 +77,8 @@ def main(argv):
 
   print(f"{jax.device_count()} x {device.device_kind}; {model}")
   print(f"batch {trainer.batch_size} x {model.seq_len}, accumulation "
-        f"{trainer.gradient_accumulation_steps}, mesh {dict(trainer.device_mesh)}")
+        f"{trainer.gradient_accumulation_steps}, mesh {dict(trainer.device_mesh)}, "
+        f"document masking {run.data.document_masking}")
   print(f"compile {compiled.compile_seconds:.1f} s; step {step_seconds * 1e3:.1f} ms; "
         f"temp {temp / 2**20:.1f} MiB")
   print(f"tokens/s {tokens_per_second:,.0f} ({per_device:,.0f} per device)")

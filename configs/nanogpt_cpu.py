@@ -14,4 +14,5 @@ def get_config():
   config.model.num_heads = 4
   config.model.hidden_dim = 256
   config.trainer.batch_size = 8
+  config.data.document_masking = False  # nanoGPT attends across documents.
   return config

@@ -49,9 +49,11 @@ def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device
   (per_device x data-parallel size x accumulation sequences) are counted.
   """
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
+  # The document mask costs the same whichever token is EOS, and the data is not read yet.
+  eos_id = 0 if run.data.document_masking else None
   steps = step.build_sharded_steps(models.build(run.model),
                                    optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, accumulation)
+                                   partitioner, accumulation, eos_id)
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                        steps.abstract_state, steps.state_shardings)
   batch = {"tokens": jax.ShapeDtypeStruct(

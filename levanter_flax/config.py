@@ -232,6 +232,12 @@ def default_config() -> ml_collections.ConfigDict:
   # at most the shard count; see loader.default_reader_groups). Either way it
   # is fixed then, saved with the run, and a different value is refused.
   config.data.reader_groups = 0
+  # Windows pack several documents, EOS after each. On: a token attends only to
+  # its own document (EOS opens a document, as a BOS) and positions restart at
+  # each, so a window's loss is the sum of its documents' alone, as the model
+  # will see them at inference. Off: attention crosses documents (GPT-2's and
+  # nanoGPT's recipe), a little faster.
+  config.data.document_masking = True
 
   config.sharding = ml_collections.ConfigDict()
   # (regex, axes) rules tried before the model family's own (models/<family>.py's
@@ -244,6 +250,8 @@ def default_config() -> ml_collections.ConfigDict:
   # Where the logical heads, kv_heads, MLP and vocab dimensions go, of parameters (as the
   # rules name them) and activations alike.
   config.sharding.tensor_axis = "model"
+  # Where a mixture of experts' experts go (logical axis "experts"): expert parallelism.
+  config.sharding.expert_axis = ""
   config.sharding.strict = False  # Refuse parameters that no rule matches.
   return config
 
@@ -394,6 +402,7 @@ _CONVERTERS = {
     "sharding.parameter_axis": _axes,
     "sharding.optimizer_axis": _axes,
     "sharding.tensor_axis": _axes,
+    "sharding.expert_axis": _axes,
 }
 
 
@@ -449,7 +458,7 @@ def _check_rules(rules) -> None:
 STATE_KEYS = ("model.architecture", "model.vocab_size", "model.seq_len", "model.num_layers",
               "model.num_heads", "model.num_kv_heads", "model.hidden_dim", "model.intermediate_dim",
               "model.scan_layers", "model.param_dtype", "model.tie_word_embeddings", "model.qkv_bias",
-              "optimizer.name")
+              "model.num_experts", "optimizer.name")
 
 
 def flat_dict(run: RunConfig) -> dict[str, Any]:
@@ -473,12 +482,13 @@ def read_saved(workdir: epath.Path) -> Optional[dict[str, Any]]:
   return saved
 
 
-def defaults(architecture: str) -> dict[str, Any]:
-  """Every key that has a default, with it, as config.json holds it.
+# What a run from before a key existed did, where that is not the key's default.
+_BEFORE_THE_KEY = {"data.document_masking": False}
 
-  A config.json written before a key existed means the key's default: its run
-  did what the default does.
-  """
+
+def defaults(architecture: str) -> dict[str, Any]:
+  """Every key that has a default, with the value a config.json without it means: the
+  default, which its run did, or what it did before the key existed (_BEFORE_THE_KEY)."""
   sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
   sections["model"] = models.FAMILIES[architecture].config
   found = {}
@@ -487,7 +497,7 @@ def defaults(architecture: str) -> dict[str, Any]:
       if field.default is not dataclasses.MISSING:
         found[f"{section}.{field.name}"] = field.default
   return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                                for k, v in found.items()}))
+                                for k, v in found.items()} | _BEFORE_THE_KEY))
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any],

@@ -96,17 +96,28 @@ def _params(cfg: Any, directory: epath.Path, local: epath.Path) -> dict:
   expected = _expected_shapes(cfg)
   params = {}
   for ours, (theirs, transposed) in models.family(cfg).hf.tensor_names(cfg).items():
-    # A bare GPT2Model checkpoint has no "transformer." prefix.
-    name = theirs if theirs in index else theirs.removeprefix("transformer.")
-    if name not in index:
-      raise UserError(f"{directory}: tensor {theirs} is missing")
-    file, shape = index[name]
-    if (shape[::-1] if transposed else shape) != expected[ours]:
-      raise UserError(f"{directory}: tensor {theirs} has shape {shape}, expected "
-                      f"{expected[ours][::-1] if transposed else expected[ours]} for this config")
-    value = _read_tensor(file, name, directory / file.name)
-    _set(params, ours, np.ascontiguousarray(value.T) if transposed else value)
+    if isinstance(theirs, str):
+      value = _tensor(index, theirs, transposed, expected[ours], directory)
+    else:  # One tensor per expert, stacked on a leading axis.
+      value = np.stack([_tensor(index, name, transposed, expected[ours][1:], directory)
+                        for name in theirs])
+    _set(params, ours, value)
   return params
+
+
+def _tensor(index: dict, theirs: str, transposed: bool, expected: tuple[int, ...],
+            directory: epath.Path) -> np.ndarray:
+  """HF tensor `theirs` in our layout, checked to have the `expected` shape."""
+  # A bare GPT2Model checkpoint has no "transformer." prefix.
+  name = theirs if theirs in index else theirs.removeprefix("transformer.")
+  if name not in index:
+    raise UserError(f"{directory}: tensor {theirs} is missing")
+  file, shape = index[name]
+  if (shape[::-1] if transposed else shape) != expected:
+    raise UserError(f"{directory}: tensor {theirs} has shape {shape}, expected "
+                    f"{expected[::-1] if transposed else expected} for this config")
+  value = _read_tensor(file, name, directory / file.name)
+  return np.ascontiguousarray(value.T) if transposed else value
 
 
 def save(cfg: Any, params: dict, directory: epath.Path) -> None:
@@ -120,7 +131,8 @@ def save(cfg: Any, params: dict, directory: epath.Path) -> None:
   tensors = {}
   for ours, (theirs, transposed) in models.family(cfg).hf.tensor_names(cfg).items():
     value = np.asarray(_get(params, ours), np.float32)
-    tensors[theirs] = np.ascontiguousarray(value.T if transposed else value)
+    for name, part in ([(theirs, value)] if isinstance(theirs, str) else zip(theirs, value)):
+      tensors[name] = np.ascontiguousarray(part.T if transposed else part)
   try:
     with paths.staged(directory) as local:
       save_file(tensors, str(local / "model.safetensors"), metadata={"format": "pt"})

@@ -6,7 +6,8 @@ A spec gives each array dimension a logical axis name (LOGICAL_AXES: what the
 dimension is), a mesh axis name, a tuple of names, or None. Logical names are
 the ones the models' activation constraints use too, and ShardingConfig maps
 both onto the mesh: heads, kv_heads, mlp and vocab onto `tensor_axis`, the
-batch onto `activation_axis`; the rest are not split by a rule. On top of the
+batch onto `activation_axis`, a mixture's experts onto `expert_axis`; the rest
+are not split by a rule. On top of the
 rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis` (ZeRO-1) shard each
 array along its largest evenly divisible dimension that no rule has claimed.
 """
@@ -28,7 +29,8 @@ from levanter_flax.errors import UserError
 AxisNames = Union[None, str, tuple[str, ...]]
 
 # What a dimension is, for parameters and activations alike.
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "mlp", "vocab", "layers",
+                "experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class ShardingConfig:
   optimizer_axis: AxisNames
   tensor_axis: AxisNames  # Where activations' heads, MLP and vocab dimensions go.
   strict: bool
+  expert_axis: AxisNames  # Where a mixture's experts go: expert parallelism.
 
 
 def make_mesh(device_mesh: Sequence[tuple[str, int]],
@@ -89,20 +92,31 @@ class Partitioner:
   def __init__(self, mesh: Mesh, config: ShardingConfig):
     self.mesh = mesh
     self.config = config
-    for key in ("activation_axis", "parameter_axis", "optimizer_axis", "tensor_axis"):
+    for key in ("activation_axis", "parameter_axis", "optimizer_axis", "tensor_axis",
+                "expert_axis"):
       for axis in _axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
     tensor = config.tensor_axis
     self.logical_axes = {"batch": config.activation_axis, "length": None, "embed": None,
                          "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor,
-                         "layers": None}
-    self._rules = tuple((pattern, tuple(self._mesh_axes(entry, pattern) for entry in spec))
+                         "layers": None, "experts": config.expert_axis}
+    self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
                         for pattern, spec in config.rules)
 
   def _check_axis(self, axis: str, where: str) -> None:
     if axis not in self.mesh.shape:
       raise UserError(f"{where} names mesh axis {axis!r}, but the mesh has only "
                       f"{tuple(self.mesh.shape)} (trainer.device_mesh)")
+
+  def _spec_on_mesh(self, spec: tuple[AxisNames, ...], pattern: str) -> tuple[AxisNames, ...]:
+    """A rule's spec on this mesh. A mesh axis splits one dimension only: when two logical axes
+    map onto the same mesh axis (experts and mlp both on "expert"), the first dimension has it."""
+    used, entries = set(), []
+    for entry in spec:
+      axes = [a for a in _axes_of(self._mesh_axes(entry, pattern)) if a not in used]
+      used.update(axes)
+      entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return tuple(entries)
 
   def _mesh_axes(self, entry: AxisNames, pattern: str) -> AxisNames:
     """A rule's spec entry on this mesh: mesh axis names as they are, logical ones mapped."""

@@ -1,4 +1,5 @@
 """The jitted train and eval steps: next-token loss, gradients, optimizer update."""
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -62,62 +63,109 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).mean()
 
 
-def next_token_loss(model: nn.Module, params, tokens: jax.Array) -> jax.Array:
+def next_token_loss(model: nn.Module, params, tokens: jax.Array,
+                    eos_id: int | None = None) -> jax.Array:
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in float32."""
+  return objective(model, params, tokens, eos_id)[1]["loss"]
+
+
+def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
+  """Which document each token of a packed window is in: the loader puts EOS after every
+  document, so each EOS starts a segment. It ends the document before it as a target
+  (predicted from that document) and opens the next as its first input, as a BOS would."""
+  return jnp.cumsum(tokens == eos_id, axis=1)
+
+
+def objective(model: nn.Module, params, tokens: jax.Array,
+              eos_id: int | None = None) -> tuple[jax.Array, Metrics]:
+  """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
+  loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
+  over the layers that sow it. The training loss adds each part times the model config's
+  `<name>_coef` (router_aux_loss_coef) to the cross-entropy.
+
+  With an eos_id (data.document_masking), each document of a window is computed as if alone:
+  attention within it, positions from 0.
+  """
   block_size = model.config.cross_entropy_block_size
+  segments = None if eos_id is None else segment_ids(tokens, eos_id)
+  apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
+                            mutable=["losses"])
   if block_size:
-    hidden = model.apply({"params": params}, tokens, return_hidden=True)[:, :-1]
-    return blockwise_cross_entropy(hidden, model.output_embedding(params), tokens[:, 1:], block_size)
-  logits = model.apply({"params": params}, tokens)[:, :-1].astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    hidden, sown = apply(return_hidden=True)
+    loss = blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
+                                   block_size)
+  else:
+    logits, sown = apply()
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
+  auxiliary = _sown_losses(sown)
+  total = loss + sum(getattr(model.config, f"{name}_coef") * value
+                     for name, value in auxiliary.items())
+  return total, {"loss": loss, **auxiliary}
 
 
-def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int):
-  """The batch's mean loss and its gradient, summed over microbatches by a lax.scan.
+def _sown_losses(sown) -> Metrics:
+  """name -> the mean of what every layer sowed under it."""
+  values = collections.defaultdict(list)
+  for path, value in jax.tree_util.tree_leaves_with_path(sown.get("losses", {})):
+    name = next(key.key for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
+    values[name].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
+  return {name: jnp.concatenate(parts).mean() for name, parts in values.items()}
+
+
+def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
+                               eos_id: int | None = None):
+  """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
+  microbatches by a lax.scan.
 
   Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
   every device of the batch axis, and peak activation memory is that of one
   microbatch. Equal-sized microbatches make the mean of means the batch mean.
   """
-  loss_and_grads = jax.value_and_grad(lambda p, t: next_token_loss(model, p, t))
+  def parts_and_grads(p, t):
+    (_, parts), grads = jax.value_and_grad(lambda p: objective(model, p, t, eos_id),
+                                           has_aux=True)(p)
+    return parts, grads
   if num_microbatches == 1:
-    return loss_and_grads(params, tokens)
+    return parts_and_grads(params, tokens)
   batch, length = tokens.shape
   microbatches = tokens.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
   microbatches = nn.with_logical_constraint(microbatches, (None, "batch", "length"))
 
   def add(totals, microbatch):
-    loss, grads = loss_and_grads(params, microbatch)
-    return jax.tree.map(jnp.add, totals, (loss, grads)), None
-  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    return jax.tree.map(jnp.add, totals, parts_and_grads(params, microbatch)), None
+  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(parts_and_grads, params, microbatches[0]))
   totals, _ = jax.lax.scan(add, zeros, microbatches)
   return jax.tree.map(lambda total: total / num_microbatches, totals)
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, num_microbatches: int = 1
+                    schedule: optax.Schedule, num_microbatches: int = 1,
+                    eos_id: int | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """eos_id: mask attention per document (see objective)."""
   def train_step(state: TrainState, batch: Batch):
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
 
     The step still counts (its batch is consumed), and train/nonfinite says it
     was skipped; the loop then warns or halts per trainer.nan_policy.
     """
-    loss, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"], num_microbatches)
+    parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
+                                              num_microbatches, eos_id)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
     hessian_tokens = batch["tokens"][::num_microbatches]
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params,
-        loss_fn=lambda params: next_token_loss(model, params, hessian_tokens))
+        loss_fn=lambda params: objective(model, params, hessian_tokens, eos_id)[0])
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
                               params=jax.tree.map(if_finite, params, state.params),
                               opt_state=jax.tree.map(if_finite, opt_state, state.opt_state))
     metrics = {
-        "train/loss": loss,
+        **{f"train/{name}": value for name, value in parts.items()},
         "train/grad_norm": grad_norm,
         "train/param_norm": optax.tree.norm(new_state.params),
         "train/update_norm": optax.tree.norm(updates),
@@ -128,9 +176,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(model: nn.Module) -> Callable[[Any, Batch], Metrics]:
+def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any, Batch], Metrics]:
   def eval_step(params, batch: Batch):
-    return {"eval/loss": next_token_loss(model, params, batch["tokens"])}
+    return {"eval/loss": next_token_loss(model, params, batch["tokens"], eos_id)}
   return eval_step
 
 
@@ -153,8 +201,10 @@ class ShardedSteps:
 
 def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
                         schedule: optax.Schedule, partitioner: partitioning.Partitioner,
-                        num_microbatches: int = 1) -> ShardedSteps:
+                        num_microbatches: int = 1, eos_id: int | None = None) -> ShardedSteps:
   """Lays the state out with `partitioner` and jits init, train and eval with explicit shardings.
+
+  eos_id: mask attention per document (data.document_masking; see objective).
 
   Call (and trace) the functions inside partitioner.activation_context().
   """
@@ -171,10 +221,10 @@ def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformatio
       state_shardings=shardings,
       batch_sharding=batch,
       init=jax.jit(init, out_shardings=shardings),
-      train_step=jax.jit(make_train_step(model, optimizer, schedule, num_microbatches),
+      train_step=jax.jit(make_train_step(model, optimizer, schedule, num_microbatches, eos_id),
                          in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
                          donate_argnums=(0,)),
-      eval_step=jax.jit(make_eval_step(model), in_shardings=(shardings.params, batch),
+      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.params, batch),
                         out_shardings=replicated),
       unmatched_params=frozenset(partitioner.unmatched(abstract.params)),
   )

@@ -162,8 +162,9 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   model = models.build(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
+  eos_id = sources[0].manifest["tokenizer"]["eos_id"] if run.data.document_masking else None
   steps = step.build_sharded_steps(model, optimizer, schedule, partitioner,
-                                   trainer.gradient_accumulation_steps)
+                                   trainer.gradient_accumulation_steps, eos_id)
   num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
   logging.info("Parameter layout:\n%s", steps.layout_table())

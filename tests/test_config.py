@@ -154,3 +154,13 @@ def test_remat_takes_booleans_and_policy_names(value, policy):
   # A config file may build its own ConfigDict with a boolean there.
   config.model = ml_collections.ConfigDict({**config.model, "remat": value})
   assert to_run_config(config).model.remat == policy
+
+
+def test_a_saved_config_without_a_newer_key_means_what_its_run_did():
+  """Runs from before data.document_masking attended across documents; from before
+  trainer.hang_watchdog_seconds, they did what its default does."""
+  from levanter_flax.config import changes, flat_dict
+  now = flat_dict(to_run_config(default_config()))
+  saved = {k: v for k, v in now.items()
+           if k not in ("data.document_masking", "trainer.hang_watchdog_seconds")}
+  assert changes(saved, now) == ["data.document_masking False -> True"]

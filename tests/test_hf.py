@@ -42,6 +42,14 @@ def _mistral(**changes):
       "rope_theta": 500.0, "rms_norm_eps": 1e-5, **changes})
 
 
+def _mixtral(**changes):
+  return transformers.MixtralConfig(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-5, "num_local_experts": 4,
+      "num_experts_per_tok": 2, **changes})
+
+
 # Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -60,6 +68,8 @@ HF_CONFIGS = {
     "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
     "mistral": lambda: _mistral(sliding_window=4),  # Shorter than the 16 tokens: it matters.
     "mistral_no_window": lambda: _mistral(sliding_window=None),
+    "mixtral": _mixtral,
+    "mixtral_top1_of_3": lambda: _mixtral(num_local_experts=3, num_experts_per_tok=1),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 
@@ -73,6 +83,8 @@ def hf_model(name: str, seed: int = 0):
         tensor.add_(0.3 * torch.randn_like(tensor))
       if "q_proj" in key or "k_proj" in key:  # Peaked attention, so positions (RoPE) matter.
         tensor.mul_(6.0)
+      if key.endswith("mlp.gate.weight"):  # Decisive routing: a wrong expert would show.
+        tensor.mul_(20.0)
       if key.endswith(".bias"):  # Initialised to zero: a dropped bias would not show.
         tensor.add_(0.3 * torch.randn_like(tensor))
   return model.eval()

@@ -21,9 +21,11 @@ OPTIMIZER = optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_dec
 BATCH_SIZE, NUM_STEPS = 8, 5
 
 
-def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=False):
+def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=False,
+                    expert_axis=None):
   return ShardingConfig(rules=rules, activation_axis="data", parameter_axis=parameter_axis,
-                        optimizer_axis=None, tensor_axis=tensor_axis, strict=strict)
+                        optimizer_axis=None, tensor_axis=tensor_axis, strict=strict,
+                        expert_axis=expert_axis)
 
 
 TENSOR_PARALLEL = dict(rules=PARTITION_RULES, tensor_axis="model")
@@ -117,6 +119,25 @@ def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   eight, state = train((("data", 4), ("model", 2)), config, model=model)
   np.testing.assert_allclose(eight, one, rtol=1e-5)
   assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
+  """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
+  family = models.FAMILIES["mixtral"]
+  fields = {f.name for f in dataclasses.fields(family.config)}
+  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields},
+                        scan_layers=scan_layers, router_aux_loss_coef=0.02)
+  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  config = sharding_config(rules=family.partition_rules, expert_axis="expert", strict=True)
+  eight, state = train((("data", 2), ("expert", 4)), config, model=model)
+  np.testing.assert_allclose(eight, one, rtol=1e-5)
+  params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+  layer = "layers" if scan_layers else "layers_0"
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    expert = params[f"{layer}/mlp/experts/{name}"]
+    assert spec_of(expert)[-3] == "expert"
+    assert expert.addressable_shards[0].data.shape[-3] == 2
 
 
 def test_scanned_layers_keep_the_rules_and_the_losses():
@@ -225,25 +246,26 @@ def test_bad_layouts_are_named(device_mesh, config, model, message):
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
 def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(name):
   """With config.sharding.strict no parameter is replicated by accident, and the rules lay
-  the model out on a data x model mesh of the config's tensor-parallel size (2 if it has
-  none), with no devices: an AbstractMesh. GPT-2's own vocabulary (50257) splits on no
-  model axis; its configs that pad it (to 50304) do."""
+  the model out on the config's mesh axes, each at least 2 wide (data 4), with no devices:
+  an AbstractMesh. GPT-2's own vocabulary (50257) splits on no model axis; its configs that
+  pad it (to 50304) do."""
   config = load_config_file(name)
   config.sharding.strict = True
   run = to_run_config(config)
-  tensor = dict(run.trainer.device_mesh).get("model", 1)
-  mesh = jax.sharding.AbstractMesh((4, tensor if tensor > 1 else 2), ("data", "model"))
+  sizes = {axis: 4 if size == -1 else max(size, 2) for axis, size in run.trainer.device_mesh}
+  mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
   partitioner = Partitioner(mesh, run.sharding)
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
-  if run.model.vocab_size % mesh.shape["model"]:
+  if run.model.vocab_size % partitioner._axis_size(run.sharding.tensor_axis):
     with pytest.raises(UserError, match=r"dimension 0 \(50257\) is not divisible by mesh axis "
                                         r"'model' of size 2"):
       partitioner.param_shardings(params)
     return
   shardings = partitioner.param_shardings(params)  # Raises for a parameter with no rule.
-  split = [s for s in jax.tree.leaves(shardings) if "model" in jax.tree.leaves(tuple(s.spec))]
+  model_axes = set(sizes) - {"data"}
+  split = [s for s in jax.tree.leaves(shardings) if model_axes & set(jax.tree.leaves(tuple(s.spec)))]
   blocks = 1 if run.model.scan_layers else run.model.num_layers  # Scanned: stacked leaves.
-  assert len(split) >= 4 * blocks  # Attention in and out, MLP in and out.
+  assert len(split) >= 3 * blocks  # Attention in and out, MLP or experts in and out.
   assert partitioning.per_device_bytes(params, shardings) < sum(
       x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1.5
 

@@ -23,7 +23,8 @@ def loss_and_grads(cfg: GPT2Config, num_microbatches: int = 1):
   params, tokens = params_and_tokens(cfg)
   fn = jax.jit(lambda p, t: step.accumulated_loss_and_grads(GPT2LMHeadModel(cfg), p, t,
                                                             num_microbatches))
-  return fn(params, tokens)
+  parts, grads = fn(params, tokens)
+  return parts["loss"], grads
 
 
 def assert_trees_close(a, b, tolerance):
@@ -66,9 +67,9 @@ def test_scanning_the_layers_leaves_the_run_unchanged(family):
     params = models.init_params(c, jax.random.key(0))
     results.append((params, *jax.jit(lambda p, t, c=c: step.accumulated_loss_and_grads(
         models.build(c), p, t, 1))(params, tokens)))
-  (params, loss, grads), (scanned_params, scanned_loss, scanned_grads) = results
+  (params, losses, grads), (scanned_params, scanned_losses, scanned_grads) = results
   assert_trees_close(models.unstack_layers(cfg, scanned_params), params, 0)
-  assert float(scanned_loss) == pytest.approx(float(loss), rel=1e-6)
+  assert_trees_close(scanned_losses, losses, 1e-6)  # A mixture's router_aux_loss too.
   assert_trees_close(models.unstack_layers(cfg, scanned_grads), grads, 1e-5)
 
 
@@ -99,6 +100,25 @@ def test_bfloat16_compute_keeps_parameters_and_loss_in_float32():
   assert float(loss) == pytest.approx(float(full_loss), rel=1e-2)
 
 
+@pytest.mark.parametrize("family", sorted(models.FAMILIES))
+def test_a_packed_windows_loss_is_the_sum_of_its_documents_losses(family):
+  """With document masking, a window of three documents (EOS opening each, as the loader packs
+  them) costs what the three cost alone: summed over their predictions. Without, it does not."""
+  cfg, eos = tiny(family), 0
+  rng = np.random.default_rng(0)
+  alone = [np.concatenate([[eos], rng.integers(1, cfg.vocab_size, n)]) for n in (9, 5, 15)]
+  window = np.concatenate(alone)[None]  # 32 tokens: seq_len.
+  model, params = models.build(cfg), models.init_params(cfg, jax.random.key(0))
+  loss = jax.jit(step.next_token_loss, static_argnums=(0, 3))
+  # Each document also predicts the EOS that follows it, but the last, which the window cuts.
+  alone = [np.append(doc, eos) for doc in alone[:-1]] + alone[-1:]
+  total = sum(float(loss(model, params, doc[None], None)) * (len(doc) - 1) for doc in alone)
+  packed = float(loss(model, params, window, eos)) * (window.shape[1] - 1)
+  unmasked = float(loss(model, params, window, None)) * (window.shape[1] - 1)
+  assert packed == pytest.approx(total, rel=1e-6)  # Seen: 1e-7 at most.
+  assert abs(unmasked - total) > 2e-5 * total  # Seen: 9e-5 (a tiny Mixtral) to 4e-3 (GPT-2).
+
+
 def test_bfloat16_parameters_are_stored_as_asked():
   params, _ = params_and_tokens(dataclasses.replace(TINY, param_dtype="bfloat16"))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
@@ -116,6 +136,10 @@ def test_flops_per_token_is_nanogpts_count_with_causal_attention_halved():
 FLOPS_SIZES = dict(vocab_size=512, seq_len=128, num_layers=2, hidden_dim=256, intermediate_dim=688)
 FLOPS_CONFIGS = {
     **{family: tiny(family, **FLOPS_SIZES) for family in models.FAMILIES},
+    # XLA's CPU backend multiplies each row by every expert's weights (a masked grouped matmul),
+    # so it would count num_experts times the work: one expert here, where that is the work;
+    # test_mfu_counts_only_the_routed_experts covers routing.
+    "mixtral": tiny("mixtral", num_experts=1, num_experts_per_token=1, **FLOPS_SIZES),
     "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
     "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),
 }
@@ -138,6 +162,17 @@ def test_flops_per_token_matches_xlas_count_of_the_compiled_step(family):
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
   ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False)
   assert 1.0 <= xla / ours < 1.02, (xla, ours)
+
+
+def test_mfu_counts_only_the_routed_experts():
+  dense = tiny("mixtral", num_experts=8, num_experts_per_token=8)
+  params = jax.eval_shape(lambda: models.init_params(dense, jax.random.key(0)))
+  experts = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
+                if "experts" in jax.tree_util.keystr(path))
+  assert experts == 3 * 8 * 3 * 64 * 96  # Layers x experts x (gate, up, down) x hidden x mlp.
+  top2 = dataclasses.replace(dense, num_experts_per_token=2)
+  skipped = models.flops_per_token(dense, params) - models.flops_per_token(top2, params)
+  assert skipped == pytest.approx(6 * experts * 6 / 8)
 
 
 def test_throughput_reports_mfu_against_the_peak():

@@ -18,6 +18,8 @@ class DataConfig:
   num_train_shards: int  # The built-in dataset's.
   on_corrupt_record: str  # fail | skip
   reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
+  # Attention within each packed document, positions restarting at each (step.objective).
+  document_masking: bool = True
 
   def __post_init__(self):
     checks.ranges(self, "data", {

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from levanter_flax import flops
-from levanter_flax.models import gpt2, llama, mistral, qwen2
+from levanter_flax.models import gpt2, llama, mistral, mixtral, qwen2
 from levanter_flax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
+    f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, mixtral.FAMILY)}
 
 
 def family(cfg) -> ModelFamily:
@@ -51,8 +51,10 @@ def unstack_layers(cfg, tree: dict) -> dict:
 
 def flops_per_token(cfg, params, causal: bool = True) -> float:
   """flops.flops_per_token for a model config and its params (arrays or shapes): every
-  parameter counts as a matmul weight but the family's lookup tables."""
+  parameter counts as a matmul weight but the family's lookup tables and the experts a
+  token is not routed to."""
   lookups = sum(params[name]["embedding"].size for name in family(cfg).lookup_tables(params))
-  num_params = sum(x.size for x in jax.tree.leaves(params)) - lookups
+  num_params = (sum(x.size for x in jax.tree.leaves(params)) - lookups
+                - family(cfg).inactive_params(cfg, params))
   return flops.flops_per_token(num_params, cfg.num_layers, cfg.num_heads, cfg.head_dim,
                                cfg.seq_len, causal)

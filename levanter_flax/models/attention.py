@@ -7,6 +7,11 @@ layer's keys and values in the "cache" collection: the first call with a
 sequence as long as the cache creates it, then each call writes its tokens at
 the cache index and attends to everything written so far that is a real token
 (`token_mask`: prompts of different lengths are left-padded).
+
+Packed training windows hold several documents; with `segment_ids` (document
+masking) each token attends within its own document only, and the models
+restart positions per document (`document_positions`), so each document is
+computed as if it were alone in the window.
 """
 import flax.linen as nn
 import jax
@@ -15,10 +20,19 @@ import jax.numpy as jnp
 
 def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
                      implementation: str, decode: bool = False,
-                     token_mask: jax.Array | None = None, window: int = 0) -> jax.Array:
-  """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim]."""
+                     token_mask: jax.Array | None = None, window: int = 0,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
+  """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
+
+  segment_ids [batch, length] (training only): a token attends only to tokens of its own
+  segment (document masking). cuDNN takes the mask as an additive bias [batch, 1, length,
+  length].
+  """
   if not decode:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+    mask = None if segment_ids is None else (segment_ids[:, None, :, None]
+                                             == segment_ids[:, None, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation=implementation,
                                         local_window_size=(window - 1, 0) if window else None)
   creating = not module.has_variable("cache", "keys")
   keys = module.variable("cache", "keys", jnp.zeros, k.shape, k.dtype)
@@ -41,3 +55,11 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
     visible &= slots[None, :] > query_slots - window
   mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
   return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+  """Each token's position within its segment [batch, length]: 0 where a segment starts."""
+  index = jnp.arange(segment_ids.shape[1])
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], jnp.bool_),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)

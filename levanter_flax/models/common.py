@@ -68,7 +68,7 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared) 
   layer = layer_cls if cfg.remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[cfg.remat])
   if cfg.scan_layers:
     layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
-                     variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                     variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True},
                      in_axes=nn.broadcast, length=cfg.num_layers)
     x, _ = layers(layer(cfg, decode, name=name), x, shared)
     return x

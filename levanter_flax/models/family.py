@@ -15,7 +15,8 @@ class HFLayout:
   architecture: str  # config.json's architectures[0], e.g. "LlamaForCausalLM".
   config_from_hf: Callable[[dict], Any]  # Refuses what we do not compute (UserError, KeyError).
   config_to_hf: Callable[[Any], dict]
-  tensor_names: Callable[[Any], dict[str, tuple[str, bool]]]  # Our path -> (HF name, transposed).
+  # Our path -> (HF name, transposed); a tuple of names for one tensor per expert, stacked.
+  tensor_names: Callable[[Any], dict[str, tuple[str | tuple[str, ...], bool]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,3 +29,6 @@ class ModelFamily:
   # Embedding tables only looked up, never multiplied (so not in the FLOPs), given the params.
   lookup_tables: Callable[[dict], tuple[str, ...]]
   hf: HFLayout
+  # Of the matmul parameters, how many a token does not multiply by (given the config and the
+  # params): a mixture of experts' unrouted experts. MFU counts the active parameters only.
+  inactive_params: Callable[[Any, dict], float] = lambda cfg, params: 0

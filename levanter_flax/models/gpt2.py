@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys
-from levanter_flax.models.attention import causal_attention
+from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
@@ -93,14 +93,15 @@ class CausalSelfAttention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           decode=self.decode, token_mask=token_mask)
+                           decode=self.decode, token_mask=token_mask, segment_ids=segment_ids)
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
 
@@ -121,9 +122,9 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, masks: tuple) -> jax.Array:
     x = x + CausalSelfAttention(self.config, self.decode, name="attn")(
-        _layer_norm(self.config, "ln_1")(x), token_mask)
+        _layer_norm(self.config, "ln_1")(x), *masks)
     x = x + MLP(self.config, name="mlp")(_layer_norm(self.config, "ln_2")(x))
     return constrain(x, "batch", "length", "embed")
 
@@ -135,7 +136,9 @@ class GPT2LMHeadModel(nn.Module):
   states [batch, length, hidden_dim], for a loss that applies
   `output_embedding` itself, a block of the vocabulary at a time. With decode=True it
   runs on a KV cache (see attention.py); positions [batch, length] and
-  token_mask then place left-padded prompts.
+  token_mask then place left-padded prompts. With segment_ids [batch, length]
+  (document masking), attention stays within each segment and positions
+  restart at each.
   """
   config: GPT2Config
   decode: bool = False
@@ -143,7 +146,8 @@ class GPT2LMHeadModel(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, return_hidden: bool = False,
                positions: jax.Array | None = None,
-               token_mask: jax.Array | None = None) -> jax.Array:
+               token_mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
@@ -151,9 +155,10 @@ class GPT2LMHeadModel(nn.Module):
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
                    dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wpe")
     if positions is None:
-      positions = jnp.arange(tokens.shape[1])[None]
+      positions = (jnp.arange(tokens.shape[1])[None] if segment_ids is None
+                   else document_positions(segment_ids))
     x = constrain(wte(tokens) + wpe(positions), "batch", "length", "embed")
-    x = stack_layers(Block, cfg, self.decode, "h", x, token_mask)
+    x = stack_layers(Block, cfg, self.decode, "h", x, (token_mask, segment_ids))
     x = _layer_norm(cfg, "ln_f")(x)
     if return_hidden:
       return x

@@ -10,7 +10,7 @@ scan_layers the blocks' parameters are stacked under `layers`.
 """
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -19,7 +19,7 @@ import numpy as np
 
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys
-from levanter_flax.models.attention import causal_attention
+from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
@@ -74,6 +74,7 @@ class LlamaConfig:
   attention_impl: str = "auto"
   scan_layers: bool = False
   cross_entropy_block_size: int = 0
+  has_sliding_window: ClassVar[bool] = False  # Whether the family may set sliding_window.
 
   def __post_init__(self):
     check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
@@ -84,7 +85,7 @@ class LlamaConfig:
     if self.qkv_bias and self.architecture == "llama":
       raise UserError("config.model.qkv_bias: a Llama with query, key and value biases is a "
                       "Qwen2; set config.model.architecture='qwen2'")
-    if self.sliding_window and self.architecture != "mistral":
+    if self.sliding_window and not self.has_sliding_window:
       raise UserError(f"config.model.sliding_window: {self.architecture} has no sliding window; "
                       f"Mistral does (architecture='mistral')")
     if self.sliding_window < 0:
@@ -157,8 +158,8 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array,
-               token_mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, token_mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
     q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj", cfg.qkv_bias)(x).reshape(
@@ -171,7 +172,8 @@ class Attention(nn.Module):
     v = constrain(v, "batch", "length", "heads", None)
     # dot_product_attention shares each key/value head among num_heads / num_kv_heads queries.
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           decode=self.decode, token_mask=token_mask, window=cfg.sliding_window)
+                           decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
+                           segment_ids=segment_ids)
     return _dense(cfg.hidden_dim, cfg, "o_proj")(out.reshape(batch, length, cfg.hidden_dim))
 
 
@@ -190,12 +192,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   config: LlamaConfig
   decode: bool = False
+  feed_forward = MLP  # Another family's block may swap it (Mixtral's mixture of experts).
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions_and_mask: tuple) -> jax.Array:
+  def __call__(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
     x = x + Attention(self.config, self.decode, name="self_attn")(
-        _rms_norm(self.config, "input_layernorm")(x), *positions_and_mask)
-    x = x + MLP(self.config, name="mlp")(_rms_norm(self.config, "post_attention_layernorm")(x))
+        _rms_norm(self.config, "input_layernorm")(x), *positions_and_masks)
+    x = x + self.feed_forward(self.config, name="mlp")(
+        _rms_norm(self.config, "post_attention_layernorm")(x))
     return constrain(x, "batch", "length", "embed")
 
 
@@ -205,23 +209,30 @@ class LlamaForCausalLM(nn.Module):
   With return_hidden it returns the final normed hidden states instead, for a
   loss that applies `output_embedding` a block of the vocabulary at a time.
   With decode=True it runs on a KV cache (see attention.py); positions
-  [batch, length] and token_mask then place left-padded prompts.
+  [batch, length] and token_mask then place left-padded prompts. With
+  segment_ids [batch, length] (document masking), attention stays within each
+  segment and positions restart at each (RoPE is relative, so the restart
+  changes nothing but rounding).
   """
   config: LlamaConfig
   decode: bool = False
+  decoder_layer = DecoderLayer
 
   @nn.compact
   def __call__(self, tokens: jax.Array, return_hidden: bool = False,
                positions: jax.Array | None = None,
-               token_mask: jax.Array | None = None) -> jax.Array:
+               token_mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.initializers.normal(cfg.initializer_range),
                      name="embed_tokens")
     x = constrain(embed(tokens), "batch", "length", "embed")
     if positions is None:
-      positions = jnp.arange(tokens.shape[1])[None]
-    x = stack_layers(DecoderLayer, cfg, self.decode, "layers", x, (positions, token_mask))
+      positions = (jnp.arange(tokens.shape[1])[None] if segment_ids is None
+                   else document_positions(segment_ids))
+    x = stack_layers(self.decoder_layer, cfg, self.decode, "layers", x,
+                     (positions, token_mask, segment_ids))
     x = _rms_norm(cfg, "norm")(x)
     if return_hidden:
       return x

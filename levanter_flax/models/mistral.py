@@ -17,6 +17,7 @@ PARTITION_RULES = llama.PARTITION_RULES
 class MistralConfig(llama.LlamaConfig):
   architecture: str = "mistral"
   sliding_window: int = 4096
+  has_sliding_window = True
 
 
 def config_from_hf(hf: dict) -> MistralConfig:
