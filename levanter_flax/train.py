@@ -128,6 +128,24 @@ def _check_vocab(source: loader.Source, vocab_size: int) -> None:
                     f"the tokenizer ({needed}) that {source.directory} was prepared with")
 
 
+# Steps dispatched ahead of the device at most: enough to hide the host's work and jitter,
+# few enough that the batches and metrics they hold stay small.
+_MAX_STEPS_AHEAD = 8
+
+
+def _steps_running(history: list[dict]) -> int:
+  """How many earlier steps the device is still computing: how far dispatch runs ahead.
+
+  Steps finish in order, so it looks back from the newest to the first one done.
+  """
+  running = 0
+  for step_metrics in reversed(history):
+    if step_metrics["train/loss"].is_ready():
+      break
+    running += 1
+  return running
+
+
 def _mean(history: list[dict]) -> dict[str, float]:
   history = jax.device_get(history)  # Never empty: callers check.
   return {k: float(np.mean([m[k] for m in history])) for k in history[0]}
@@ -304,25 +322,28 @@ def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
 class _NonFiniteSteps:
   """Counts steps whose update was skipped for a non-finite loss or gradient; halts per policy.
 
-  Each step's flag is read one step later, when it is long computed, so the
-  check never stalls the pipeline. Under "skip", a run of more than
-  `max_consecutive` skipped steps means divergence, and halts too.
+  The step computes each flag on the device; they are read together at the
+  loop's boundaries (a log step, before a checkpoint or an eval, the last
+  step), where the host waits for the device anyway, so no step waits for
+  its predecessor. A halt therefore takes effect at the next boundary, and
+  nothing computed after the non-finite step is saved. Under "skip", a run of
+  more than `max_consecutive` skipped steps means divergence, and halts too.
   """
 
   def __init__(self, policy: str, max_consecutive: int, checkpointer: Checkpointer):
     self._policy, self._max_consecutive, self._checkpointer = policy, max_consecutive, checkpointer
-    self._pending = None
+    self._pending = []
     self.count = self._consecutive = 0
 
-  def check(self, step_num: int, step_metrics: dict) -> None:
-    previous, self._pending = self._pending, (step_num, step_metrics["train/nonfinite"])
-    if previous:
-      self._report(*previous)
+  def add(self, step_num: int, step_metrics: dict) -> None:
+    self._pending.append((step_num, step_metrics["train/nonfinite"]))
 
   def flush(self) -> None:
-    if self._pending:
-      self._report(*self._pending)
-      self._pending = None
+    """Reads the flags of every step since the last flush, in order; raises per policy."""
+    steps, flags = zip(*self._pending) if self._pending else ((), ())
+    self._pending = []
+    for step_num, flag in zip(steps, jax.device_get(flags)):
+      self._report(step_num, flag)
 
   def _report(self, step_num: int, flag) -> None:
     if not float(flag):
@@ -358,7 +379,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                               checkpointer)
   profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
                                      trainer.profiler_num_steps if trainer.profiler else 0)
-  history, data_wait, last_metrics = [], 0.0, {}
+  history, data_wait, steps_running, last_metrics = [], 0.0, 0, {}
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(loader.TrainBatches(
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
@@ -377,8 +398,11 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
           batch, position = next(train_batches)
         data_wait += time.perf_counter() - wait_start
         state, step_metrics = steps.train_step(state, batch)
+      steps_running += _steps_running(history)
       history.append(step_metrics)
-      nonfinite.check(step_num, step_metrics)
+      if len(history) > _MAX_STEPS_AHEAD:  # Waits only when the device is that far behind.
+        history[-_MAX_STEPS_AHEAD - 1]["train/loss"].block_until_ready()
+      nonfinite.add(step_num, step_metrics)
       if step_num == start_step + 1:
         # Leave compilation out of the throughput figures.
         jax.block_until_ready(step_metrics)
@@ -392,16 +416,18 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
         del means["train/nonfinite"]  # Reported as the running count of skipped steps.
         last_metrics = (means | throughput.measure(step_num)
                         | {"train/data_wait_seconds": data_wait / len(history),
+                           "train/steps_in_flight": steps_running / len(history),
                            "train/skipped_steps": float(nonfinite.count)}
                         | _data_metrics(position, train_batches,
                                         run.model.seq_len * train_batches.groups.count)
                         | monitoring.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
-        history, data_wait = [], 0.0
+        history, data_wait, steps_running = [], 0.0, 0
       report_progress(step_num)
       # The clock is asked on log steps only, where the host waits for the device anyway.
       due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step)
       if due:  # Before eval: a failing eval must not cost the step's checkpoint.
+        nonfinite.flush()  # A halt due saves nothing from after the non-finite step.
         with _phase(report_progress, "checkpoint"):
           checkpointer.save(step_num, state, position.to_json(), due)
       if step_num % trainer.eval_every_steps == 0 or finished:
