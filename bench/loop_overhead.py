@@ -1,6 +1,6 @@
 """What the training loop costs on top of the jitted step: `main` against the step alone.
 
-    python bench/loop_overhead.py [--num_steps=300 --shapes=nano,nanogpt --log_every=1,10]
+    python bench/loop_overhead.py [--shapes=nano,nanogpt --log_every=1,10 --num_steps=N]
 
 For each shape it times the compiled train step alone on a random batch (as
 bench/train_throughput.py does), then runs `python -m levanter_flax.main` on
@@ -21,7 +21,8 @@ import sys
 import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SHAPES = {"nano": "configs/shakespeare_char.py", "nanogpt": "configs/nanogpt_cpu.py"}
+# Config and the loop's steps (about 20 s of training each on a 2-core CPU).
+SHAPES = {"nano": ("configs/shakespeare_char.py", 300), "nanogpt": ("configs/nanogpt_cpu.py", 40)}
 
 
 def pure_step_seconds(config_file: str, num_steps: int) -> float:
@@ -54,7 +55,7 @@ def loop_step_seconds(config_file: str, num_steps: int, log_every: int, cache_di
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--num_steps", type=int, default=300)
+  parser.add_argument("--num_steps", type=int, default=0, help="0: the shape's own")
   parser.add_argument("--shapes", default="nano,nanogpt")
   parser.add_argument("--log_every", default="1,10")
   args = parser.parse_args()
@@ -62,11 +63,11 @@ def main():
   print(f"{'shape':8s} {'step ms':>8s} " + " ".join(
       f"{'loop ms (log ' + n + ')':>18s} {'ratio':>6s}" for n in args.log_every.split(",")))
   for shape in args.shapes.split(","):
-    config_file = SHAPES[shape]
-    step = pure_step_seconds(config_file, 20)
+    config_file, num_steps = SHAPES[shape]
+    step = pure_step_seconds(config_file, 10)
     cells = []
     for log_every in args.log_every.split(","):
-      loop = loop_step_seconds(config_file, args.num_steps, int(log_every), cache_dir)
+      loop = loop_step_seconds(config_file, args.num_steps or num_steps, int(log_every), cache_dir)
       cells.append(f"{loop * 1e3:18.1f} {loop / step:6.2f}")
     print(f"{shape:8s} {step * 1e3:8.1f} " + " ".join(cells), flush=True)
 

@@ -431,6 +431,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
         with _phase(report_progress, "checkpoint"):
           checkpointer.save(step_num, state, position.to_json(), due)
       if step_num % trainer.eval_every_steps == 0 or finished:
+        nonfinite.flush()
         with _phase(report_progress, "eval"):
           eval_metrics = evaluate(state.params)
         writer.write_scalars(step_num, eval_metrics)

@@ -22,7 +22,8 @@ def test_loss_falls_on_nano(tiny_config, tmp_path):
   assert final["eval/loss"] < losses[1] - 2.0
   logged = read_metrics(tmp_path)[-1]
   assert {"train/learning_rate", "train/grad_norm", "train/tokens_per_second",
-          "train/data_wait_seconds", "eval/perplexity", "eval/bits_per_byte"} <= set(
+          "train/data_wait_seconds", "train/steps_in_flight", "eval/perplexity",
+          "eval/bits_per_byte"} <= set(
       k for m in read_metrics(tmp_path) for k in m)
   assert logged["step"] == 40
   # Bytes are tokens here, so bits per byte is the loss in bits, give or take the EOS tokens.
