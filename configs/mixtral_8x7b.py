@@ -1,6 +1,7 @@
 """Mixtral 8x7B's shape (8 experts of Mistral 7B's MLP, 2 per token: 47B parameters, 13B
 active) with expert parallelism and ZeRO-3, to fine-tune from its checkpoint
-(--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1).
+(--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1 --config.model.scan_layers=False:
+HF checkpoints load into unrolled layers only).
 """
 from levanter_flax.config import default_config, mesh, model_config
 

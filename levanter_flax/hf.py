@@ -169,7 +169,8 @@ def _get(tree: dict, path: str):
 
 # What a config may change about a checkpoint's weights without changing what they compute.
 _FREE_FIELDS = ("seq_len", "initializer_range", "remat", "dtype", "param_dtype", "attention_impl",
-                "scan_layers", "cross_entropy_block_size")
+                "scan_layers", "cross_entropy_block_size",
+                "router_aux_loss_coef")  # Weighs a training loss only.
 
 
 def differences(hf_cfg: Any, run_cfg: Any) -> list[str]:

@@ -103,8 +103,10 @@ class SparseMoeBlock(nn.Module):
 
 def load_balancing_loss(probabilities: jax.Array, experts: jax.Array) -> jax.Array:
   """Switch Transformer's: num_experts * sum over experts of (the fraction of routed copies
-  it gets) * (its mean router probability), as transformers' (num_experts_per_token when both
-  are uniform). Not linear in the batch: gradient accumulation averages the microbatches'."""
+  it gets) * (its mean router probability); num_experts_per_token when both are uniform.
+  Per layer, then averaged over layers; transformers concatenates the layers' router outputs
+  first, which differs when layers route differently. Not linear in the batch: gradient
+  accumulation averages the microbatches'."""
   num_experts = probabilities.shape[-1]
   routed = jax.nn.one_hot(experts, num_experts).mean(axis=0)  # [k, experts]
   return num_experts * jnp.sum(routed * probabilities.mean(axis=0))
