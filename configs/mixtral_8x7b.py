@@ -1,13 +1,15 @@
 """Mixtral 8x7B's shape (8 experts of Mistral 7B's MLP, 2 per token: 47B parameters, 13B
-active) with expert parallelism and ZeRO-3, to fine-tune from its checkpoint
-(--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1 --config.model.scan_layers=False:
-HF checkpoints load into unrolled layers only).
+active) with expert parallelism and ZeRO-3: mistral_7b's fine-tuning run with the family
+swapped (--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1
+--config.model.scan_layers=False: HF checkpoints load into unrolled layers only).
 """
-from levanter_flax.config import default_config, mesh, model_config
+import pathlib
+
+from levanter_flax.config import load_preset, mesh, model_config
 
 
 def get_config():
-  config = default_config()
+  config = load_preset(pathlib.Path(__file__).parent / "mistral_7b.py")
   config.model = model_config(
       "mixtral", vocab_size=32000, seq_len=4096, num_layers=32, num_heads=32, num_kv_heads=8,
       hidden_dim=4096, intermediate_dim=14336, num_experts=8, num_experts_per_token=2,
@@ -17,11 +19,4 @@ def get_config():
   config.trainer.device_mesh = mesh(data=-1, expert=8)
   config.sharding.tensor_axis = "expert"
   config.sharding.expert_axis = "expert"
-  config.sharding.parameter_axis = "data"  # ZeRO-3.
-  config.sharding.optimizer_axis = "data"
-
-  config.trainer.batch_size = 64
-  config.trainer.num_train_steps = 2000
-  config.optimizer.learning_rate = 1e-5  # Fine-tuning.
-  config.optimizer.warmup_steps = 100
   return config
