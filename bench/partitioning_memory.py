@@ -38,15 +38,21 @@ LAYOUTS = {
 }
 
 MIXTRAL_RULES = models.FAMILIES["mixtral"].partition_rules
+
+
+def _expert_sharding(tensor_axis=None, parameter_axis=None) -> partitioning.ShardingConfig:
+  return dataclasses.replace(DATA_PARALLEL, rules=MIXTRAL_RULES, expert_axis="expert",
+                             tensor_axis=tensor_axis, parameter_axis=parameter_axis)
+
+
+EP_MESH = (("data", 2), ("expert", 4))
 MIXTURE_LAYOUTS = {
     "data=8 (experts replicated)": ((("data", 8),), DATA_PARALLEL),
-    "data=2,expert=4 (EP)": ((("data", 2), ("expert", 4)),
-                             dataclasses.replace(DATA_PARALLEL, rules=MIXTRAL_RULES,
-                                                 expert_axis="expert")),
     "data=8 ZeRO-3": ((("data", 8),), _sharding(parameter_axis="data")),
-    "data=2,expert=4 EP+ZeRO-3": ((("data", 2), ("expert", 4)),
-                                  dataclasses.replace(DATA_PARALLEL, rules=MIXTRAL_RULES,
-                                                      expert_axis="expert", parameter_axis="data")),
+    "data=2,expert=4 (EP)": (EP_MESH, _expert_sharding()),
+    # mixtral_8x7b.py's layout: the attention split over the expert axis too.
+    "data=2,expert=4 EP+TP": (EP_MESH, _expert_sharding(tensor_axis="expert")),
+    "data=2,expert=4 EP+TP+ZeRO-3": (EP_MESH, _expert_sharding("expert", parameter_axis="data")),
 }
 
 

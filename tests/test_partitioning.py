@@ -125,9 +125,7 @@ def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
 def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
   """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
   family = models.FAMILIES["mixtral"]
-  fields = {f.name for f in dataclasses.fields(family.config)}
-  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields},
-                        scan_layers=scan_layers, router_aux_loss_coef=0.02)
+  model = tiny("mixtral", scan_layers=scan_layers, router_aux_loss_coef=0.02)
   one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
   config = sharding_config(rules=family.partition_rules, expert_axis="expert", strict=True)
   eight, state = train((("data", 2), ("expert", 4)), config, model=model)
@@ -138,6 +136,43 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
     expert = params[f"{layer}/mlp/experts/{name}"]
     assert spec_of(expert)[-3] == "expert"
     assert expert.addressable_shards[0].data.shape[-3] == 2
+
+
+def tiny(name: str, **fields):
+  family = models.FAMILIES[name]
+  names = {f.name for f in dataclasses.fields(family.config)}
+  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names}, **fields)
+
+
+def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:
+  """How many elements the compiled train step all-gathers, in all."""
+  steps = build(partitioner, model)
+  batch = {"tokens": jax.ShapeDtypeStruct((batch_size, model.seq_len), np.int32,
+                                          sharding=steps.batch_sharding)}
+  with partitioner.activation_context():
+    hlo = steps.train_step.lower(steps.abstract_state, batch).compile().as_text()
+  return sum(np.prod([int(n) for n in dims.split(",") if n])
+             for dims in re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather", hlo))
+
+
+@pytest.mark.parametrize("layout", ["data8", "data8_zero3", "data2_expert4"])
+def test_the_expert_layer_keeps_each_devices_tokens_on_that_device(layout):
+  """Routing and dispatch are per sequence and the expert weights are gathered, not the rows,
+  so what the step gathers does not grow with the batch. Before: a global sort by expert
+  gathered every token's router probabilities and expert ids to every device, lax.top_k's
+  partitioner did too, and under ZeRO-3 XLA gathered each expert's rows to keep its weights
+  split."""
+  family = models.FAMILIES["mixtral"]
+  device_mesh, config = {
+      "data8": ((("data", 8),), sharding_config()),
+      "data8_zero3": ((("data", 8),), sharding_config(rules=family.partition_rules,
+                                                      parameter_axis="data")),
+      "data2_expert4": ((("data", 2), ("expert", 4)),
+                        sharding_config(rules=family.partition_rules, expert_axis="expert")),
+  }[layout]
+  partitioner = Partitioner(make_mesh(device_mesh), config)
+  model = tiny("mixtral")
+  assert gathered_elements(partitioner, model, 16) == gathered_elements(partitioner, model, 32)
 
 
 def test_scanned_layers_keep_the_rules_and_the_losses():

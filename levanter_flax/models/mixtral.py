@@ -5,17 +5,21 @@ the token goes to its num_experts_per_token best, weighted by their softmax
 probabilities renormalised over those chosen (as transformers' Mixtral).
 
 Dispatch is dropless: every token reaches its experts, whatever the load.
-Token copies are sorted by expert and each expert multiplies its contiguous
-group in one grouped matmul (`jax.lax.ragged_dot`), then the copies are put
-back in order and summed with their weights. A capacity-based dispatch would
-drop the overflow of popular experts, so training would compute a different
-function than transformers (and inference) does, and its capacity factor
-would be one more knob to tune; sorting costs a gather and a permutation of
-num_experts_per_token x tokens rows. With expert weights split over
-`sharding.expert_axis` (logical axis `experts`), XLA gives each device its own
-experts' groups and sums the outputs over that axis. On TPU and GPU the
-grouped matmul does the work of the routed experts only; XLA's CPU backend
-computes it as a masked dense matmul over every expert.
+Within each sequence, token copies are sorted by expert and each expert
+multiplies its contiguous group in one grouped matmul (`ragged_dot_general`,
+one row of group sizes per sequence), then the copies are put back in order
+and summed with their weights. A capacity-based dispatch would drop the
+overflow of popular experts, so training would compute a different function
+than transformers (and inference) does, and its capacity factor would be one
+more knob to tune; sorting costs a gather and a permutation of
+num_experts_per_token x tokens rows. Sorting per sequence rather than over the
+whole batch keeps the layer data-parallel: each device sorts and multiplies
+its own sequences, where one global sort would gather every token to every
+device. With expert weights split over `sharding.expert_axis` (logical axis
+`experts`), each device computes its own experts' groups and the outputs are
+summed over that axis. On TPU and GPU the grouped matmul does the work of the
+routed experts only; XLA's CPU backend computes it as a masked dense matmul
+over every expert.
 
 Each layer's router adds the Switch Transformer load-balancing loss,
 num_experts * sum_e(fraction of routed token copies to e * mean probability
@@ -63,19 +67,33 @@ class MixtralConfig(mistral.MistralConfig):
                       f"got {self.router_aux_loss_coef}")
 
 
+# ragged_dot_general's mode 1: rows [sequences, copies, hidden] ragged along the copies,
+# weights [experts, hidden, out], group sizes [sequences, experts].
+_GROUPED_BY_SEQUENCE = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([2], [1]), ([], [])), lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[0])
+
+
 class Experts(nn.Module):
   """num_experts SwiGLU MLPs, their weights stacked on a leading expert axis."""
   config: MixtralConfig
 
   @nn.compact
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """rows [n, hidden], sorted by expert; group_sizes [num_experts] rows each."""
+    """rows [sequences, copies, hidden], each sequence's sorted by expert; group_sizes
+    [sequences, num_experts] rows each."""
     cfg = self.config
     init = nn.initializers.normal(cfg.initializer_range)
     wide = (cfg.num_experts, cfg.hidden_dim, cfg.intermediate_dim)
-    gate, up = (self.param(name, init, wide, cfg.param_dtype) for name in ("gate_proj", "up_proj"))
-    down = self.param("down_proj", init, wide[:1] + wide[:0:-1], cfg.param_dtype)
-    matmul = lambda x, w: jax.lax.ragged_dot(x, w.astype(cfg.dtype), group_sizes)
+    # Each weight as its rules lay it out, less any ZeRO-3 split: XLA would otherwise keep the
+    # weight split and gather the batch's rows instead, every group's, to every device.
+    wide_axes, narrow_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+    gate, up = (constrain(self.param(name, init, wide, cfg.param_dtype), *wide_axes)
+                for name in ("gate_proj", "up_proj"))
+    down = constrain(self.param("down_proj", init, wide[:1] + wide[:0:-1], cfg.param_dtype),
+                     *narrow_axes)
+    matmul = lambda x, w: jax.lax.ragged_dot_general(
+        x, w.astype(cfg.dtype), group_sizes, _GROUPED_BY_SEQUENCE)
     return matmul(nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
 
 
@@ -85,20 +103,25 @@ class SparseMoeBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    batch, length, hidden = x.shape
-    tokens = x.reshape(-1, hidden)
-    router_logits = llama._dense(cfg.num_experts, cfg, "gate")(tokens)
+    k = cfg.num_experts_per_token
+    router_logits = llama._dense(cfg.num_experts, cfg, "gate")(x)
     probabilities = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top, experts = jax.lax.top_k(probabilities, cfg.num_experts_per_token)  # [tokens, k]
+    # lax.top_k's partitioner gathers the whole batch to every device; a sort keeps it split.
+    experts = jnp.argsort(-probabilities, axis=-1, stable=True)[..., :k]  # [batch, length, k]
+    top = jnp.take_along_axis(probabilities, experts, axis=-1)
     weights = (top / top.sum(axis=-1, keepdims=True)).astype(cfg.dtype)
     self.sow("losses", "router_aux_loss", load_balancing_loss(probabilities, experts))
-    # Each token's k copies, grouped by expert; `order` lists copies (token * k + slot).
-    order = jnp.argsort(experts.reshape(-1), stable=True)
-    group_sizes = jnp.bincount(experts.reshape(-1), length=cfg.num_experts).astype(jnp.int32)
-    outputs = Experts(cfg, name="experts")(tokens[order // cfg.num_experts_per_token], group_sizes)
-    outputs = outputs[jnp.argsort(order)].reshape(*experts.shape, hidden)  # Back in token order.
-    mixed = jnp.einsum("tkd,tk->td", outputs, weights)
-    return constrain(mixed.reshape(batch, length, hidden), "batch", "length", "embed")
+    # Each sequence's length * k token copies, grouped by expert; `order` lists copies
+    # (position * k + slot).
+    experts = experts.reshape(x.shape[0], -1)
+    order = jnp.argsort(experts, axis=-1, stable=True)
+    group_sizes = constrain(jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.int32).sum(axis=1),
+                            "batch", None)
+    rows = jnp.take_along_axis(x, order[..., None] // k, axis=1)
+    outputs = Experts(cfg, name="experts")(rows, group_sizes)
+    outputs = jnp.take_along_axis(outputs, jnp.argsort(order, axis=-1)[..., None], axis=1)
+    mixed = jnp.einsum("blkd,blk->bld", outputs.reshape(*weights.shape, -1), weights)
+    return constrain(mixed, "batch", "length", "embed")
 
 
 def load_balancing_loss(probabilities: jax.Array, experts: jax.Array) -> jax.Array:
@@ -108,8 +131,8 @@ def load_balancing_loss(probabilities: jax.Array, experts: jax.Array) -> jax.Arr
   first, which differs when layers route differently. Not linear in the batch: gradient
   accumulation averages the microbatches'."""
   num_experts = probabilities.shape[-1]
-  routed = jax.nn.one_hot(experts, num_experts).mean(axis=0)  # [k, experts]
-  return num_experts * jnp.sum(routed * probabilities.mean(axis=0))
+  routed = jax.nn.one_hot(experts, num_experts).mean(axis=(0, 1))  # [k, experts]
+  return num_experts * jnp.sum(routed * probabilities.mean(axis=(0, 1)))
 
 
 class DecoderLayer(llama.DecoderLayer):
