@@ -371,7 +371,7 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
   for step in steps:
     path = workdir / "checkpoints" / str(step)
     try:
-      state = ocp.StandardCheckpointer().restore(path / "state")
+      state = _restore_on_one_device(path / "state")
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       verdict = _classified(e, path)
       if isinstance(verdict, UserError):
@@ -380,6 +380,16 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
       continue
     return model_cfg, state["params"], saved
   raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
+
+
+def _restore_on_one_device(path: epath.Path) -> Any:
+  """A saved state, every array on this process's first device: sampling and export run on
+  one machine, whatever mesh the run trained on (orbax would restore onto the saved one)."""
+  checkpointer = ocp.StandardCheckpointer()
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        checkpointer.metadata(path).item_metadata.tree)
+  return checkpointer.restore(path, target)
 
 
 def _first_line(error: Exception) -> str:
