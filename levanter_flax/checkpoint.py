@@ -371,25 +371,29 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
   for step in steps:
     path = workdir / "checkpoints" / str(step)
     try:
-      state = _restore_on_one_device(path / "state")
+      params = _restore_params_to_host(path / "state")
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       verdict = _classified(e, path)
       if isinstance(verdict, UserError):
         raise verdict from None
       logging.warning("Checkpoint %s is damaged (%s); using the one before it", path, verdict)
       continue
-    return model_cfg, state["params"], saved
+    return model_cfg, params, saved
   raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
 
 
-def _restore_on_one_device(path: epath.Path) -> Any:
-  """A saved state, every array on this process's first device: sampling and export run on
-  one machine, whatever mesh the run trained on (orbax would restore onto the saved one)."""
-  checkpointer = ocp.StandardCheckpointer()
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                        checkpointer.metadata(path).item_metadata.tree)
-  return checkpointer.restore(path, target)
+def _restore_params_to_host(path: epath.Path) -> Any:
+  """A saved state's params alone, as host numpy arrays: sampling and export run on one
+  machine whatever mesh the run trained on (orbax would restore onto the saved one), and
+  neither needs the optimizer state or a device big enough for the whole model."""
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read _METADATA.
+  if metadata is None:
+    raise FileNotFoundError(f"{path}/_METADATA is missing or unreadable")
+  params = metadata.tree["params"]
+  on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+      item={"params": params}, restore_args={"params": on_host}, partial_restore=True))["params"]
 
 
 def _first_line(error: Exception) -> str:

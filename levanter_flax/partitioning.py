@@ -97,9 +97,11 @@ class Partitioner:
       for axis in _axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
     tensor = config.tensor_axis
-    self.logical_axes = {"batch": config.activation_axis, "length": None, "embed": None,
-                         "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor,
-                         "layers": None, "experts": config.expert_axis}
+    # "experts" first: flax gives a mesh axis to the logical axes in this order, and an expert
+    # stack's first dimension has the expert axis when "mlp" maps there too (_spec_on_mesh).
+    self.logical_axes = {"experts": config.expert_axis, "batch": config.activation_axis,
+                         "length": None, "embed": None, "heads": tensor, "kv_heads": tensor,
+                         "mlp": tensor, "vocab": tensor, "layers": None}
     self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
                         for pattern, spec in config.rules)
 

@@ -2,6 +2,7 @@
 import dataclasses
 import re
 
+import flax.linen
 import jax
 import numpy as np
 import pytest
@@ -173,6 +174,22 @@ def test_the_expert_layer_keeps_each_devices_tokens_on_that_device(layout):
   partitioner = Partitioner(make_mesh(device_mesh), config)
   model = tiny("mixtral")
   assert gathered_elements(partitioner, model, 16) == gathered_elements(partitioner, model, 32)
+
+
+@pytest.mark.parametrize("tensor_axis", [None, "model", "expert"])
+def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
+  """The layer constrains each expert stack by its logical axes; mapped onto the mesh they must
+  give the parameter's own layout, or every layer would move whole stacks between devices.
+  (mixtral_8x7b.py maps "mlp" onto the expert axis too: the stack's first dimension has it.)"""
+  from levanter_flax.models import mixtral
+  config = sharding_config(rules=mixtral.PARTITION_RULES, expert_axis="expert",
+                           tensor_axis=tensor_axis)
+  partitioner = Partitioner(make_mesh((("data", 1), ("expert", 4), ("model", 2))), config)
+  for name, axes in mixtral.EXPERT_AXES.items():
+    in_layer = flax.linen.logical_to_mesh_axes(axes, tuple(partitioner.logical_axes.items()))
+    spec = partitioner.rule_spec(f"layers_0/mlp/experts/{name}", (8, 64, 96))
+    assert tuple(in_layer) == spec, (name, tensor_axis)
+    assert spec[0] == "expert"
 
 
 def test_scanned_layers_keep_the_rules_and_the_losses():

@@ -118,15 +118,21 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.
-def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["cut_largest_file", "no_tree_metadata"])
+def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog,
+                                                                damage):
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.checkpoint_every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   _, params_2, _ = run_params_of_step(tmp_path, 2)
   newest = tmp_path / "checkpoints" / "4"
-  largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-  largest.write_bytes(largest.read_bytes()[:100])
+  if damage == "cut_largest_file":
+    largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+  else:
+    (newest / "state" / "_METADATA").unlink()
   _, params, _ = run_params(tmp_path)
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))  # On the host.
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
                                                   jax.tree.leaves(params_2)))
   assert f"Checkpoint {newest} is damaged" in caplog.text

@@ -37,10 +37,13 @@ from levanter_flax.models import hf_keys, llama, mistral
 from levanter_flax.models.common import constrain
 from levanter_flax.models.family import HFLayout, ModelFamily
 
+# Each expert stack's logical axes: its partition rule, and its layout inside the layer.
+EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),
+               "down_proj": ("experts", "mlp", "embed")}
 PARTITION_RULES = (
     (r"mlp/gate/kernel$", ("embed", None)),  # The router: small, whole on every device.
-    (r"mlp/experts/(gate_proj|up_proj)$", ("experts", "embed", "mlp")),
-    (r"mlp/experts/down_proj$", ("experts", "mlp", "embed")),
+    (r"mlp/experts/(gate_proj|up_proj)$", EXPERT_AXES["gate_proj"]),
+    (r"mlp/experts/down_proj$", EXPERT_AXES["down_proj"]),
 ) + llama.PARTITION_RULES
 
 
@@ -85,13 +88,11 @@ class Experts(nn.Module):
     cfg = self.config
     init = nn.initializers.normal(cfg.initializer_range)
     wide = (cfg.num_experts, cfg.hidden_dim, cfg.intermediate_dim)
-    # Each weight as its rules lay it out, less any ZeRO-3 split: XLA would otherwise keep the
+    # Each weight as its rule lays it out, less any ZeRO-3 split: XLA would otherwise keep the
     # weight split and gather the batch's rows instead, every group's, to every device.
-    wide_axes, narrow_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
-    gate, up = (constrain(self.param(name, init, wide, cfg.param_dtype), *wide_axes)
-                for name in ("gate_proj", "up_proj"))
-    down = constrain(self.param("down_proj", init, wide[:1] + wide[:0:-1], cfg.param_dtype),
-                     *narrow_axes)
+    shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
+    gate, up, down = (constrain(self.param(name, init, shape, cfg.param_dtype), *EXPERT_AXES[name])
+                      for name, shape in shapes.items())
     matmul = lambda x, w: jax.lax.ragged_dot_general(
         x, w.astype(cfg.dtype), group_sizes, _GROUPED_BY_SEQUENCE)
     return matmul(nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
