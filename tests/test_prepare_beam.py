@@ -52,17 +52,35 @@ def prepare_with(engine: str, source: sources.SourceSpec, output_dir: pathlib.Pa
 WORKER_MODULE = b"apache_beam.runners.worker.sdk_worker_main"
 
 
+def _parent(pid: int) -> int:
+  stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+  return int(stat.rsplit(")", 1)[1].split()[1])  # The name in parentheses may hold spaces.
+
+
+def beam_workers() -> list[int]:
+  """This process's Beam worker processes (python -m ...sdk_worker_main), not those of
+  another test running alongside (pytest -n)."""
+  workers = []
+  for child in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+      if WORKER_MODULE not in (child / "cmdline").read_bytes().split(b"\0"):
+        continue
+      pid = int(child.name)
+      while pid > 1 and pid != os.getpid():
+        pid = _parent(pid)
+      if pid == os.getpid():
+        workers.append(int(child.name))
+    except (OSError, ValueError, IndexError):  # Gone meanwhile.
+      pass
+  return workers
+
+
 def worker_processes_while(run) -> set[int]:
-  """The Beam worker processes (python -m ...sdk_worker_main) that ran while `run()` ran."""
+  """The Beam worker processes of this process that ran while `run()` ran."""
   seen, done = set(), threading.Event()
   def watch():
     while not done.wait(0.05):
-      for child in pathlib.Path("/proc").glob("[0-9]*"):
-        try:
-          if WORKER_MODULE in (child / "cmdline").read_bytes().split(b"\0"):
-            seen.add(int(child.name))
-        except OSError:
-          pass
+      seen.update(beam_workers())
   watcher = threading.Thread(target=watch)
   watcher.start()
   try:
@@ -181,12 +199,10 @@ def test_a_killed_beam_worker_is_one_line_and_the_rerun_finishes(tmp_path):
   killed = []
   def kill_the_first_worker():
     while not killed:
-      for child in pathlib.Path("/proc").glob("[0-9]*"):
+      for pid in beam_workers()[:1]:
         try:
-          if WORKER_MODULE in (child / "cmdline").read_bytes().split(b"\0"):
-            os.kill(int(child.name), signal.SIGKILL)
-            killed.append(int(child.name))
-            break
+          os.kill(pid, signal.SIGKILL)
+          killed.append(pid)
         except OSError:
           pass
   killer = threading.Thread(target=kill_the_first_worker, daemon=True)
