@@ -19,6 +19,11 @@ import pytest  # pylint: disable=g-import-not-at-top
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+def parent_pid(pid: int) -> int:
+  """From /proc/<pid>/stat; the name in parentheses may hold spaces. OSError: gone."""
+  return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def load_config_file(name: str):
   """get_config() of configs/<name>.py, loaded the way config_flags does."""
   import importlib.util

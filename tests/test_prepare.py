@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, prepare_texts, random_documents
+from conftest import REPO, parent_pid, prepare_texts, random_documents
 from levanter_flax.data import prepare, sources, tfrecord
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.errors import UserError
@@ -438,7 +438,7 @@ def children(pid: int) -> list[int]:
   found = []
   for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
     try:
-      parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+      parent = parent_pid(int(stat.parent.name))
     except (OSError, IndexError, ValueError):  # Gone meanwhile.
       continue
     if parent == pid:

@@ -13,7 +13,7 @@ import pytest
 import zstandard
 from etils import epath
 
-from conftest import REPO, random_documents
+from conftest import REPO, parent_pid, random_documents
 from levanter_flax.data import beam_engine, prepare, sources
 from levanter_flax.errors import UserError
 
@@ -52,11 +52,6 @@ def prepare_with(engine: str, source: sources.SourceSpec, output_dir: pathlib.Pa
 WORKER_MODULE = b"apache_beam.runners.worker.sdk_worker_main"
 
 
-def _parent(pid: int) -> int:
-  stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-  return int(stat.rsplit(")", 1)[1].split()[1])  # The name in parentheses may hold spaces.
-
-
 def beam_workers() -> list[int]:
   """This process's Beam worker processes (python -m ...sdk_worker_main), not those of
   another test running alongside (pytest -n)."""
@@ -67,7 +62,7 @@ def beam_workers() -> list[int]:
         continue
       pid = int(child.name)
       while pid > 1 and pid != os.getpid():
-        pid = _parent(pid)
+        pid = parent_pid(pid)
       if pid == os.getpid():
         workers.append(int(child.name))
     except (OSError, ValueError, IndexError):  # Gone meanwhile.
