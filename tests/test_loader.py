@@ -110,18 +110,16 @@ def test_resume_at_any_position_continues_the_same_stream(datasets):
 def test_resume_position_is_arithmetic_not_replay(datasets):
   """Where window n lives is computed from the manifest, so step 10**12 costs what step 1 does."""
   order = schedule.ShardOrder(np.array([5, 0, 3, 9]), seed=(0, 0))
-  timeline = []  # (chunk, window) for every window of the first 6 epochs.
-  for chunk, (shard, _, skip) in enumerate(order.chunks(0)):
-    if len(timeline) >= 6 * 17:
-      break
-    timeline += [(shard, w) for w in range(skip, order.windows[shard])]
+
+  def windows_from(start, num_epochs):
+    """(shard, window) in stream order, as the chunks of `num_epochs` epochs from `start` say."""
+    for epoch in range(num_epochs):
+      for shard, _, skip in zip(*order.epoch_chunks(start, epoch)):
+        yield from ((int(shard), w) for w in range(skip, order.windows[shard]))
+  timeline = list(windows_from(0, 6))
+  assert len(timeline) == 6 * 17
   for start in range(0, 5 * 17):
-    resumed = []
-    for shard, _, skip in order.chunks(start):
-      resumed += [(shard, w) for w in range(skip, order.windows[shard])]
-      if len(resumed) >= 17:
-        break
-    assert resumed[:17] == timeline[start:start + 17], start
+    assert list(windows_from(start, 2))[:17] == timeline[start:start + 17], start
   far, _ = take([source(datasets[0])], 2, start=10**12, batch=4)
   assert far.shape == (2, 4, SEQ_LEN)
 

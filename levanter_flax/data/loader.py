@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import functools
 import re
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import numpy as np
@@ -282,15 +282,17 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
     raise UserError(f"dataset {source.directory} holds no whole window of seq_len {seq_len} "
                     f"for reader group {group}")
 
-  def chunks():
-    for shard, shuffle_seed, skip in order.chunks(start):
-      if check.error:  # Ends the stream: the consumer raises the error.
-        return
-      yield group + shard * num_groups, shuffle_seed, skip  # The shard's manifest index.
-  chunk_signature = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64),
-                     tf.TensorSpec([], tf.int32))
+  def chunks(epoch):
+    shards, seeds, skips = order.epoch_chunks(start, epoch)
+    return group + shards * num_groups, seeds, skips  # The shards' manifest indices.
+  chunk_specs = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64),
+                 tf.TensorSpec([], tf.int32))
   files = source.files("train")
-  windows = tf.data.Dataset.from_generator(chunks, output_signature=chunk_signature).map(
+
+  def no_error(*chunk):
+    """Once `check.error` is set the stream ends, and its consumer raises the error."""
+    return tf.ensure_shape(tf.py_function(lambda: check.error is None, [], tf.bool), [])
+  windows = _host_blocks(chunks, chunk_specs).take_while(no_error).map(
       _shard_windows(files, source.manifest, seq_len, check, index),
       num_parallel_calls=decode_ahead, deterministic=True)
   return windows.unbatch()
@@ -334,10 +336,28 @@ def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: 
              for index, source in enumerate(sources)]
   if len(streams) == 1:
     return streams[0]
-  choices = tf.data.Dataset.from_generator(
-      lambda: mixture.choices(position.windows),
-      output_signature=tf.TensorSpec([None], tf.int64)).unbatch()
+  choices = _host_blocks(lambda block: mixture.choice_block(position.windows, block),
+                         tf.TensorSpec([], tf.int64))
   return tf.data.Dataset.choose_from_datasets(streams, choices)
+
+
+def _host_blocks(block: Callable[[int], Any], spec) -> "tf.data.Dataset":
+  """The elements of block(0), block(1), ... (host arrays, one per part of `spec`), forever.
+
+  Not Dataset.from_generator: building one makes TF (2.21) pin glibc's mmap
+  threshold at 128 KiB for the whole process (its fix for generator memory
+  growth on Python 3.11). XLA:CPU then maps and unmaps every scratch buffer
+  over 128 KiB afresh in every op: at the nano shape, 22,000 page faults and
+  35 ms of system time per step.
+  """
+  specs = tf.nest.flatten(spec)
+
+  def computed(index):
+    parts = tf.py_function(lambda i: tf.nest.flatten(block(int(i))), [index],
+                           [s.dtype for s in specs])
+    parts = [tf.ensure_shape(p, [None, *s.shape]) for p, s in zip(parts, specs)]
+    return tf.nest.pack_sequence_as(spec, parts)
+  return tf.data.Dataset.counter().map(computed).unbatch()
 
 
 def _concat_groups(batches: list["tf.data.Dataset"]) -> "tf.data.Dataset":

@@ -11,8 +11,6 @@ A mixture interleaves several such streams in blocks: every block of
 `MIXTURE_BLOCK` windows holds each source's fixed share in a seeded order,
 so how many windows each source gave up to position n is arithmetic too.
 """
-from typing import Iterator
-
 import numpy as np
 
 from levanter_flax.errors import UserError
@@ -47,15 +45,17 @@ class ShardOrder:
     place = int(np.searchsorted(ends, rest, side="right"))
     return epoch, place, rest - (int(ends[place - 1]) if place else 0)
 
-  def chunks(self, start: int) -> Iterator[tuple[int, np.ndarray, int]]:
-    """(shard, shuffle seed, windows to skip) from window `start` on, forever."""
-    epoch, place, skip = self.locate(start)
-    while True:
-      for shard in self._epoch_order(epoch)[place:]:
-        if self.windows[shard] > skip:
-          yield int(shard), self.shuffle_seed(epoch, int(shard)), skip
-        skip = 0
-      epoch, place = epoch + 1, 0
+  def epoch_chunks(self, start: int, index: int) -> tuple[np.ndarray, ...]:
+    """(shards, shuffle seeds, windows to skip in each) of the index-th epoch from window `start`."""
+    first_epoch, place, skip = self.locate(start)
+    epoch = first_epoch + index
+    shards = self._epoch_order(epoch)[place if index == 0 else 0:]
+    skips = np.zeros(len(shards), np.int32)
+    skips[:1] = skip if index == 0 else 0
+    kept = self.windows[shards] > skips  # A shard the skip leaves empty gives no chunk.
+    shards, skips = shards[kept], skips[kept]
+    seeds = np.array([self.shuffle_seed(epoch, int(s)) for s in shards], np.int64).reshape(-1, 2)
+    return shards.astype(np.int32), seeds, skips
 
 
 class Mixture:
@@ -82,9 +82,7 @@ class Mixture:
     full, rest = divmod(window, MIXTURE_BLOCK)
     return full * self.counts + np.bincount(self.block(full)[:rest], minlength=len(self.counts))
 
-  def choices(self, start: int) -> Iterator[np.ndarray]:
-    """Source ids of windows start, start+1, ..., a block at a time, forever."""
-    index, skip = divmod(start, MIXTURE_BLOCK)
-    while True:
-      yield self.block(index)[skip:]
-      index, skip = index + 1, 0
+  def choice_block(self, start: int, index: int) -> np.ndarray:
+    """Source ids of the index-th block of windows from window `start` on."""
+    first, skip = divmod(start, MIXTURE_BLOCK)
+    return self.block(first + index)[skip if index == 0 else 0:]
