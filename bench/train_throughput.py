@@ -23,7 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common import compile_train_step, square_matmul_flops
-from levanter_flax import flops, models
+from levanter_flax import flops, models, partitioning
 from levanter_flax.config import to_run_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
@@ -59,6 +59,7 @@ def main(argv):
   del argv
   run = to_run_config(_CONFIG.value)
   model, trainer = run.model, run.trainer
+  partitioning.split_cpu(trainer.cpu_devices)
   compiled = compile_train_step(model, trainer.batch_size, trainer.device_mesh, run.sharding,
                                 run.optimizer, trainer.gradient_accumulation_steps,
                                 run.data.document_masking)
@@ -71,7 +72,9 @@ def main(argv):
   causal_flops = models.flops_per_token(model, params, causal=True) * per_device
   peak = flops.peak_flops_per_device(device, trainer.peak_flops_per_device)
   peak_source = "device table" if peak else f"measured f32 {_MATMUL_SIZE.value}^2 matmul"
-  peak = peak or square_matmul_flops(_MATMUL_SIZE.value)
+  if not peak:  # The matmul uses every core, which the CPU's devices share.
+    peak = square_matmul_flops(_MATMUL_SIZE.value) / jax.local_device_count()
+    peak_source += f", shared by {jax.local_device_count()} devices"
   head_seconds = lm_head_seconds(run, compiled.state.params)
   temp = compiled.compiled.memory_analysis().temp_size_in_bytes
 

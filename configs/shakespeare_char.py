@@ -21,6 +21,8 @@ def get_config():
   config.model.hidden_dim = 128
 
   config.trainer.batch_size = 12
+  # On a CPU, two devices data-parallel (6 sequences each) step 1.5x faster than one at this size.
+  config.trainer.cpu_devices = 2
   config.trainer.num_train_steps = 2000
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 250  # nanoGPT's eval_interval, over 20 batches (eval_iters).

@@ -10,7 +10,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import cli, distributed, paths
+from levanter_flax import cli, distributed, partitioning, paths
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
@@ -60,9 +60,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
-def _join_other_processes(cfg: distributed.DistributedConfig) -> None:
-  """jax.distributed first, before any backend exists; then only process 0 logs progress."""
-  distributed.initialize(cfg)
+def _start_jax(trainer) -> None:
+  """Settings that must come before any backend exists, then jax.distributed; then only process 0
+  logs progress."""
+  partitioning.split_cpu(trainer.cpu_devices)
+  distributed.initialize(trainer.distributed)
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)
 
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> None:
     workdir = paths.resolve(_WORKDIR.value or f"runs/{pathlib.Path(config_file).stem}",
                             "--workdir")
     run = to_run_config(_CONFIG.value)
-    _join_other_processes(run.trainer.distributed)
+    _start_jax(run.trainer)
     from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
     final = train.train_and_evaluate(run, workdir)
   except UserError as e:

@@ -44,6 +44,16 @@ class ShardingConfig:
   expert_axis: AxisNames  # Where a mixture's experts go: expert parallelism.
 
 
+def split_cpu(num_devices: int) -> None:
+  """Makes a CPU backend num_devices XLA devices (0: JAX's default). Before any backend exists.
+
+  XLA:CPU splits one op between cores only when it is big enough; one device
+  per core splits a small model's every op, as data parallelism.
+  """
+  if num_devices:
+    jax.config.update("jax_num_cpu_devices", num_devices)
+
+
 def make_mesh(device_mesh: Sequence[tuple[str, int]],
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """Builds the mesh from (axis, size) pairs; one size may be -1 for 'the rest'."""

@@ -37,6 +37,12 @@ def test_overrides_reach_the_trainer(data_cache, tmp_path):
   result = run_main(f"--config={NANO}", f"--workdir={tmp_path / 'b'}", *TINY,
                     "--config.trainer.batch_size=12", f"--config.data.cache_dir={data_cache}")
   assert_one_line_error(result, "config.trainer.batch_size (12)")
+  # It does over 3, which cpu_devices splits the CPU into, overriding the 8 XLA_FLAGS asks for.
+  result = run_main(f"--config={NANO}", f"--workdir={tmp_path / 'c'}", *TINY,
+                    "--config.trainer.num_train_steps=1", "--config.trainer.batch_size=12",
+                    "--config.trainer.cpu_devices=3", f"--config.data.cache_dir={data_cache}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "mesh {'data': 3, 'model': 1}" in result.stderr
 
 
 def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
@@ -54,6 +60,7 @@ def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
     (["--config.trainer.batch_size=abc"],
      ["config key config.trainer.batch_size must be a positive int or 'auto'; got 'abc'"]),
     (["--config.trainr.batch_size=3"], ["unknown config key --config.trainr.batch_size"]),
+    (["--config.trainer.cpu_devices=-2"], ["config.trainer.cpu_devices", ">= 0"]),
 ])
 def test_bad_overrides_are_one_line(args, fragments):
   assert_one_line_error(run_main(f"--config={NANO}", *args), *fragments)
