@@ -226,6 +226,35 @@ def test_shards_of_another_token_dtype_are_refused(datasets, tmp_path):
       next(batches)
 
 
+def with_a_bad_record(record: bytes):
+  """A damage: the shard's last document replaced by `record`."""
+  def damage(path: pathlib.Path) -> None:
+    documents = list(tfrecord.read_shard(str(path), "uint16"))[:-1]
+    path.unlink()
+    with tfrecord.ShardWriter(path, "uint16") as writer:
+      for document in documents:
+        writer.write(document)
+      writer._writer.write(record)  # pylint: disable=protected-access
+  return damage
+
+
+NOT_AN_EXAMPLE = b"\x00not a tf.train.Example"
+# An Example whose token bytes are odd in number: no whole uint16 tokens.
+HALF_A_TOKEN = tfrecord._example(np.array([1], np.uint8), "uint8")  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("record", [NOT_AN_EXAMPLE, HALF_A_TOKEN], ids=["not_an_example",
+                                                                         "half_a_token"])
+def test_a_record_that_does_not_decode_is_damage_not_a_crash(datasets, tmp_path, record):
+  """Records are decoded a batch at a time: one bad record must still read as a damaged shard."""
+  directory, entry = damaged_copy(datasets[0], tmp_path / "bad_record", with_a_bad_record(record))
+  with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: it "
+                                      f"decodes to \\d+ records"):
+    batches = train_batches(directory, "fail")
+    for _ in range(epoch_length(directory) // 4 + 1):
+      next(batches)
+
+
 def test_token_ids_outside_the_vocabulary_are_named(datasets):
   with pytest.raises(UserError, match=f"token id \\d+ in {datasets[0]} is outside "
                                       f"config.model.vocab_size \\(200\\)"):

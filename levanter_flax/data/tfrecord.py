@@ -65,6 +65,12 @@ def parse_tokens(record, dtype: str):
   return tf.cast(tf.io.decode_raw(features[FEATURE], getattr(tf, dtype), little_endian=True), tf.int32)
 
 
+def token_bytes(records):
+  """A batch of serialized Examples -> each one's raw token bytes (a tf op)."""
+  tf = import_tensorflow()
+  return tf.io.parse_example(records, {FEATURE: tf.io.FixedLenFeature([], tf.string)})[FEATURE]
+
+
 def read_shard(path: str, dtype: str) -> Iterator[np.ndarray]:
   tf = import_tensorflow()
   for record in tf.data.TFRecordDataset(path).map(lambda r: parse_tokens(r, dtype)):
