@@ -29,6 +29,7 @@ tf = import_tensorflow()
 
 _SHARDS_DECODED_AHEAD = 4
 _DEVICE_PREFETCH = 2
+_BATCHES_PREFETCHED = 4  # Host batches ready ahead of the device copies.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,12 +339,20 @@ def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int,
                                            group=g, num_groups=groups.count, check=check,
                                            decode_ahead=decode_ahead).batch(
                                                rows, drop_remainder=True)
-                            for g in groups.mine]).prefetch(tf.data.AUTOTUNE)
+                            for g in groups.mine]).prefetch(_BATCHES_PREFETCHED)
+  return batches.with_options(_pipeline_options())
+
+
+def _pipeline_options() -> "tf.data.Options":
+  options = tf.data.Options()
   # tf.data's map-and-batch fusion loses errors raised upstream of the fused map (TF 2.21):
   # a failed shard check would then leave the stream waiting for ever.
-  options = tf.data.Options()
   options.experimental_optimization.map_and_batch_fusion = False
-  return batches.with_options(options)
+  # Nothing here is left for autotuning to size, and its model thread, which backs off to a
+  # minute between optimizations, held each iterator's teardown for up to that long: runs
+  # exited 5-25 s after their last step.
+  options.autotune.enabled = False
+  return options
 
 
 def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
@@ -403,7 +412,7 @@ def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_bat
   _check_validation_shards(source, tokens_needed=num_batches * rows * groups.count * seq_len)
   return _concat_groups([_eval_windows(source, seq_len, g, groups.count).batch(
       rows, drop_remainder=True).map(lambda tokens: {"tokens": tokens})
-                         for g in groups.mine]).take(num_batches)
+                         for g in groups.mine]).take(num_batches).with_options(_pipeline_options())
 
 
 def _check_validation_shards(source: Source, tokens_needed: int) -> None:
