@@ -29,7 +29,10 @@ tf = import_tensorflow()
 
 _SHARDS_DECODED_AHEAD = 4
 _DEVICE_PREFETCH = 2
-_BATCHES_PREFETCHED = 4  # Host batches ready ahead of the device copies.
+_BATCHES_PREFETCHED = 4  # Elements ready ahead of the device copies.
+# Train batches taken from tf.data at a time: each take costs the host about a millisecond
+# (an op, its numpy copy, a TF thread's handoff), which a small model's step cannot hide.
+_BATCHES_PER_READ = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +295,8 @@ def _decode_mismatch(entry: dict, records: int, tokens: int, path, split: str, d
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
                    group: int, num_groups: int, check: ShardCheck,
                    decode_ahead: int) -> "tf.data.Dataset":
-  """One source's endless window stream for one reader group, from its window `start`."""
+  """One source's endless window stream for one reader group, from its window `start`: an
+  element per shard read, its windows [count, seq_len] and their "source"."""
   shards = source.manifest["splits"]["train"][group::num_groups]
   if not shards:
     raise UserError(f"dataset {source.directory} has {len(source.manifest['splits']['train'])} "
@@ -319,28 +323,32 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
   windows = _host_blocks(chunks, chunk_specs).take_while(no_error).map(
       _shard_windows(files, source.manifest, seq_len, check, index),
       num_parallel_calls=min(decode_ahead, len(shards)), deterministic=True)
-  return windows.unbatch()
+  return windows
 
 
 def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int, seed: int,
                   position: DataPosition, groups: ReaderGroups = ONE_GROUP,
-                  check: Optional[ShardCheck] = None) -> "tf.data.Dataset":
+                  check: Optional[ShardCheck] = None,
+                  batches_per_element: int = 0) -> "tf.data.Dataset":
   """The seeded, endless stream of this process's batches from `position` on.
 
   Elements: tokens int32[local_batch_size, seq_len], each group's rows in
-  turn, and each row's source index. Every shard read is checked against its
-  manifest entry by `check` (by default, a damaged shard stops the stream).
+  turn, and each row's source index; with batches_per_element, that many
+  consecutive batches stacked ([batches_per_element, local_batch_size, ...]).
+  Every shard read is checked against its manifest entry by `check` (by
+  default, a damaged shard stops the stream).
   """
   check = check or ShardCheck(sources, "fail", groups, seq_len)
   rows = groups.rows_per_group(local_batch_size, "config.trainer.batch_size")
   # Whole shards are decoded ahead: the same few in all, however many groups this process reads.
   decode_ahead = max(1, _SHARDS_DECODED_AHEAD // len(groups.mine))
-  batches = _concat_groups([_group_windows(sources, seq_len=seq_len, seed=seed, position=position,
+  batches = _concat_groups([_group_batches(sources, seq_len=seq_len, seed=seed, position=position,
                                            group=g, num_groups=groups.count, check=check,
-                                           decode_ahead=decode_ahead).batch(
-                                               rows, drop_remainder=True)
-                            for g in groups.mine]).prefetch(_BATCHES_PREFETCHED)
-  return batches.with_options(_pipeline_options())
+                                           decode_ahead=decode_ahead, rows=rows)
+                            for g in groups.mine])
+  if batches_per_element:
+    batches = batches.batch(batches_per_element)
+  return batches.prefetch(_BATCHES_PREFETCHED).with_options(_pipeline_options())
 
 
 def _pipeline_options() -> "tf.data.Options":
@@ -355,10 +363,10 @@ def _pipeline_options() -> "tf.data.Options":
   return options
 
 
-def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
-                   group: int, num_groups: int, check: ShardCheck,
-                   decode_ahead: int) -> "tf.data.Dataset":
-  """One reader group's windows, every source mixed in by the schedule."""
+def _group_batches(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
+                   group: int, num_groups: int, check: ShardCheck, decode_ahead: int,
+                   rows: int) -> "tf.data.Dataset":
+  """One reader group's batches of `rows` windows, every source mixed in by the schedule."""
   mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
   derived = mixture.consumed(position.windows)
   streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
@@ -367,10 +375,12 @@ def _group_windows(sources: list[Source], *, seq_len: int, seed: int, position: 
                             decode_ahead=decode_ahead)
              for index, source in enumerate(sources)]
   if len(streams) == 1:
-    return streams[0]
+    # Slices of each shard's windows, not one element per window: a tenth of the host's work.
+    return streams[0].rebatch(rows, drop_remainder=True)
   choices = _host_blocks(lambda block: mixture.choice_block(position.windows, block),
                          tf.TensorSpec([], tf.int64))
-  return tf.data.Dataset.choose_from_datasets(streams, choices)
+  return tf.data.Dataset.choose_from_datasets([s.unbatch() for s in streams], choices).batch(
+      rows, drop_remainder=True)
 
 
 def _host_blocks(block: Callable[[int], Any], spec) -> "tf.data.Dataset":
@@ -496,7 +506,8 @@ class TrainBatches:
     self.groups = groups
     self._check = ShardCheck(sources, cfg.on_corrupt_record, groups, seq_len)
     self._dataset = train_dataset(sources, seq_len=seq_len, local_batch_size=local_batch_size,
-                                  seed=seed, position=position, groups=groups, check=self._check)
+                                  seed=seed, position=position, groups=groups, check=self._check,
+                                  batches_per_element=_BATCHES_PER_READ)
     self._batches = global_arrays(self._tagged(), sharding)
 
   @property
@@ -515,7 +526,7 @@ class TrainBatches:
 
   def _tagged(self) -> Iterator[tuple[dict, DataPosition]]:
     position, groups_here = self._position, len(self.groups.mine)
-    for batch in self._dataset.as_numpy_iterator():
+    for batch in self._batches_one_by_one():
       if self._check.error:  # Found while reading ahead: stop now, not when it is reached.
         raise self._check.error
       _check_token_ids(batch["tokens"], self._vocab_size,
@@ -528,6 +539,11 @@ class TrainBatches:
           self.groups.count)
       yield {"tokens": batch["tokens"]}, position
     raise self._check.error or UserError("the train stream ended unexpectedly")
+
+  def _batches_one_by_one(self) -> Iterator[dict]:
+    for block in self._dataset.as_numpy_iterator():
+      for i in range(len(block["tokens"])):
+        yield {key: value[i] for key, value in block.items()}
 
 
 def _check_token_ids(tokens: np.ndarray, vocab_size: int, datasets_of) -> None:
