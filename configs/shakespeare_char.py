@@ -14,7 +14,9 @@ from levanter_flax.config import default_config
 
 def get_config():
   config = default_config()
-  config.model.vocab_size = 384  # The byte tokenizer's 257, padded to a multiple of 128.
+  # The byte tokenizer's 257, unpadded: a multiple of 128 (384) helps GPU and TPU matmuls, but
+  # on a CPU it only adds work (this recipe's step: 22.7 -> 21.6 ms).
+  config.model.vocab_size = 257
   config.model.seq_len = 64
   config.model.num_layers = 4
   config.model.num_heads = 4
