@@ -1,5 +1,6 @@
 """The jitted train and eval steps: next-token loss, gradients, optimizer update."""
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -228,3 +229,27 @@ def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformatio
                         out_shardings=replicated),
       unmatched_params=frozenset(partitioner.unmatched(abstract.params)),
   )
+
+
+def compile_in_background(steps: ShardedSteps, partitioner: partitioning.Partitioner,
+                          batch_size: int, seq_len: int) -> concurrent.futures.Future:
+  """The train step compiled for global batches of (batch_size, seq_len) tokens, in a thread.
+
+  Compiling takes seconds on a CPU and minutes for a large model on a GPU;
+  started once the layout is known, it overlaps creating or restoring the
+  state and starting the input. The future holds the compiled step (called
+  like train_step) or the error compiling raised.
+  """
+  state = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                       steps.abstract_state, steps.state_shardings)
+  batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
+                                          sharding=steps.batch_sharding)}
+
+  def compile_step():
+    with partitioner.activation_context():  # Its mesh and axis rules are per thread.
+      return steps.train_step.lower(state, batch).compile()
+  executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step")
+  try:
+    return executor.submit(compile_step)
+  finally:
+    executor.shutdown(wait=False)

@@ -1,6 +1,8 @@
 """The training loop: build or restore the state, run steps, log, eval, checkpoint."""
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -193,15 +195,29 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
     saved = _saved_config(workdir) if checkpointer.latest_step is not None else None
     run = _fix_reader_groups(run, saved, sources, workdir)
     config_changes = _check_resumed_config(run, saved, workdir)
-    state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
-                                     config_changes, run.data.reader_groups)
-    if int(state.step) >= trainer.num_train_steps:
-      logging.warning("Already finished: the newest checkpoint is step %d, and "
-                      "config.trainer.num_train_steps is %d; raise it to train on",
-                      int(state.step), trainer.num_train_steps)
-      return {}
-    _save_config(run, workdir)
-    return _train_loop(run, workdir, steps, state, position, checkpointer, sources, stop)
+    # Compiled while the state is restored or created and the input starts; not for a run
+    # that looks finished, which only says so.
+    compile_step = functools.partial(step.compile_in_background, steps, partitioner,
+                                     trainer.batch_size, run.model.seq_len)
+    finished = (checkpointer.latest_step or 0) >= trainer.num_train_steps
+    compiled_step = None if finished else compile_step()
+    try:
+      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
+                                       config_changes, run.data.reader_groups)
+      if int(state.step) >= trainer.num_train_steps:
+        logging.warning("Already finished: the newest checkpoint is step %d, and "
+                        "config.trainer.num_train_steps is %d; raise it to train on",
+                        int(state.step), trainer.num_train_steps)
+        return {}
+      _save_config(run, workdir)
+      compiled_step = compiled_step or compile_step()  # The newest checkpoint was unusable.
+      return _train_loop(run, workdir, steps, state, position, checkpointer, sources, stop,
+                         compiled_step)
+    finally:
+      # It cannot be cancelled: a run that stops early waits for it, so that nothing prints
+      # after the run's last line and no compiler thread outlives the interpreter.
+      if compiled_step:
+        concurrent.futures.wait([compiled_step])
 
 
 def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
@@ -366,7 +382,8 @@ class _NonFiniteSteps:
 def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                 state: step.TrainState, position: loader.DataPosition,
                 checkpointer: Checkpointer, sources: list[loader.Source],
-                stop: preemption.StopSignal) -> dict[str, float]:
+                stop: preemption.StopSignal,
+                compiled_step: "concurrent.futures.Future") -> dict[str, float]:
   trainer = run.trainer
   start_step = int(state.step)
   evaluate = _make_evaluate(run, steps, sources)
@@ -397,7 +414,9 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
         with jax.profiler.TraceAnnotation("data_wait"):
           batch, position = next(train_batches)
         data_wait += time.perf_counter() - wait_start
-        state, step_metrics = steps.train_step(state, batch)
+        if step_num == start_step + 1:
+          train_step = compiled_step.result()
+        state, step_metrics = train_step(state, batch)
       steps_running += _steps_running(history)
       history.append(step_metrics)
       if len(history) > _MAX_STEPS_AHEAD:  # Waits only when the device is that far behind.
