@@ -299,8 +299,8 @@ def test_bad_layouts_are_named(device_mesh, config, model, message):
 def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(name):
   """With config.sharding.strict no parameter is replicated by accident, and the rules lay
   the model out on the config's mesh axes, each at least 2 wide (data 4), with no devices:
-  an AbstractMesh. GPT-2's own vocabulary (50257) splits on no model axis; its configs that
-  pad it (to 50304) do."""
+  an AbstractMesh. GPT-2's own vocabulary (50257) and the byte tokenizer's (257) split on no
+  model axis, which is named; the configs that pad them (to 50304, 384) do."""
   config = load_config_file(name)
   config.sharding.strict = True
   run = to_run_config(config)
@@ -309,8 +309,8 @@ def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(nam
   partitioner = Partitioner(mesh, run.sharding)
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
   if run.model.vocab_size % partitioner._axis_size(run.sharding.tensor_axis):
-    with pytest.raises(UserError, match=r"dimension 0 \(50257\) is not divisible by mesh axis "
-                                        r"'model' of size 2"):
+    with pytest.raises(UserError, match=rf"dimension 0 \({run.model.vocab_size}\) is not "
+                                        rf"divisible by mesh axis 'model' of size 2"):
       partitioner.param_shardings(params)
     return
   shardings = partitioner.param_shardings(params)  # Raises for a parameter with no rule.

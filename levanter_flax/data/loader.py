@@ -202,7 +202,7 @@ def _decode_shard(path, manifest: dict):
                       element_shape=[None])), add)
   tokens = tf.io.decode_raw(tf.strings.reduce_join(joined.stack()), dtype, little_endian=True)
   lengths = lengths.concat()
-  documents = tf.RaggedTensor.from_row_lengths(tf.cast(tokens, tf.int32), tf.cast(lengths, tf.int64))
+  documents = tf.RaggedTensor.from_row_lengths(tf.cast(tokens, tf.int32), lengths)
   with_eos = tf.concat([documents, tf.fill([tf.size(lengths), 1], eos)], axis=1)
   return with_eos.flat_values, tf.size(lengths)
 
