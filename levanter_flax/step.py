@@ -232,16 +232,16 @@ def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformatio
 
 
 def compile_in_background(steps: ShardedSteps, partitioner: partitioning.Partitioner,
-                          batch_size: int, seq_len: int) -> concurrent.futures.Future:
-  """The train step compiled for global batches of (batch_size, seq_len) tokens, in a thread.
+                          state: TrainState, batch_size: int,
+                          seq_len: int) -> concurrent.futures.Future:
+  """The train step compiled for `state` (ShapeDtypeStructs with their shardings) and global
+  batches of (batch_size, seq_len) tokens, in a thread.
 
   Compiling takes seconds on a CPU and minutes for a large model on a GPU;
   started once the layout is known, it overlaps creating or restoring the
   state and starting the input. The future holds the compiled step (called
   like train_step) or the error compiling raised.
   """
-  state = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                       steps.abstract_state, steps.state_shardings)
   batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
                                           sharding=steps.batch_sharding)}
 

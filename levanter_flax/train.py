@@ -197,8 +197,10 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
     config_changes = _check_resumed_config(run, saved, workdir)
     # Compiled while the state is restored or created and the input starts; not for a run
     # that looks finished, which only says so.
-    compile_step = functools.partial(step.compile_in_background, steps, partitioner,
-                                     trainer.batch_size, run.model.seq_len)
+    compile_step = functools.partial(
+        step.compile_in_background, steps, partitioner,
+        abstract_like(steps.abstract_state, steps.state_shardings), trainer.batch_size,
+        run.model.seq_len)
     finished = (checkpointer.latest_step or 0) >= trainer.num_train_steps
     compiled_step = None if finished else compile_step()
     try:
