@@ -37,8 +37,9 @@ def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_pat
   summary = report.profile_summary(tmp_path / "on")
   assert re.search(r": 2 steps in [\d.]+ ms", summary), summary
   for phase in ("data_wait", "eval", "checkpoint"):
+    # The share is rounded to 0.1%, and the data wait of a tiny run can round to 0.0.
     share = re.search(rf"{phase} +([\d.]+) ms +([\d.]+)% of the window", summary)
-    assert share and 0 < float(share.group(2)) < 100, summary
+    assert share and float(share.group(1)) > 0 and float(share.group(2)) < 100, summary
   assert "XLA " in summary
   tiny_config.trainer.profiler = False
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "off")
