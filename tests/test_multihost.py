@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, read_metrics, train_losses
+from conftest import REPO, read_metrics, train_losses, xla_flags
 from test_main import NANO, TINY
 
 STEPS = ["--config.trainer.batch_size=8", "--config.trainer.num_train_steps=5",
@@ -24,8 +24,7 @@ def free_address() -> str:
 
 def start(workdir, devices: int, *flags, module="levanter_flax.main", env=(),
           **distributed) -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-         **dict(env)}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **dict(env)}
   extra = [f"--config.trainer.distributed.{k}={v}" for k, v in distributed.items()]
   return subprocess.Popen([sys.executable, "-m", module, f"--config={NANO}",
                            f"--workdir={workdir}", *TINY, *STEPS, *flags, *extra], cwd=REPO,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, xla_flags
 from levanter_flax import models
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
@@ -96,7 +96,7 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   """Trained on 8 devices, sampled on a machine with one."""
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  one_device = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  one_device = {**os.environ, "XLA_FLAGS": xla_flags(1)}
   result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
                            "--prompt=def ", "--prompt=import os", "--max_new_tokens=6",
                            "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,
