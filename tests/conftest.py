@@ -69,8 +69,8 @@ def tiny_config(data_cache):
   config.trainer.checkpoint_every_steps = 5
   config.optimizer.warmup_steps = 2
   config.data.cache_dir = str(data_cache)
-  # One reader group: each of the default 8 decodes its own shard before the first batch, 1.4 s
-  # per run here. Tests of the default set it back to 0.
+  # One reader group: each of the default 8 builds and traces its own pipeline and decodes its
+  # own shard before the first batch. Tests of the default set it back to 0.
   config.data.reader_groups = 1
   return config
 
