@@ -28,6 +28,8 @@ setuptools.setup(
         # prepare's Parquet (FineWeb, DCLM, The Stack) and .zst (The Pile, Dolma) sources: most
         # corpora ship so; pyarrow also comes with tensorflow-datasets.
         "pyarrow>=15",
+        # Each shard's token checksum (written by prepare, checked as the loader decodes it).
+        "google-crc32c>=1.5,<2",
         "zstandard>=0.22",
         # Hugging Face checkpoints: trainer.init_from_hf and export_hf.
         "safetensors>=0.4,<1",

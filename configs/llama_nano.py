@@ -20,7 +20,7 @@ def get_config():
   config.trainer.num_train_steps = 300
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 100
-  config.trainer.eval_batches = 4
+  config.trainer.eval_tokens = 131072
   config.trainer.checkpoint_every_steps = 100
 
   config.optimizer.learning_rate = 3e-3

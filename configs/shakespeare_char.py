@@ -27,8 +27,8 @@ def get_config():
   config.trainer.cpu_devices = 2
   config.trainer.num_train_steps = 2000
   config.trainer.log_every_steps = 10
-  config.trainer.eval_every_steps = 250  # nanoGPT's eval_interval, over 20 batches (eval_iters).
-  config.trainer.eval_batches = 20
+  config.trainer.eval_every_steps = 250  # nanoGPT's eval_interval.
+  config.trainer.eval_tokens = 20 * 12 * 64  # nanoGPT's eval_iters x batch_size x block_size.
   config.trainer.checkpoint_every_steps = 2000
 
   config.optimizer.learning_rate = 1e-3

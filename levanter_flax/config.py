@@ -30,7 +30,7 @@ class TrainerConfig:
   num_train_steps: int
   log_every_steps: int
   eval_every_steps: int
-  eval_batches: int
+  eval_tokens: int | str  # Or "all".
   checkpoint_every_steps: int
   keep_checkpoints: int
   seed: int
@@ -59,7 +59,7 @@ class TrainerConfig:
 
   def __post_init__(self):
     checks.positive(self, "trainer", (
-        "batch_size", "num_train_steps", "log_every_steps", "eval_every_steps", "eval_batches",
+        "batch_size", "num_train_steps", "log_every_steps", "eval_every_steps", "eval_tokens",
         "checkpoint_every_steps", "keep_checkpoints", "gradient_accumulation_steps",
         "max_consecutive_skipped_steps", "profiler_start_step", "profiler_num_steps"))
     checks.ranges(self, "trainer", {
@@ -129,7 +129,10 @@ def default_config() -> ml_collections.ConfigDict:
   config.trainer.num_train_steps = 10_000
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 500
-  config.trainer.eval_batches = 8
+  # The eval set: this many tokens' worth of seq_len windows, spread evenly over the whole
+  # validation split (of each source), the same at every eval whatever the batch layout;
+  # "all": every window of the split (held in host memory). Its standard error is logged.
+  config.trainer.eval_tokens = ml_collections.FieldReference(1 << 20, field_type=object)
   config.trainer.checkpoint_every_steps = 500
   config.trainer.keep_checkpoints = 3  # The newest ones, temporary ones included.
   # Also save every this many minutes (0: never), at the next log step;
@@ -351,10 +354,13 @@ def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
   return tuple(entries)
 
 
-def _batch_size(key: str, value: Any) -> int | str:
-  if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
-    return value
-  raise UserError(f"config key {key} must be a positive int or 'auto'; got {value!r}")
+def _int_or(word: str):
+  """A converter for keys that take a positive int or `word`."""
+  def convert(key: str, value: Any) -> int | str:
+    if value == word or (isinstance(value, int) and not isinstance(value, bool)):
+      return value
+    raise UserError(f"config key {key} must be a positive int or {word!r}; got {value!r}")
+  return convert
 
 
 def _remat(key: str, value: Any) -> str:
@@ -397,7 +403,8 @@ def _device_ids(key: str, value: Any) -> tuple[int, ...]:
 
 
 _CONVERTERS = {
-    "trainer.batch_size": _batch_size,
+    "trainer.batch_size": _int_or("auto"),
+    "trainer.eval_tokens": _int_or("all"),
     "trainer.distributed": _distributed,
     "trainer.distributed.local_device_ids": _device_ids,
     "model.remat": _remat,
@@ -431,10 +438,18 @@ def _model_section(config: ml_collections.ConfigDict):
   return _fields(models.FAMILIES[architecture].config, section, "model")
 
 
+# Keys that were replaced: what to set instead.
+_REPLACED = {"trainer.eval_batches": "config.trainer.eval_tokens, the eval set's size in tokens "
+                                     "(or 'all'), whatever the batch size"}
+
+
 def _fields(cls, section: ml_collections.ConfigDict, path: str):
   """`cls` from the keys of `section`, each checked; `path` names it in errors ("trainer")."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in section.keys():
+    if f"{path}.{key}" in _REPLACED:
+      raise UserError(f"config key config.{path}.{key} was replaced: set "
+                      f"{_REPLACED[f'{path}.{key}']}")
     if key not in fields:
       raise UserError(f"unknown config key config.{path}.{key}")
   hints = typing.get_type_hints(cls)

@@ -33,13 +33,15 @@ def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
                             block_size: int) -> jax.Array:
-  """Mean cross-entropy of logits = hidden @ embedding.T, one vocabulary block at a time.
+  """Cross-entropy of each label under logits = hidden @ embedding.T, one vocabulary block at
+  a time; labels' shape.
 
   A scan keeps a running max and sum of exponentials per token (an online
   logsumexp). Its body is checkpointed, so the backward pass recomputes each
   block's logits too: neither pass ever holds [tokens, vocab] floats, only
   [tokens, block_size]. Logits are float32, as in the plain loss.
   """
+  shape = labels.shape
   hidden = hidden.reshape(-1, hidden.shape[-1])
   labels = labels.reshape(-1)
   vocab_size = embedding.shape[0]
@@ -61,7 +63,7 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   start = (jnp.full(labels.shape, -jnp.inf, jnp.float32), jnp.zeros(labels.shape, jnp.float32))
   (running_max, running_sum), _ = jax.lax.scan(add_block, start, (jnp.arange(num_blocks), blocks))
   label_logits = jnp.einsum("nd,nd->n", hidden, embedding[labels].astype(hidden.dtype))
-  return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).mean()
+  return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).reshape(shape)
 
 
 def next_token_loss(model: nn.Module, params, tokens: jax.Array,
@@ -87,22 +89,29 @@ def objective(model: nn.Module, params, tokens: jax.Array,
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
   attention within it, positions from 0.
   """
+  losses, sown = _token_losses(model, params, tokens, eos_id)
+  auxiliary = _sown_losses(sown)
+  loss = losses.mean()
+  total = loss + sum(getattr(model.config, f"{name}_coef") * value
+                     for name, value in auxiliary.items())
+  return total, {"loss": loss, **auxiliary}
+
+
+def _token_losses(model: nn.Module, params, tokens: jax.Array,
+                  eos_id: int | None) -> tuple[jax.Array, Any]:
+  """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
+  what the model sowed)."""
   block_size = model.config.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
                             mutable=["losses"])
   if block_size:
     hidden, sown = apply(return_hidden=True)
-    loss = blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
-                                   block_size)
-  else:
-    logits, sown = apply()
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
-  auxiliary = _sown_losses(sown)
-  total = loss + sum(getattr(model.config, f"{name}_coef") * value
-                     for name, value in auxiliary.items())
-  return total, {"loss": loss, **auxiliary}
+    return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
+                                   block_size), sown
+  logits, sown = apply()
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1].astype(jnp.float32), tokens[:, 1:]), sown
 
 
 def _sown_losses(sown) -> Metrics:
@@ -177,9 +186,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
   return train_step
 
 
-def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any, Batch], Metrics]:
+def make_eval_step(model: nn.Module,
+                   eos_id: int | None = None) -> Callable[[Any, Batch], jax.Array]:
+  """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
+  the windows of its eval set, leaving out the rows that only pad the last batch."""
   def eval_step(params, batch: Batch):
-    return {"eval/loss": next_token_loss(model, params, batch["tokens"], eos_id)}
+    return _token_losses(model, params, batch["tokens"], eos_id)[0].mean(axis=1)
   return eval_step
 
 
@@ -191,7 +203,7 @@ class ShardedSteps:
   batch_sharding: jax.sharding.NamedSharding
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
-  eval_step: Callable[[Any, Batch], Metrics]
+  eval_step: Callable[[Any, Batch], jax.Array]
   unmatched_params: frozenset[str]  # Those no partition rule matches.
 
   def layout_table(self) -> str:

@@ -4,7 +4,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import time
 from typing import Optional
 
@@ -18,7 +17,7 @@ from levanter_flax import (batch_search, config, flops, hf, locks, metrics, mode
                            optim, partitioning, paths, preemption, report, step)
 from levanter_flax.checkpoint import Cadence, Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
-from levanter_flax.data import loader
+from levanter_flax.data import eval_set, loader
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
 
@@ -286,32 +285,30 @@ def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
 
 
 def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loader.Source]):
-  """params -> eval/loss, eval/perplexity and eval/bits_per_byte, per source for a mixture."""
+  """params -> eval/loss, its standard error, perplexity, bits per byte and the tokens scored,
+  per source for a mixture. Each source's eval set is read now, before training."""
   evaluated = [s for s in sources if s.has_validation]
   if not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
+  eval_sets = [eval_set.build(source, seq_len=run.model.seq_len,
+                              eval_tokens=run.trainer.eval_tokens,
+                              vocab_size=run.model.vocab_size,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count()) for source in evaluated]
   # Microbatch-sized: what fits in memory for training fits for eval.
   batch_size = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
-  datasets = [loader.eval_dataset(
-      source, seq_len=run.model.seq_len, num_batches=run.trainer.eval_batches,
-      local_batch_size=batch_size // jax.process_count(),
-      groups=_reader_groups(run, batch_size)) for source in evaluated]
 
   def evaluate(params) -> dict[str, float]:
     results = {}
-    for source, dataset in zip(evaluated, datasets):
-      batches = loader.eval_batches(dataset, source, steps.batch_sharding,
-                                     run.model.vocab_size)
-      losses = [steps.eval_step(params, batch) for batch in batches]
-      if not losses:
-        raise UserError(f"eval: the validation split of {source.directory} holds no whole batch "
-                        f"of {run.model.seq_len}-token windows although its manifest lists "
-                        f"documents: its shards are empty or unreadable")
-      loss = _mean(losses)["eval/loss"]
-      prefix = "eval" if len(sources) == 1 else f"eval/{source.name}"
-      bits_per_byte = loss / np.log(2) * source.validation_tokens_per_byte
-      results |= {f"{prefix}/loss": loss, f"{prefix}/perplexity": float(np.exp(loss)),
-                  f"{prefix}/bits_per_byte": float(bits_per_byte)}
+    for windows in eval_sets:
+      loss, stderr = eval_set.evaluate(windows, steps.eval_step, params, batch_size,
+                                       steps.batch_sharding)
+      prefix = "eval" if len(sources) == 1 else f"eval/{windows.source.name}"
+      bits_per_byte = loss / np.log(2) * windows.source.validation_tokens_per_byte
+      results |= {f"{prefix}/loss": loss, f"{prefix}/loss_stderr": stderr,
+                  f"{prefix}/perplexity": float(np.exp(loss)),
+                  f"{prefix}/bits_per_byte": float(bits_per_byte),
+                  f"{prefix}/tokens": float(windows.scored_tokens)}
     if len(sources) > 1 and evaluated:
       weights = [s.weight for s in evaluated]
       results["eval/loss"] = float(np.average([results[f"eval/{s.name}/loss"] for s in evaluated],
@@ -320,11 +317,10 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   return evaluate
 
 
-def _reader_groups(run: RunConfig, batch_size: int = 0) -> loader.ReaderGroups:
-  """This process's reader groups; for a `batch_size` they do not divide (an eval batch of one
-  microbatch), the most groups that do."""
-  count = math.gcd(run.data.reader_groups, batch_size) if batch_size else run.data.reader_groups
-  return loader.ReaderGroups.of_process(count, jax.process_index(), jax.process_count())
+def _reader_groups(run: RunConfig) -> loader.ReaderGroups:
+  """This process's reader groups."""
+  return loader.ReaderGroups.of_process(run.data.reader_groups, jax.process_index(),
+                                        jax.process_count())
 
 
 def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,

@@ -65,7 +65,7 @@ def tiny_config(data_cache):
   config.trainer.num_train_steps = 10
   config.trainer.log_every_steps = 1
   config.trainer.eval_every_steps = 5
-  config.trainer.eval_batches = 2
+  config.trainer.eval_tokens = 1024
   config.trainer.checkpoint_every_steps = 5
   config.optimizer.warmup_steps = 2
   config.data.cache_dir = str(data_cache)

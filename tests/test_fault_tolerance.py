@@ -21,7 +21,7 @@ from conftest import REPO, prepare_texts, random_documents, read_metrics, train_
 from levanter_flax import report
 from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
 from levanter_flax.config import mesh, to_run_config
-from levanter_flax.data import loader
+from levanter_flax.data import eval_set
 from levanter_flax.data.prepare import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
@@ -423,7 +423,7 @@ def test_damaged_validation_shards_stop_the_run_before_it_trains(tiny_config, tm
 def test_a_failing_eval_does_not_cost_the_steps_checkpoint(tiny_config, tmp_path, monkeypatch):
   def failing_eval(*args, **kwargs):
     raise UserError("eval failed")
-  monkeypatch.setattr(loader, "eval_batches", failing_eval)
+  monkeypatch.setattr(eval_set, "evaluate", failing_eval)
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.eval_every_steps = 2
   tiny_config.trainer.checkpoint_every_steps = 2

@@ -270,7 +270,7 @@ def tiny_llama(data_cache):
   config.model.seq_len, config.model.num_layers = 64, 2
   config.model.hidden_dim, config.model.intermediate_dim = 64, 128
   config.trainer.batch_size, config.trainer.num_train_steps = 8, 1
-  config.trainer.eval_batches = 1
+  config.trainer.eval_tokens = 512
   config.data.cache_dir = str(data_cache)
   return config
 

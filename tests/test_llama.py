@@ -126,7 +126,7 @@ def tiny_llama(data_cache):
   config.trainer.batch_size = 8
   config.trainer.log_every_steps = 1
   config.trainer.eval_every_steps = 1000
-  config.trainer.eval_batches = 1
+  config.trainer.eval_tokens = 512
   config.optimizer.warmup_steps = 2
   config.data.cache_dir = str(data_cache)
   return config

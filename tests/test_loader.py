@@ -1,4 +1,5 @@
 """The tf.data loader: exact packing, seeding, per-process shards, mixtures, resume and corruption."""
+import json
 import pathlib
 import shutil
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import prepare_texts, random_documents
-from levanter_flax.data import DataConfig, loader, prepare, schedule, tfrecord
+from levanter_flax.data import DataConfig, eval_set, loader, prepare, schedule, tfrecord
 from levanter_flax.errors import UserError
 
 SEQ_LEN = 16
@@ -226,6 +227,44 @@ def test_shards_of_another_token_dtype_are_refused(datasets, tmp_path):
       next(batches)
 
 
+def reverse_each_document(path: pathlib.Path) -> None:
+  """Other tokens, the same counts: what a shard of another dataset looks like to them."""
+  documents = list(tfrecord.read_shard(str(path), "uint16"))
+  path.unlink()
+  with tfrecord.ShardWriter(path, "uint16") as writer:
+    for document in documents:
+      writer.write(document[::-1])
+
+
+def test_a_shard_of_other_data_with_the_same_counts_is_refused(datasets, tmp_path):
+  directory, entry = damaged_copy(datasets[0], tmp_path / "other", reverse_each_document)
+  with pytest.raises(UserError, match=f"train shard {directory / entry['file']} is not the one "
+                                      f"its manifest lists: its tokens' CRC32C is \\d+, the "
+                                      f"manifest's {entry['tokens_crc32c']}"):
+    batches = train_batches(directory, "fail")
+    for _ in range(epoch_length(directory) // 4 + 1):
+      next(batches)
+  validation = prepare.load_manifest(directory)["splits"]["validation"][0]
+  reverse_each_document(directory / validation["file"])
+  with pytest.raises(UserError, match=f"validation shard {directory / validation['file']} is not "
+                                      f"the one its manifest lists"):
+    eval_set.build(source(directory), seq_len=SEQ_LEN, eval_tokens="all", vocab_size=257,
+                   process_index=0, process_count=1)
+
+
+def test_a_manifest_from_before_checksums_still_reads(datasets, tmp_path):
+  directory = tmp_path / "old"
+  shutil.copytree(datasets[0], directory)
+  manifest = json.loads((directory / "manifest.json").read_text())
+  for split in manifest["splits"].values():
+    for entry in split:
+      del entry["tokens_crc32c"]
+  (directory / "manifest.json").write_text(json.dumps(manifest))
+  next(train_batches(directory, "fail"))
+  eval_set.build(source(directory), seq_len=SEQ_LEN, eval_tokens="all", vocab_size=257,
+                 process_index=0, process_count=1)
+
+
 def with_a_bad_record(record: bytes):
   """A damage: the shard's last document replaced by `record`."""
   def damage(path: pathlib.Path) -> None:
@@ -240,7 +279,7 @@ def with_a_bad_record(record: bytes):
 
 NOT_AN_EXAMPLE = b"\x00not a tf.train.Example"
 # An Example whose token bytes are odd in number: no whole uint16 tokens.
-HALF_A_TOKEN = tfrecord._example(np.array([1], np.uint8), "uint8")  # pylint: disable=protected-access
+HALF_A_TOKEN = tfrecord._example(b"\x01")  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("record", [NOT_AN_EXAMPLE, HALF_A_TOKEN], ids=["not_an_example",
@@ -261,15 +300,15 @@ def test_token_ids_outside_the_vocabulary_are_named(datasets):
     next(train_batches(datasets[0], "fail", vocab_size=200))
 
 
-def test_eval_windows_are_the_validation_stream_in_order(datasets):
+def test_the_whole_eval_set_is_the_validation_stream_cut_into_windows(datasets):
   validation = source(datasets[0])
   manifest = validation.manifest
   stream = np.concatenate([np.append(doc, 256) for f in validation.files("validation")
                            for doc in tfrecord.read_shard(f, manifest["token_dtype"])])
-  batches = list(loader.eval_dataset(validation, seq_len=SEQ_LEN, local_batch_size=4,
-                                     num_batches=3).as_numpy_iterator())
-  windows = np.concatenate([b["tokens"] for b in batches]).reshape(-1)
-  np.testing.assert_array_equal(windows, stream[:len(windows)])
+  windows = stream[:len(stream) // SEQ_LEN * SEQ_LEN].reshape(-1, SEQ_LEN)
+  shares = [eval_set.build(validation, seq_len=SEQ_LEN, eval_tokens="all", vocab_size=257,
+                           process_index=i, process_count=2).windows for i in range(2)]
+  np.testing.assert_array_equal(np.concatenate(shares), windows)
   assert validation.validation_tokens_per_byte == pytest.approx(
       len(stream) / sum(s["num_text_bytes"] for s in manifest["splits"]["validation"]))
 
@@ -287,13 +326,10 @@ def test_the_train_stream_has_no_python_generator_dataset(datasets):
   assert "EagerPyFunc" in ops and "GeneratorDataset" not in ops
 
 
-def test_the_pipelines_run_without_autotuning(datasets):
+def test_the_train_pipeline_runs_without_autotuning(datasets):
   """tf.data's autotuning thread held each iterator's teardown for up to its optimization period,
   which backs off to a minute: 2,000-step runs exited 5-25 s after their last step (seen in a
   native stack: ~RootDataset::Iterator waiting on its thread)."""
   train = loader.train_dataset([source(datasets[0])], seq_len=SEQ_LEN, local_batch_size=2, seed=0,
                                position=loader.DataPosition(0, {"train": 0}))
-  evaluated = loader.eval_dataset(source(datasets[0]), seq_len=SEQ_LEN, local_batch_size=2,
-                                  num_batches=1)
   assert train.options().autotune.enabled is False
-  assert evaluated.options().autotune.enabled is False

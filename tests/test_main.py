@@ -9,7 +9,7 @@ from conftest import REPO, read_metrics
 
 NANO = str(REPO / "configs" / "gpt2_nano.py")
 TINY = ["--config.model.seq_len=64", "--config.model.num_layers=1", "--config.model.hidden_dim=64",
-        "--config.trainer.log_every_steps=1", "--config.trainer.eval_batches=1"]
+        "--config.trainer.log_every_steps=1", "--config.trainer.eval_tokens=512"]
 
 
 def run_main(*args, cwd=REPO):

@@ -53,6 +53,10 @@ def one_process(workdir, *flags) -> str:
   return finish(start(workdir, 4, *flags))[0]
 
 
+def eval_losses(workdir) -> dict[int, float]:
+  return {m["step"]: m["eval/loss"] for m in read_metrics(workdir) if "eval/loss" in m}
+
+
 def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, tmp_path):
   """1 x 4 devices -> 2 x 2 and back, with the default reader groups: one uninterrupted stream."""
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
@@ -69,6 +73,10 @@ def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, t
     assert sorted(got) == [1, 2, 3, 4, 5, 6], run  # Process 0 alone writes metrics: once each.
     for step in expected:
       assert got[step] == pytest.approx(expected[step], abs=1e-5), (run, step)
+    # The same eval set however many processes hold its shares.
+    assert sorted(eval_losses(tmp_path / run)) == [3, 6], run
+    assert eval_losses(tmp_path / run) == pytest.approx(eval_losses(tmp_path / "straight"),
+                                                        abs=1e-5), run
     assert [m["run/started_at_step"] for m in read_metrics(tmp_path / run)
             if "run/started_at_step" in m] == [0, 3]
   assert "logging_writer" not in second and "Finished in" not in second  # Process 1 is quiet.

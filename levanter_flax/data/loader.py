@@ -12,9 +12,9 @@ arrays sharded over the activation axis and tracks the position.
 import collections
 import dataclasses
 import functools
-import re
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+import google_crc32c
 import jax
 import numpy as np
 from absl import logging
@@ -171,21 +171,20 @@ def load_sources(cfg: DataConfig) -> list[Source]:
   return sources
 
 
-def _parse_with_eos(manifest: dict):
-  """A serialized record -> its document's tokens with EOS appended."""
-  dtype, eos = manifest["token_dtype"], manifest["tokenizer"]["eos_id"]
-  return lambda record: tf.concat([tfrecord.parse_tokens(record, dtype), [eos]], axis=0)
-
-
 # Records parsed per op while a shard is decoded: one op per document made a 1M-token shard
 # take 1.3 s of CPU to decode, which on a small CPU run competes with the train step.
 _RECORDS_PER_DECODE = 4096
 
 
-def _decode_shard(path, manifest: dict):
-  """(every readable document of a shard joined, EOS after each; the documents read).
+class DecodedShard(NamedTuple):
+  """A shard as read (tf tensors)."""
+  tokens: Any  # int32: every readable document, EOS after each.
+  records: Any  # The documents read.
+  token_bytes: Any  # Their raw token bytes joined, as the manifest's checksum covers them.
 
-  Unreadable records end the shard early rather than the run, and a batch of
+
+def decode_shard(path, manifest: dict) -> DecodedShard:
+  """Unreadable records end the shard early rather than the run, and a batch of
   records with one that does not parse, or whose bytes are not whole tokens,
   is left out: the counts then differ from the manifest, which the caller
   checks. The documents' bytes are joined and decoded in one op.
@@ -205,11 +204,12 @@ def _decode_shard(path, manifest: dict):
       (tf.TensorArray(tf.string, size=0, dynamic_size=True, element_shape=[]),
        tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False,
                       element_shape=[None])), add)
-  tokens = tf.io.decode_raw(tf.strings.reduce_join(joined.stack()), dtype, little_endian=True)
+  token_bytes = tf.strings.reduce_join(joined.stack())
+  tokens = tf.io.decode_raw(token_bytes, dtype, little_endian=True)
   lengths = lengths.concat()
   documents = tf.RaggedTensor.from_row_lengths(tf.cast(tokens, tf.int32), lengths)
   with_eos = tf.concat([documents, tf.fill([tf.size(lengths), 1], eos)], axis=1)
-  return with_eos.flat_values, tf.size(lengths)
+  return DecodedShard(with_eos.flat_values, tf.size(lengths), token_bytes)
 
 
 def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "ShardCheck",
@@ -222,9 +222,9 @@ def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "Shard
   files = tf.constant(files)
 
   def load(shard, seed, skip):
-    stream, records = _decode_shard(tf.gather(files, shard), manifest)
+    stream, records, token_bytes = decode_shard(tf.gather(files, shard), manifest)
     intact = tf.py_function(functools.partial(check, source_index),
-                            [shard, records, tf.size(stream)], tf.bool)
+                            [shard, records, tf.size(stream), token_bytes], tf.bool)
     num_windows = tf.where(intact, tf.shape(stream)[0] // seq_len, 0)
     windows = tf.reshape(stream[:num_windows * seq_len], [num_windows, seq_len])
     windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
@@ -252,13 +252,13 @@ class ShardCheck:
     self.error: Optional[UserError] = None
     self._damaged: set[tuple[int, int]] = set()
 
-  def __call__(self, source_index: int, shard, records, tokens) -> bool:
+  def __call__(self, source_index: int, shard, records, tokens, token_bytes) -> bool:
     """Whether the shard decoded to what the manifest says."""
-    source, shard, records, tokens = (self._sources[source_index], int(shard), int(records),
-                                      int(tokens))
+    source, shard = self._sources[source_index], int(shard)
     entry = source.manifest["splits"]["train"][shard]
-    problem = _decode_mismatch(entry, records, tokens, source.directory / entry["file"], "train",
-                               source.manifest["token_dtype"])
+    problem = decode_mismatch(entry, int(records), int(tokens), token_bytes.numpy(),
+                              source.directory / entry["file"], "train",
+                              source.manifest["token_dtype"])
     if not problem:
       return True
     if self._policy == "fail":
@@ -283,18 +283,25 @@ class ShardCheck:
                                f"{group} reads is damaged: nothing is left to train on")
 
 
-def _decode_mismatch(entry: dict, records: int, tokens: int, path, split: str, dtype: str) -> str:
-  """'' if a shard decoded to the records and tokens (EOS included) its manifest entry lists."""
+def decode_mismatch(entry: dict, records: int, tokens: int, token_bytes: bytes, path, split: str,
+                    dtype: str) -> str:
+  """'' if a shard decoded to the records, tokens (EOS included) and token checksum its
+  manifest entry lists (datasets prepared before checksums list none)."""
   expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
-  if (records, tokens) == expected:
-    return ""
-  # Shards of another token dtype decode to twice or half the tokens, EOS aside.
-  other_dtype = records == expected[0] and tokens - records in (2 * entry["num_tokens"],
-                                                                entry["num_tokens"] / 2)
-  return (f"damaged {split} shard {path}: it decodes to {records} records and {tokens} tokens "
-          f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
-          + (f"; were its tokens written with another dtype than the manifest's {dtype}?"
-             if other_dtype else ""))
+  if (records, tokens) != expected:
+    # Shards of another token dtype decode to twice or half the tokens, EOS aside.
+    other_dtype = records == expected[0] and tokens - records in (2 * entry["num_tokens"],
+                                                                  entry["num_tokens"] / 2)
+    return (f"damaged {split} shard {path}: it decodes to {records} records and {tokens} tokens "
+            f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
+            + (f"; were its tokens written with another dtype than the manifest's {dtype}?"
+               if other_dtype else ""))
+  checksum = entry.get("tokens_crc32c")
+  if checksum is not None and google_crc32c.value(token_bytes) != checksum:
+    return (f"{split} shard {path} is not the one its manifest lists: its tokens' CRC32C is "
+            f"{google_crc32c.value(token_bytes)}, the manifest's {checksum} (the same counts, "
+            f"other tokens: a shard of other data, or damaged)")
+  return ""
 
 
 def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
@@ -416,55 +423,6 @@ def _concat_groups(batches: list["tf.data.Dataset"]) -> "tf.data.Dataset":
       lambda *parts: {k: tf.concat([p[k] for p in parts], axis=0) for k in parts[0]})
 
 
-@_as_written
-def eval_dataset(source: Source, *, seq_len: int, local_batch_size: int, num_batches: int,
-                 groups: ReaderGroups = ONE_GROUP) -> "tf.data.Dataset":
-  """The same `num_batches` validation batches, in order, every time it is iterated.
-
-  The validation shards it reads are checked against the manifest first:
-  damage there always stops the run, as an eval over other data is not
-  comparable with the evals before it.
-  """
-  rows = groups.rows_per_group(local_batch_size, "the eval batch")
-  _check_validation_shards(source, tokens_needed=num_batches * rows * groups.count * seq_len)
-  return _concat_groups([_eval_windows(source, seq_len, g, groups.count).batch(
-      rows, drop_remainder=True).map(lambda tokens: {"tokens": tokens})
-                         for g in groups.mine]).take(num_batches).with_options(_pipeline_options())
-
-
-def _check_validation_shards(source: Source, tokens_needed: int) -> None:
-  """Decodes, once, the validation shards that hold the first `tokens_needed` tokens, and
-  compares their records and tokens with the manifest."""
-  # In a graph, as in the train stream: eagerly, an empty TensorArray cannot be concatenated.
-  decode = tf.function(functools.partial(_decode_shard, manifest=source.manifest),
-                       autograph=False)
-  tokens_before = 0
-  for entry, path in zip(source.manifest["splits"]["validation"], source.files("validation")):
-    if tokens_before > tokens_needed:
-      return
-    stream, records = decode(tf.constant(path))  # A tensor: one trace for every shard.
-    problem = _decode_mismatch(entry, int(records), int(tf.size(stream)), path, "validation",
-                               source.manifest["token_dtype"])
-    if problem:
-      raise UserError(f"{problem}; prepare the data again (damaged validation shards always "
-                      f"stop the run: an eval over other data would not compare)")
-    tokens_before += entry["num_tokens"] + entry["num_documents"]
-
-
-def _eval_windows(source: Source, seq_len: int, group: int, num_groups: int) -> "tf.data.Dataset":
-  """One reader group's validation documents (every num_groups-th), cut into windows."""
-  records = tf.data.TFRecordDataset(source.files("validation"))
-  stream = records.shard(num_groups, group).map(_parse_with_eos(source.manifest))
-
-  def cut(tail, tokens):
-    """Carries the unfinished tail from one document to the next: work per document, not token."""
-    joined = tf.concat([tail, tokens], axis=0)
-    num_windows = tf.shape(joined)[0] // seq_len
-    windows = tf.reshape(joined[:num_windows * seq_len], [num_windows, seq_len])
-    return joined[num_windows * seq_len:], windows
-  return stream.repeat().scan(tf.zeros([0], tf.int32), cut).unbatch()
-
-
 def global_arrays(local_batches: Iterator[tuple[dict, object]], sharding: jax.sharding.Sharding,
                   ahead: int = _DEVICE_PREFETCH) -> Iterator[tuple[dict, object]]:
   """(per-process numpy batch, tag) -> (global jax.Arrays, tag), `ahead` batches in flight.
@@ -480,22 +438,6 @@ def global_arrays(local_batches: Iterator[tuple[dict, object]], sharding: jax.sh
       yield queue.popleft()
   while queue:
     yield queue.popleft()
-
-
-def eval_batches(dataset: "tf.data.Dataset", source: Source, sharding: jax.sharding.Sharding,
-                 vocab_size: int) -> Iterator[dict]:
-  def checked(numpy_batches):
-    for batch in numpy_batches:
-      _check_token_ids(batch["tokens"], vocab_size,
-                       lambda rows: {f"{source.directory} (validation)"})
-      yield batch, None
-  try:
-    for arrays, _ in global_arrays(checked(dataset.as_numpy_iterator()), sharding):
-      yield arrays
-  except tf.errors.DataLossError as e:
-    reason = re.sub(r"\{\{.*?\}\}\s*", "", e.message).split("[")[0].strip()  # TF's node names.
-    raise UserError(f"corrupt TFRecord in the validation split of {source.directory}: "
-                    f"{reason}") from None
 
 
 class TrainBatches:
@@ -537,7 +479,7 @@ class TrainBatches:
     for batch in self._batches_one_by_one():
       if self._check.error:  # Found while reading ahead: stop now, not when it is reached.
         raise self._check.error
-      _check_token_ids(batch["tokens"], self._vocab_size,
+      check_token_ids(batch["tokens"], self._vocab_size,
                        lambda rows: {str(self._sources[i].directory)
                                      for i in batch["source"][rows]})
       # Every group draws the same sources in the same order, so the counts split evenly.
@@ -554,7 +496,7 @@ class TrainBatches:
         yield {key: value[i] for key, value in block.items()}
 
 
-def _check_token_ids(tokens: np.ndarray, vocab_size: int, datasets_of) -> None:
+def check_token_ids(tokens: np.ndarray, vocab_size: int, datasets_of) -> None:
   """Refuses ids outside [0, vocab_size): they would surface as a non-finite loss."""
   low, high = int(tokens.min()), int(tokens.max())
   if low >= 0 and high < vocab_size:

@@ -103,7 +103,8 @@ def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str,
   done = {"stats": dataclasses.asdict(stats)}
   for split, writer in (("train", train), ("validation", val)):
     done[split] = {"file": writer.path.name, "num_documents": writer.num_documents,
-                   "num_tokens": writer.num_tokens, "num_text_bytes": text_bytes[split]}
+                   "num_tokens": writer.num_tokens, "num_text_bytes": text_bytes[split],
+                   "tokens_crc32c": writer.tokens_crc32c}
   _write_json_atomically(directory / _done_name(index, num_shards), done)
   return done
 
@@ -441,6 +442,8 @@ def _manifest_problem(manifest: dict) -> str:
     for i, shard in enumerate(splits[split]):
       if problem := _lacks(shard, f"splits.{split}[{i}]", _SHARD_FIELDS):
         return problem
+      if not isinstance(shard.get("tokens_crc32c", 0), int):  # Absent before checksums.
+        return f"splits.{split}[{i}] has a tokens_crc32c that is not an integer"
   return ""
 
 

@@ -7,6 +7,7 @@ tf.io.decode_raw, which keeps the loader cheap.
 import os
 from typing import Iterator
 
+import google_crc32c
 import numpy as np
 from etils import epath
 
@@ -20,9 +21,12 @@ def token_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
-def _example(tokens: np.ndarray, dtype: str) -> bytes:
+def _raw(tokens: np.ndarray, dtype: str) -> bytes:
+  return np.asarray(tokens).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def _example(raw: bytes) -> bytes:
   tf = import_tensorflow()
-  raw = np.asarray(tokens).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
   feature = tf.train.Feature(bytes_list=tf.train.BytesList(value=[raw]))
   return tf.train.Example(features=tf.train.Features(feature={FEATURE: feature})).SerializeToString()
 
@@ -33,20 +37,26 @@ class ShardWriter:
   A killed writer leaves at most a `.tmp-<pid>` file, never a partial shard
   under its final name. On gs:// an object appears only when its upload
   completes, so the shard is written under its final name.
+
+  `tokens_crc32c` is the CRC32C of every document's raw token bytes in order,
+  which the loader checks as it decodes the shard: a shard of other data
+  with the same counts is told apart.
   """
 
   def __init__(self, path: epath.Path, dtype: str):
     self.path, self._dtype = path, dtype
     self._tmp_path = path if paths.is_remote(path) else path.with_name(
         f"{path.name}.tmp-{os.getpid()}")
-    self.num_documents = self.num_tokens = 0
+    self.num_documents = self.num_tokens = self.tokens_crc32c = 0
 
   def __enter__(self) -> "ShardWriter":
     self._writer = import_tensorflow().io.TFRecordWriter(str(self._tmp_path))
     return self
 
   def write(self, tokens: np.ndarray) -> None:
-    self._writer.write(_example(tokens, self._dtype))
+    raw = _raw(tokens, self._dtype)
+    self._writer.write(_example(raw))
+    self.tokens_crc32c = google_crc32c.extend(self.tokens_crc32c, raw)
     self.num_documents += 1
     self.num_tokens += len(tokens)
 

@@ -1,0 +1,172 @@
+"""The eval set: a fixed list of windows spread evenly over a source's whole validation split.
+
+The validation split is read as one stream, its shards in manifest order and
+each document followed by EOS (as the train stream joins them), cut into
+seq_len windows. The eval set is `num_windows` of them at an even stride, so it
+samples every part of the split, and it depends on the data, seq_len and its
+size alone: not on the batch size, accumulation, reader groups or process
+count. Every eval scores the same windows, so curves and sweeps compare.
+
+Each process holds a contiguous share of the set and decodes only the shards
+under it; a global eval batch is every process's next rows, the last one
+padded with rows that are scored and then left out.
+"""
+import dataclasses
+import functools
+import math
+from typing import Iterator
+
+import jax
+import numpy as np
+from absl import logging
+
+from levanter_flax.data import import_tensorflow, loader
+from levanter_flax.errors import UserError
+
+tf = import_tensorflow()
+
+
+def spread(total: int, count: int) -> np.ndarray:
+  """`count` of the indices 0..total-1 at an even stride, each in the middle of its stretch."""
+  return ((np.arange(count) + 0.5) * total / count).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+  """This process's share of one source's eval set: windows int32[share, seq_len]."""
+  source: loader.Source
+  num_windows: int  # In the whole set, every process's share.
+  windows: np.ndarray
+  process_index: int
+  process_count: int
+
+  @property
+  def scored_tokens(self) -> int:
+    """Tokens the set predicts: every window's but its first."""
+    return self.num_windows * (self.windows.shape[1] - 1)
+
+  def _share_sizes(self) -> np.ndarray:
+    return np.array([len(s) for s in np.array_split(np.arange(self.num_windows),
+                                                      self.process_count)])
+
+  def num_batches(self, batch_size: int) -> int:
+    return -(-int(self._share_sizes().max()) // (batch_size // self.process_count))
+
+  def local_batches(self, batch_size: int) -> Iterator[dict]:
+    """This process's rows of each global batch of `batch_size` windows, the last padded."""
+    rows = batch_size // self.process_count
+    padded = np.zeros((self.num_batches(batch_size) * rows, self.windows.shape[1]), np.int32)
+    padded[:len(self.windows)] = self.windows
+    for start in range(0, len(padded), rows):
+      yield {"tokens": padded[start:start + rows]}
+
+  def scored(self, batch_size: int) -> np.ndarray:
+    """Which rows of the global batches, concatenated, hold a window of the set (the rest pad)."""
+    rows = batch_size // self.process_count
+    row = np.arange(self.num_batches(batch_size) * batch_size)
+    process, local = (row % batch_size) // rows, row // batch_size * rows + row % rows
+    return local < self._share_sizes()[process]
+
+
+def num_windows(source: loader.Source, seq_len: int, eval_tokens: int | str) -> int:
+  """How many windows the eval set holds: eval_tokens' worth ("all": every window of the split).
+
+  A split without a whole window is refused; asking for more than it holds is all of it.
+  """
+  available = _stream_tokens(source) // seq_len
+  if not available:
+    raise UserError(f"the validation split of {source.directory} holds "
+                    f"{_stream_tokens(source)} tokens (EOS included), less than one window of "
+                    f"config.model.seq_len {seq_len}: nothing to evaluate; prepare it with a "
+                    f"larger --validation_fraction")
+  if eval_tokens == "all":
+    return available
+  wanted = -(-eval_tokens // seq_len)
+  if wanted > available:
+    logging.warning("config.trainer.eval_tokens %d is more than the validation split of %s "
+                    "holds in %d-token windows (%d); evaluating on all of it", eval_tokens,
+                    source.directory, seq_len, available * seq_len)
+  return min(wanted, available)
+
+
+def build(source: loader.Source, *, seq_len: int, eval_tokens: int | str, vocab_size: int,
+          process_index: int, process_count: int) -> EvalSet:
+  """This process's share of the source's eval set, read and checked now, before training.
+
+  The shards it reads are checked against the manifest: damage there stops the
+  run, as an eval over other data would not compare with the evals before it.
+  """
+  count = num_windows(source, seq_len, eval_tokens)
+  chosen = spread(_stream_tokens(source) // seq_len, count)
+  share = np.array_split(chosen, process_count)[process_index]
+  windows = _read_windows(source, share, seq_len, _decoder(source))
+  if len(windows):
+    loader.check_token_ids(windows, vocab_size, lambda rows: {f"{source.directory} (validation)"})
+  return EvalSet(source, count, windows, process_index, process_count)
+
+
+def _stream_tokens(source: loader.Source) -> int:
+  return sum(_shard_lengths(source))
+
+
+def _shard_lengths(source: loader.Source) -> list[int]:
+  """Each validation shard's tokens, EOS included."""
+  return [s["num_tokens"] + s["num_documents"] for s in source.manifest["splits"]["validation"]]
+
+
+def _read_windows(source: loader.Source, indices: np.ndarray, seq_len: int,
+                  decode) -> np.ndarray:
+  """Windows `indices` (ascending) of the validation stream, decoding each shard under them once."""
+  ends = np.cumsum(_shard_lengths(source))
+  starts = ends - _shard_lengths(source)
+  decoded: dict[int, np.ndarray] = {}
+  windows = np.zeros((len(indices), seq_len), np.int32)
+  for row, index in enumerate(indices):
+    first, last = index * seq_len, (index + 1) * seq_len
+    shards = range(int(np.searchsorted(ends, first, side="right")),
+                   int(np.searchsorted(starts, last, side="left")))
+    decoded = {i: tokens for i, tokens in decoded.items() if i in shards}  # Behind us: drop.
+    for shard in shards:
+      if shard not in decoded:
+        decoded[shard] = decode(shard)
+    joined = np.concatenate([decoded[i] for i in shards])
+    offset = first - starts[shards[0]]
+    windows[row] = joined[offset:offset + seq_len]
+  return windows
+
+
+def _decoder(source: loader.Source):
+  """shard index -> that validation shard's tokens, EOS after each document, checked against
+  its manifest entry."""
+  # In a graph, as in the train stream: eagerly, an empty TensorArray cannot be concatenated.
+  decode = tf.function(functools.partial(loader.decode_shard, manifest=source.manifest),
+                       autograph=False)
+
+  def checked(shard: int) -> np.ndarray:
+    path = source.files("validation")[shard]
+    decoded = decode(tf.constant(path))  # A tensor: one trace for every shard.
+    problem = loader.decode_mismatch(
+        source.manifest["splits"]["validation"][shard], int(decoded.records),
+        int(tf.size(decoded.tokens)), decoded.token_bytes.numpy(), path, "validation",
+        source.manifest["token_dtype"])
+    if problem:
+      raise UserError(f"{problem}; prepare the data again (damaged validation shards always "
+                      f"stop the run: an eval over other data would not compare)")
+    return decoded.tokens.numpy()
+  return checked
+
+
+def evaluate(eval_set: EvalSet, eval_step, params, batch_size: int,
+             sharding: jax.sharding.Sharding) -> tuple[float, float]:
+  """(mean loss over the set's windows, its standard error), the same on every process.
+
+  Every window predicts seq_len - 1 tokens, so the mean over windows is the
+  mean over tokens; windows are the units of the error, as their tokens are
+  not independent.
+  """
+  losses = [eval_step(params, batch) for batch, _ in loader.global_arrays(
+      ((batch, None) for batch in eval_set.local_batches(batch_size)), sharding)]
+  per_window = np.concatenate(jax.device_get(losses)).astype(np.float64)
+  per_window = per_window[eval_set.scored(batch_size)]
+  stderr = per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1 else 0.0
+  return float(per_window.mean()), float(stderr)
