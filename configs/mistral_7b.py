@@ -1,6 +1,5 @@
 """Mistral 7B v0.1's shape (sliding window 4096 over 8192 positions) on a 2D mesh with ZeRO-3,
-to fine-tune from its checkpoint (--config.trainer.init_from_hf=/models/Mistral-7B-v0.1
---config.model.scan_layers=False: HF checkpoints load into unrolled layers only).
+to fine-tune from its checkpoint (--config.trainer.init_from_hf=/models/Mistral-7B-v0.1).
 """
 from levanter_flax.config import default_config, mesh, model_config
 

@@ -1,7 +1,6 @@
 """Mixtral 8x7B's shape (8 experts of Mistral 7B's MLP, 2 per token: 47B parameters, 13B
 active) with expert parallelism and ZeRO-3: mistral_7b's fine-tuning run with the family
-swapped (--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1
---config.model.scan_layers=False: HF checkpoints load into unrolled layers only).
+swapped (--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1).
 """
 import pathlib
 

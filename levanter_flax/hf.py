@@ -2,9 +2,12 @@
 
 Each family's HFLayout (models/<family>.py) names its HF architecture, translates
 its config.json and names each tensor (and whether it is transposed); this
-module reads and writes the files. A config value that would change the logits
-and that we do not compute is refused by key, never ignored; so are tensors that
-are not floating point (quantized checkpoints). bfloat16 tensors load too.
+module reads and writes the files. HF names each layer's tensors: a scanned
+model's stacked layers (models.unstack_layers) are cut into them on export, and
+stacked from them (models.stack_layers) on import. A config value that would
+change the logits and that we do not compute is refused by key, never ignored;
+so are tensors that are not floating point (quantized checkpoints). bfloat16
+tensors load too.
 """
 import dataclasses
 import json
@@ -76,13 +79,18 @@ def _read_tensor(file: epath.Path, name: str, shown: epath.Path) -> np.ndarray:
     return np.asarray(f.get_tensor(name).astype(jnp.float32))
 
 
-def load(directory: epath.Path) -> tuple[Any, dict]:
-  """(model config, params) of an HF checkpoint directory, as float32 numpy arrays."""
+def load(directory: epath.Path, scan_layers: bool = False) -> tuple[Any, dict]:
+  """(model config, params) of an HF checkpoint directory, as float32 numpy arrays; with
+  scan_layers, laid out as the scanned model's."""
   cfg = read_config(directory)
   if not list(directory.glob("*.safetensors")):
     raise UserError(f"{directory} holds no *.safetensors file")
   with paths.local_copy(directory, "*.safetensors") as local:  # safetensors maps real files.
-    return cfg, _params(cfg, directory, local)
+    params = _params(cfg, directory, local)
+  if not scan_layers:
+    return cfg, params
+  cfg = dataclasses.replace(cfg, scan_layers=True)
+  return cfg, models.stack_layers(cfg, params)
 
 
 def _params(cfg: Any, directory: epath.Path, local: epath.Path) -> dict:
@@ -121,12 +129,12 @@ def _tensor(index: dict, theirs: str, transposed: bool, expected: tuple[int, ...
 
 
 def save(cfg: Any, params: dict, directory: epath.Path) -> None:
-  """Writes config.json and model.safetensors that transformers' from_pretrained reads."""
+  """Writes config.json and model.safetensors that transformers' from_pretrained reads; params
+  in cfg's layout, scanned or not."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   if cfg.scan_layers:
-    raise UserError("export of scan_layers models is not supported yet; train with "
-                    "config.model.scan_layers=False")
+    params = models.unstack_layers(cfg, params)
   paths.make_dirs(directory, "output directory")
   tensors = {}
   for ours, (theirs, transposed) in models.family(cfg).hf.tensor_names(cfg).items():
@@ -146,9 +154,11 @@ def save(cfg: Any, params: dict, directory: epath.Path) -> None:
 
 
 def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+  """Our path -> shape in the unrolled layout, the one tensor_names names."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  shapes = jax.eval_shape(models.build(cfg).init, jax.random.key(0),
+  unrolled = dataclasses.replace(cfg, scan_layers=False)
+  shapes = jax.eval_shape(models.build(unrolled).init, jax.random.key(0),
                           jnp.zeros((1, 2), jnp.int32))["params"]
   return {"/".join(k.key for k in path): x.shape
           for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}

@@ -268,10 +268,9 @@ def _restored_or_initial_state(trainer, model_cfg, steps: step.ShardedSteps,
 
 def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
   """An HF checkpoint's weights, checked against this model and laid out on the mesh."""
-  hf_cfg, params = hf.load(paths.resolve(path, "config.trainer.init_from_hf"))
+  hf_cfg, params = hf.load(paths.resolve(path, "config.trainer.init_from_hf"),
+                           model_cfg.scan_layers)
   differences = hf.differences(hf_cfg, model_cfg)
-  if model_cfg.scan_layers:
-    differences.append("config.model.scan_layers must be False to load per-layer weights")
   expected = steps.abstract_state.params
   if not differences and jax.tree.structure(params) == jax.tree.structure(expected):
     differences = [f"{partitioning.path_name(p)} {x.shape} (checkpoint) != {e.shape} (config)"

@@ -72,6 +72,9 @@ HF_CONFIGS = {
     "mixtral_top1_of_3": lambda: _mixtral(num_local_experts=3, num_experts_per_tok=1),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
+# Every config unrolled, and each family's plain one scanned: the layers stack the same way
+# whatever the variant (a tied head, RoPE scaling or a window change no tensor in the stack).
+LAYOUTS = [(name, False) for name in HF_CONFIGS] + [(name, True) for name in models.FAMILIES]
 
 
 def hf_model(name: str, seed: int = 0):
@@ -95,24 +98,45 @@ def hf_logits(model) -> np.ndarray:
     return model(torch.tensor(TOKENS)).logits.numpy()
 
 
-@pytest.mark.parametrize("name", HF_CONFIGS)
-def test_an_hf_checkpoint_loads_with_the_same_logits(name, tmp_path):
+def our_config(name: str, scan_layers: bool = False):
+  """Our model config for HF_CONFIGS[name]."""
+  config = HF_CONFIGS[name]()
+  cfg = models.FAMILIES[config.model_type].hf.config_from_hf(config.to_dict())
+  return dataclasses.replace(cfg, scan_layers=scan_layers)
+
+
+@pytest.mark.parametrize("name, scan_layers", LAYOUTS)
+def test_an_hf_checkpoint_loads_with_the_same_logits(name, scan_layers, tmp_path):
   model = hf_model(name)
   model.save_pretrained(tmp_path)
-  cfg, params = hf.load(tmp_path)
+  cfg, params = hf.load(tmp_path, scan_layers)
+  assert cfg == our_config(name, scan_layers)
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(model))) <= 1e-4
 
 
-@pytest.mark.parametrize("name", HF_CONFIGS)
-def test_an_export_loads_in_transformers_with_the_same_logits(name, tmp_path):
-  cfg, _ = hf.load(_saved(hf_model(name), tmp_path / "shape"))
+@pytest.mark.parametrize("name, scan_layers", LAYOUTS)
+def test_an_export_loads_in_transformers_with_the_same_logits(name, scan_layers, tmp_path):
+  cfg = our_config(name, scan_layers)
   params = models.build(cfg).init(jax.random.key(3), TOKENS)["params"]
   params = jax.tree.map(lambda x: x + 0.1 * np.random.default_rng(4).normal(size=x.shape), params)
   hf.save(cfg, params, tmp_path / "export")
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(exported))) <= 1e-4
+
+
+@pytest.mark.parametrize("name", models.FAMILIES)
+def test_a_scanned_export_is_the_unrolled_one_tensor_for_tensor(name, tmp_path):
+  for scan_layers in (False, True):  # The same weights either way (see models.init_params).
+    cfg = our_config(name, scan_layers)
+    hf.save(cfg, models.init_params(cfg, jax.random.key(0)), tmp_path / str(scan_layers))
+  unrolled, scanned = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("False", "True"))
+  assert scanned.keys() == unrolled.keys()
+  for key, value in unrolled.items():
+    np.testing.assert_array_equal(scanned[key], value, err_msg=key)
+  assert (tmp_path / "True" / "config.json").read_text() == (
+      tmp_path / "False" / "config.json").read_text()
 
 
 def _saved(model, directory):
@@ -246,11 +270,12 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     hf.load(tmp_path)
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("damage, message", [
     ("drop", r"tensor model.layers.1.mlp.up_proj.weight is missing"),
     ("reshape", r"tensor model.layers.1.mlp.up_proj.weight has shape \(48, 16\), expected \(48, 32\)"),
 ])
-def test_missing_or_misshapen_tensors_are_named(tmp_path, damage, message):
+def test_missing_or_misshapen_tensors_are_named(tmp_path, damage, message, scan_layers):
   directory = _saved(hf_model("llama"), tmp_path)
   [file] = directory.glob("*.safetensors")
   tensors = load_file(str(file))
@@ -261,7 +286,7 @@ def test_missing_or_misshapen_tensors_are_named(tmp_path, damage, message):
     tensors[name] = tensors[name][:, :16].copy()
   save_file(tensors, str(file), metadata={"format": "pt"})
   with pytest.raises(UserError, match=message):
-    hf.load(directory)
+    hf.load(directory, scan_layers)
 
 
 @pytest.fixture
@@ -275,7 +300,8 @@ def tiny_llama(data_cache):
   return config
 
 
-def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, tmp_path):
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_layers, tmp_path):
   source = transformers.LlamaConfig(
       vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -283,11 +309,13 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, tmp_pat
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(source).save_pretrained(tmp_path / "hf")
   tiny_llama.trainer.init_from_hf = str(tmp_path / "hf")
+  tiny_llama.model.scan_layers = scan_layers
   # One step this small (0 is refused) leaves float32 weights exactly as loaded.
   tiny_llama.optimizer.learning_rate = 1e-30
   train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")
   _, trained, _ = run_params(tmp_path / "run")
-  _, loaded = hf.load(tmp_path / "hf")
+  _, loaded = hf.load(tmp_path / "hf", scan_layers)
+  assert jax.tree.structure(trained) == jax.tree.structure(loaded)
   for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(a), b)
 

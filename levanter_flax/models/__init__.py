@@ -8,6 +8,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from levanter_flax import flops
 from levanter_flax.models import gpt2, llama, mistral, mixtral, qwen2
@@ -47,6 +48,18 @@ def unstack_layers(cfg, tree: dict) -> dict:
   stack = tree.pop(name)
   return tree | {f"{name}_{i}": jax.tree.map(lambda x, i=i: x[i], stack)
                  for i in range(cfg.num_layers)}
+
+
+def stack_layers(cfg, tree: dict) -> dict:
+  """unstack_layers' inverse: an unrolled model's params laid out as the scanned model's.
+
+  Stacked by numpy, on the host: what is stacked is a checkpoint read from disk, and one
+  device need not hold a whole model.
+  """
+  name = family(cfg).layer_stack
+  tree = dict(tree)
+  layers = [tree.pop(f"{name}_{i}") for i in range(cfg.num_layers)]
+  return tree | {name: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
 def flops_per_token(cfg, params, causal: bool = True) -> float:

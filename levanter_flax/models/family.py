@@ -15,7 +15,8 @@ class HFLayout:
   architecture: str  # config.json's architectures[0], e.g. "LlamaForCausalLM".
   config_from_hf: Callable[[dict], Any]  # Refuses what we do not compute (UserError, KeyError).
   config_to_hf: Callable[[Any], dict]
-  # Our path -> (HF name, transposed); a tuple of names for one tensor per expert, stacked.
+  # Our path in the unrolled layout (hf.py stacks a scanned model's layers) -> (HF name,
+  # transposed); a tuple of names for one tensor per expert, stacked.
   tensor_names: Callable[[Any], dict[str, tuple[str | tuple[str, ...], bool]]]
 
 
