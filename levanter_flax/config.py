@@ -40,6 +40,7 @@ class TrainerConfig:
   nan_policy: str = "halt"
   max_consecutive_skipped_steps: int = 10
   start_fresh_if_unusable: bool = False
+  resume_without_config: bool = False
   checkpoint_every_minutes: float = 0.0
   keep_checkpoint_every_steps: int = 0
   load_checkpoint_path: str = ""
@@ -156,6 +157,9 @@ def default_config() -> ml_collections.ConfigDict:
   # another model or optimizer, or one the storage fails to read, is never
   # set aside: the run stops naming it.
   config.trainer.start_fresh_if_unusable = False
+  # Checkpoints without the config.json they were written with cannot be checked against this
+  # config (model, optimizer, data order); they are refused unless this resumes them unchecked.
+  config.trainer.resume_without_config = False
   config.trainer.seed = 0
   # Axis name -> size; -1 takes all remaining devices.
   config.trainer.device_mesh = mesh(data=-1, model=1)
@@ -247,6 +251,10 @@ def default_config() -> ml_collections.ConfigDict:
   # will see them at inference. Off: attention crosses documents (GPT-2's and
   # nanoGPT's recipe), a little faster.
   config.data.document_masking = True
+  # A checkpoint's data position counts in the datasets it was read from (their manifests'
+  # hashes). A dataset prepared again or replaced under the same path is refused on resume;
+  # True reads such a dataset from its start instead.
+  config.data.restart_changed_datasets = False
 
   config.sharding = ml_collections.ConfigDict()
   # (regex, axes) rules tried before the model family's own (models/<family>.py's

@@ -12,6 +12,7 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 from etils import epath
+from jax.experimental import multihost_utils
 
 from levanter_flax import (batch_search, config, flops, hf, locks, metrics, models, monitoring,
                            optim, partitioning, paths, preemption, report, step)
@@ -52,13 +53,30 @@ def _use_compilation_cache(trainer) -> None:
                     trainer.jax_persistent_cache_min_compile_time_secs)
 
 
-def _saved_config(workdir: epath.Path) -> Optional[dict]:
-  """The config.json the workdir's checkpoints were written with; None if there is none."""
+def _saved_config(workdir: epath.Path, checkpointer: Checkpointer,
+                  resume_without_config: bool) -> Optional[dict]:
+  """The config.json the workdir's checkpoints were written with; None if it has none.
+
+  Checkpoints without one are refused, unless `resume_without_config`: nothing
+  could check that this config fits them.
+  """
+  if checkpointer.latest_step is None:
+    return None
+  path = workdir / "config.json"
   try:
-    return config.read_saved(workdir)
+    saved = config.read_saved(workdir)
   except (OSError, ValueError) as e:
-    raise UserError(f"cannot read {workdir / 'config.json'}, the config the checkpoints were "
-                    f"written with: {e}; restore it, or use a new --workdir") from None
+    raise UserError(f"cannot read {path}, the config the checkpoints were written with: {e}; "
+                    f"restore it, or use a new --workdir") from None
+  if saved is None and not resume_without_config:
+    raise UserError(f"{checkpointer.directory} holds checkpoints (the newest at step "
+                    f"{checkpointer.latest_step}) but {path}, the config they were written with, "
+                    f"is missing: nothing can check that this config fits them; restore it, or "
+                    f"set config.trainer.resume_without_config=True to resume them unchecked")
+  if saved is None:
+    logging.warning("Resuming the checkpoints in %s without the config they were written with "
+                    "(config.trainer.resume_without_config)", checkpointer.directory)
+  return saved
 
 
 def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.Path) -> list[str]:
@@ -99,9 +117,12 @@ def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[load
                     "process); resuming with %d, the same stream only if it ran on %d processes",
                     workdir, started, started)
   count = started or asked or loader.default_reader_groups(run.trainer.batch_size,
-                                                           jax.process_count(), sources)
+                                                           jax.process_count(), sources,
+                                                           run.model.seq_len)
   run = dataclasses.replace(run, data=dataclasses.replace(run.data, reader_groups=count))
-  _reader_groups(run)  # This process count must divide it: say so before anything is restored.
+  # This process count and batch size must fit it: say so before anything is restored.
+  _reader_groups(run).rows_per_group(run.trainer.batch_size // jax.process_count(),
+                                     "config.trainer.batch_size")
   return run
 
 
@@ -191,7 +212,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   # The signal handlers stay until the last save is written: a second SIGTERM then waits too.
   with partitioner.activation_context(), preemption.StopSignal() as stop, \
       contextlib.closing(Checkpointer(workdir / "checkpoints", _cadence(trainer))) as checkpointer:
-    saved = _saved_config(workdir) if checkpointer.latest_step is not None else None
+    saved = _saved_config(workdir, checkpointer, trainer.resume_without_config)
     run = _fix_reader_groups(run, saved, sources, workdir)
     config_changes = _check_resumed_config(run, saved, workdir)
     # Compiled while the state is restored or created and the input starts; not for a run
@@ -203,16 +224,19 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
     finished = (checkpointer.latest_step or 0) >= trainer.num_train_steps
     compiled_step = None if finished else compile_step()
     try:
-      state, position = _initial_state(trainer, run.model, steps, checkpointer, sources,
-                                       config_changes, run.data.reader_groups)
+      state, progress = _initial_state(run, workdir, steps, checkpointer, sources,
+                                       config_changes)
       if int(state.step) >= trainer.num_train_steps:
+        if _eval_missed(run, workdir, int(state.step)):
+          with contextlib.closing(metrics.create_writer(workdir)) as writer:
+            _evaluate_missed_step(_make_evaluate(run, steps, sources), state, writer)
         logging.warning("Already finished: the newest checkpoint is step %d, and "
                         "config.trainer.num_train_steps is %d; raise it to train on",
                         int(state.step), trainer.num_train_steps)
         return {}
       _save_config(run, workdir)
       compiled_step = compiled_step or compile_step()  # The newest checkpoint was unusable.
-      return _train_loop(run, workdir, steps, state, position, checkpointer, sources, stop,
+      return _train_loop(run, workdir, steps, state, progress, checkpointer, sources, stop,
                          compiled_step)
     finally:
       # It cannot be cancelled: a run that stops early waits for it, so that nothing prints
@@ -221,49 +245,122 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
         concurrent.futures.wait([compiled_step])
 
 
-def _initial_state(trainer, model_cfg, steps: step.ShardedSteps, checkpointer: Checkpointer,
-                   sources: list[loader.Source], config_changes: list[str],
-                   reader_groups: int) -> tuple[step.TrainState, loader.DataPosition]:
+@dataclasses.dataclass(frozen=True)
+class Progress:
+  """The checkpoint's `data` item: where the input stream is, and the skipped-step counts
+  (trainer.nan_policy='skip'), which a restart must not reset."""
+  position: loader.DataPosition
+  skipped_steps: int = 0
+  consecutive_skipped_steps: int = 0
+
+  def to_json(self) -> dict:
+    return self.position.to_json() | {"skipped_steps": self.skipped_steps,
+                                      "consecutive_skipped_steps": self.consecutive_skipped_steps}
+
+  @classmethod
+  def from_json(cls, value: dict) -> "Progress":
+    """Raises ValueError for anything but what to_json writes (the counts: 0 if absent)."""
+    position = loader.DataPosition.from_json(value)
+    counts = [value.get(key, 0) for key in ("skipped_steps", "consecutive_skipped_steps")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+      raise ValueError(f"not a count of skipped steps: {counts}")
+    return cls(position, *counts)
+
+
+def _initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
+                   checkpointer: Checkpointer, sources: list[loader.Source],
+                   config_changes: list[str]) -> tuple[step.TrainState, Progress]:
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
   (init_from_hf) or another run's (load_checkpoint_path); else init."""
-  state, position = _restored_or_initial_state(trainer, model_cfg, steps, checkpointer, sources,
-                                               config_changes, reader_groups)
+  state, progress = _restored_or_initial_state(run, workdir, steps, checkpointer, sources,
+                                               config_changes)
+  position, reader_groups = progress.position, run.data.reader_groups
   if position.reader_groups not in (None, reader_groups):
     raise UserError(f"the data position of the checkpoint to resume from was read by "
                     f"{position.reader_groups} reader groups, but this run has {reader_groups} "
                     f"(config.data.reader_groups): set it to {position.reader_groups}")
-  return state, position
+  return state, dataclasses.replace(progress, position=position.in_datasets_of(
+      sources, run.data.restart_changed_datasets))
 
 
-def _restored_or_initial_state(trainer, model_cfg, steps: step.ShardedSteps,
+def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                                checkpointer: Checkpointer, sources: list[loader.Source],
-                               config_changes: list[str],
-                               reader_groups: int) -> tuple[step.TrainState, loader.DataPosition]:
+                               config_changes: list[str]) -> tuple[step.TrainState, Progress]:
+  trainer = run.trainer
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
-  restored = checkpointer.restore_newest_usable(abstract, loader.DataPosition.from_json,
+  restored = checkpointer.restore_newest_usable(abstract, Progress.from_json,
                                                 trainer.start_fresh_if_unusable, config_changes)
   if restored:
-    state, position = restored
-    logging.info("Resuming from checkpoint at step %d; data position %s", int(state.step), position)
-    return state, position
+    state, progress = restored
+    logging.info("Resuming from checkpoint at step %d; %s", int(state.step), progress)
+    return state, progress
+  _warn_if_logged_before(workdir, checkpointer)
   fresh = (steps.init(jax.random.key(trainer.seed)),
-           loader.DataPosition.start(sources, reader_groups))
+           Progress(loader.DataPosition.start(sources, run.data.reader_groups)))
   if trainer.init_from_hf:
     logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
-    return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, model_cfg, steps)), fresh[1]
+    return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, run.model, steps)), fresh[1]
   if not trainer.load_checkpoint_path:
     return fresh
-  state, position = load_other_run(paths.resolve(trainer.load_checkpoint_path,
-                                                 "config.trainer.load_checkpoint_path"), abstract)
+  state, data = load_other_run(paths.resolve(trainer.load_checkpoint_path,
+                                             "config.trainer.load_checkpoint_path"), abstract)
   logging.info("Starting from %s of %s", trainer.load_checkpoint_items, trainer.load_checkpoint_path)
   if trainer.load_checkpoint_items == "state":
     try:
-      return state, loader.DataPosition.from_json(position)
+      return state, Progress.from_json(data)
     except ValueError as e:
       raise UserError(f"config.trainer.load_checkpoint_path {trainer.load_checkpoint_path}: its "
                       f"data item is malformed ({e}); load only its params "
                       f"(load_checkpoint_items='params')") from None
   return fresh[0].replace(params=state.params), fresh[1]
+
+
+def _logged_history(workdir: epath.Path) -> Optional[report.Run]:
+  """The workdir's metrics.jsonl as read by `report`, or None if it has none it can read."""
+  path = workdir / "metrics.jsonl"
+  if not path.is_file() or not path.read_bytes():  # Opened by a run killed before its first log.
+    return None
+  try:
+    return report.load_run(workdir, workdir.name)
+  except UserError as e:
+    logging.warning("%s", e)
+    return None
+
+
+def _warn_if_logged_before(workdir: epath.Path, checkpointer: Checkpointer) -> None:
+  """A run starting from step 0 where an earlier one logged steps: its checkpoints are gone."""
+  if jax.process_index() > 0:  # One reader, one warning.
+    return
+  history = _logged_history(workdir)
+  logged = max((step_num for series in history.series.values() for step_num in series),
+               default=0) if history else 0
+  if logged:
+    logging.warning("Starting from step 0, but %s logged steps up to %d: the checkpoints of that "
+                    "run are gone from %s", workdir / "metrics.jsonl", logged,
+                    checkpointer.directory)
+
+
+def _eval_missed(run: RunConfig, workdir: epath.Path, step_num: int) -> bool:
+  """Whether `step_num` is an eval step that metrics.jsonl has no eval for: the run was killed
+  between its checkpoint and its eval. Process 0 reads the file and tells the others."""
+  trainer = run.trainer
+  if not step_num or (step_num % trainer.eval_every_steps
+                      and step_num != trainer.num_train_steps):
+    return False
+  missed = False
+  if jax.process_index() == 0:
+    history = _logged_history(workdir)
+    missed = step_num not in (history.series.get("eval/loss", {}) if history else {})
+  return bool(multihost_utils.broadcast_one_to_all(np.array(missed)))
+
+
+def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str, float]:
+  step_num = int(state.step)
+  logging.warning("Step %d's eval was not logged (the run stopped between its checkpoint and its "
+                  "eval); evaluating it now", step_num)
+  eval_metrics = evaluate(state.params)
+  writer.write_scalars(step_num, eval_metrics)
+  return eval_metrics
 
 
 def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
@@ -343,10 +440,16 @@ class _NonFiniteSteps:
   more than `max_consecutive` skipped steps means divergence, and halts too.
   """
 
-  def __init__(self, policy: str, max_consecutive: int, checkpointer: Checkpointer):
+  def __init__(self, policy: str, max_consecutive: int, checkpointer: Checkpointer,
+               restored: Progress):
     self._policy, self._max_consecutive, self._checkpointer = policy, max_consecutive, checkpointer
     self._pending = []
-    self.count = self._consecutive = 0
+    # As checkpointed: a run that crash-loops on bad data still reaches max_consecutive.
+    self.count, self._consecutive = restored.skipped_steps, restored.consecutive_skipped_steps
+
+  def progress(self, position: loader.DataPosition) -> Progress:
+    """What a checkpoint saves with the state, once flushed."""
+    return Progress(position, self.count, self._consecutive)
 
   def add(self, step_num: int, step_metrics: dict) -> None:
     self._pending.append((step_num, step_metrics["train/nonfinite"]))
@@ -377,7 +480,7 @@ class _NonFiniteSteps:
 
 
 def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
-                state: step.TrainState, position: loader.DataPosition,
+                state: step.TrainState, progress: Progress,
                 checkpointer: Checkpointer, sources: list[loader.Source],
                 stop: preemption.StopSignal,
                 compiled_step: "concurrent.futures.Future") -> dict[str, float]:
@@ -390,7 +493,8 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
-                              checkpointer)
+                              checkpointer, progress)
+  position = progress.position
   profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
                                      trainer.profiler_num_steps if trainer.profiler else 0)
   history, data_wait, steps_running, last_metrics = [], 0.0, 0, {}
@@ -402,6 +506,8 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       contextlib.closing(metrics.create_writer(workdir)) as writer, \
       monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
+    if _eval_missed(run, workdir, start_step):
+      last_metrics = _evaluate_missed_step(evaluate, state, writer)
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
     for step_num in range(start_step + 1, trainer.num_train_steps + 1):
@@ -445,7 +551,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       if due:  # Before eval: a failing eval must not cost the step's checkpoint.
         nonfinite.flush()  # A halt due saves nothing from after the non-finite step.
         with _phase(report_progress, "checkpoint"):
-          checkpointer.save(step_num, state, position.to_json(), due)
+          checkpointer.save(step_num, state, nonfinite.progress(position).to_json(), due)
       if step_num % trainer.eval_every_steps == 0 or finished:
         nonfinite.flush()
         with _phase(report_progress, "eval"):

@@ -104,3 +104,33 @@ def prepare_texts(directory: pathlib.Path, texts: list[str], **options) -> pathl
   options = {"num_shards": 4, "validation_fraction": 0.2, **options}
   return prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=directory / "data",
                                                         **options))
+
+
+def write_dataset(directory: pathlib.Path, train: list[str], validation: list[str],
+                  num_shards: int = 1) -> pathlib.Path:
+  """A byte-tokenized dataset whose validation stream is `validation` in this order: document i
+  goes to shard i * num_shards // len, so shards hold consecutive documents."""
+  import dataclasses
+  import json
+  from levanter_flax.data import prepare, tfrecord
+  from levanter_flax.data.tokenizers import ByteTokenizer, identity
+  directory.mkdir(parents=True)
+  tokenizer = ByteTokenizer()
+  splits = {}
+  for split, texts in (("train", train), ("validation", validation)):
+    splits[split] = []
+    for shard in range(num_shards):
+      mine = [t for i, t in enumerate(texts) if i * num_shards // len(texts) == shard]
+      path = directory / f"{split}-{shard}.tfrecord"
+      with tfrecord.ShardWriter(path, "uint16") as writer:
+        for text in mine:
+          writer.write(tokenizer.encode(text))
+      splits[split].append({"file": path.name, "num_documents": writer.num_documents,
+                            "num_tokens": writer.num_tokens,
+                            "num_text_bytes": sum(len(t.encode()) for t in mine),
+                            "tokens_crc32c": writer.tokens_crc32c})
+  manifest = {"format_version": prepare.FORMAT_VERSION,
+              "tokenizer": dataclasses.asdict(identity(tokenizer)), "token_dtype": "uint16",
+              "source": {"kind": "text"}, "splits": splits}
+  (directory / prepare.MANIFEST).write_text(json.dumps(manifest))
+  return directory

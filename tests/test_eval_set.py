@@ -1,7 +1,6 @@
 """The eval set: spread over the whole validation split, and defined by the data and its size
 alone, never by the batch layout, the reader groups or the process count."""
 import dataclasses
-import json
 import logging
 import pathlib
 
@@ -10,42 +9,15 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import read_metrics
+from conftest import read_metrics, write_dataset
 from etils import epath
 
 from levanter_flax import models, partitioning, step, train
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import mesh, to_run_config
-from levanter_flax.data import eval_set, loader, prepare, tfrecord
-from levanter_flax.data.tokenizers import ByteTokenizer, identity
+from levanter_flax.data import eval_set, loader, prepare
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
-
-
-def write_dataset(directory: pathlib.Path, train: list[str], validation: list[str],
-                  num_shards: int = 1) -> pathlib.Path:
-  """A byte-tokenized dataset whose validation stream is `validation` in this order: document i
-  goes to shard i * num_shards // len, so shards hold consecutive documents."""
-  directory.mkdir(parents=True)
-  tokenizer = ByteTokenizer()
-  splits = {}
-  for split, texts in (("train", train), ("validation", validation)):
-    splits[split] = []
-    for shard in range(num_shards):
-      mine = [t for i, t in enumerate(texts) if i * num_shards // len(texts) == shard]
-      path = directory / f"{split}-{shard}.tfrecord"
-      with tfrecord.ShardWriter(path, "uint16") as writer:
-        for text in mine:
-          writer.write(tokenizer.encode(text))
-      splits[split].append({"file": path.name, "num_documents": writer.num_documents,
-                            "num_tokens": writer.num_tokens,
-                            "num_text_bytes": sum(len(t.encode()) for t in mine),
-                            "tokens_crc32c": writer.tokens_crc32c})
-  manifest = {"format_version": prepare.FORMAT_VERSION,
-              "tokenizer": dataclasses.asdict(identity(tokenizer)), "token_dtype": "uint16",
-              "source": {"kind": "text"}, "splits": splits}
-  (directory / prepare.MANIFEST).write_text(json.dumps(manifest))
-  return directory
 
 
 def source_of(directory: pathlib.Path) -> loader.Source:

@@ -81,8 +81,10 @@ def test_batches_depend_on_the_reader_groups_not_on_the_processes(datasets):
   two_processes = [take(sources, 5, batch=2, groups=loader.ReaderGroups(2, range(i, i + 1)))[0]
                    for i in range(2)]
   np.testing.assert_array_equal(one_process, np.concatenate(two_processes, axis=1))
-  with pytest.raises(UserError, match=r"config.trainer.batch_size \(6 in all\) must be divisible "
-                                      r"by config.data.reader_groups \(4\)"):
+  with pytest.raises(UserError, match=r"config.trainer.batch_size \(6\) must be a multiple of "
+                                      r"the run's 4 reader groups \(config.data.reader_groups, "
+                                      r"fixed when the run first started: its batches depend on "
+                                      r"it\), e.g. 4 or 8$"):
     take(sources, 1, batch=3, groups=loader.ReaderGroups(4, range(2)))
   with pytest.raises(UserError, match=r"this run's 2 processes cannot share its 3 reader groups "
                                       r"\(config.data.reader_groups, fixed when the run first "
@@ -90,13 +92,15 @@ def test_batches_depend_on_the_reader_groups_not_on_the_processes(datasets):
     loader.ReaderGroups.of_process(3, 0, 2)
 
 
-@pytest.mark.parametrize("batch, processes, shards, expected", [
-    (8, 1, 8, 8), (32, 2, 16, 8), (12, 1, 8, 6), (16, 1, 3, 2), (32, 16, 64, 16), (36, 6, 8, 6),
-    (2, 2, 1, 2)])
-def test_the_default_reader_groups_divide_the_batch_and_fit_the_shards(batch, processes, shards,
-                                                                        expected):
-  sources = [loader.Source("a", pathlib.Path("a"), {"splits": {"train": [{}] * shards}}, 1.0)]
-  assert loader.default_reader_groups(batch, processes, sources) == expected
+@pytest.mark.parametrize("batch, processes, shards, filled, expected", [
+    (8, 1, 8, 8, 8), (32, 2, 16, 16, 8), (12, 1, 8, 8, 6), (16, 1, 3, 3, 2), (32, 16, 64, 64, 16),
+    (36, 6, 8, 8, 6), (2, 2, 1, 1, 2), (8, 1, 8, 2, 2), (8, 1, 8, 1, 1)])
+def test_the_default_reader_groups_divide_the_batch_and_give_each_group_windows(
+    batch, processes, shards, filled, expected):
+  """`filled` of the shards hold a window of 16 tokens; the rest are (nearly) empty."""
+  entries = [{"num_tokens": 40 if i < filled else 3, "num_documents": 1} for i in range(shards)]
+  sources = [loader.Source("a", pathlib.Path("a"), {"splits": {"train": entries}}, 1.0)]
+  assert loader.default_reader_groups(batch, processes, sources, 16) == expected
 
 
 def test_resume_at_any_position_continues_the_same_stream(datasets):

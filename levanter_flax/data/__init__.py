@@ -20,6 +20,9 @@ class DataConfig:
   reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
   # Attention within each packed document, positions restarting at each (step.objective).
   document_masking: bool = True
+  # A dataset whose manifest differs from the one a checkpoint's position counts in: read it
+  # from its start rather than refuse the resume (loader.DataPosition.in_datasets_of).
+  restart_changed_datasets: bool = False
 
   def __post_init__(self):
     checks.ranges(self, "data", {

@@ -12,6 +12,8 @@ arrays sharded over the activation axis and tracks the position.
 import collections
 import dataclasses
 import functools
+import hashlib
+import json
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import google_crc32c
@@ -51,6 +53,11 @@ class Source:
   def files(self, split: str) -> list[str]:
     return [str(self.directory / shard["file"]) for shard in self.manifest["splits"][split]]
 
+  @functools.cached_property
+  def manifest_sha256(self) -> str:
+    """Which data this is: prepared again or replaced under the same path, it differs."""
+    return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+
   @property
   def has_validation(self) -> bool:
     return any(s["num_documents"] for s in self.manifest["splits"]["validation"])
@@ -89,8 +96,12 @@ class ReaderGroups:
 
   def rows_per_group(self, local_batch_size: int, what: str) -> int:
     if local_batch_size % len(self.mine):
-      raise UserError(f"{what} ({local_batch_size * self.count // len(self.mine)} in all) must be "
-                      f"divisible by config.data.reader_groups ({self.count})")
+      total = local_batch_size * self.count // len(self.mine)
+      fitting = [n for n in (total // self.count * self.count, -(-total // self.count) * self.count)
+                 if n]
+      raise UserError(f"{what} ({total}) must be a multiple of the run's {self.count} reader "
+                      f"groups (config.data.reader_groups, fixed when the run first started: "
+                      f"its batches depend on it), e.g. {' or '.join(map(str, fitting))}")
     return local_batch_size // len(self.mine)
 
 
@@ -99,17 +110,19 @@ class ReaderGroups:
 DEFAULT_READER_GROUPS = 8
 
 
-def default_reader_groups(batch_size: int, process_count: int, sources: list[Source]) -> int:
+def default_reader_groups(batch_size: int, process_count: int, sources: list[Source],
+                          seq_len: int) -> int:
   """The reader groups a run starts with unless config.data.reader_groups says otherwise.
 
   The most, up to DEFAULT_READER_GROUPS (or the process count if that is
-  more), that split evenly over the processes and the batch, and that every
-  source has a train shard for.
+  more), that split evenly over the processes and the batch, and whose every
+  group has a whole window to read in every source.
   """
-  shards = min(len(s.manifest["splits"]["train"]) for s in sources)
+  windows = [schedule.shard_windows(s.manifest["splits"]["train"], seq_len) for s in sources]
   fitting = [count for count in range(process_count,
                                       max(DEFAULT_READER_GROUPS, process_count) + 1, process_count)
-             if batch_size % count == 0 and count <= shards]
+             if batch_size % count == 0
+             and all(w[group::count].sum() for w in windows for group in range(count))]
   return max(fitting, default=process_count)
 
 
@@ -121,33 +134,62 @@ class DataPosition:
   """How far each reader group has read: windows drawn in all, and from each source.
 
   The counts are per reader group, so they mean something only for the
-  `reader_groups` they were read with (None: not known, from before it was saved).
+  `reader_groups` they were read with (None: not known, from before it was
+  saved), and only in the datasets they were counted in: `datasets` holds each
+  source's manifest hash (empty: from before it was saved).
   """
   windows: int
   per_source: dict[str, int]
   reader_groups: Optional[int] = None
+  datasets: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def start(cls, sources: list[Source], reader_groups: int) -> "DataPosition":
-    return cls(0, {s.name: 0 for s in sources}, reader_groups)
+    return cls(0, {s.name: 0 for s in sources}, reader_groups,
+               {s.name: s.manifest_sha256 for s in sources})
 
   def to_json(self) -> dict:
     return {"windows": self.windows, "per_source": dict(self.per_source),
-            "reader_groups": self.reader_groups}
+            "reader_groups": self.reader_groups, "datasets": dict(self.datasets)}
 
   @classmethod
   def from_json(cls, value: dict) -> "DataPosition":
     """Raises ValueError for anything but what to_json writes."""
     try:
-      position = cls(value["windows"], dict(value["per_source"]), value.get("reader_groups"))
+      position = cls(value["windows"], dict(value["per_source"]), value.get("reader_groups"),
+                     dict(value.get("datasets", {})))
     except (AttributeError, KeyError, TypeError, ValueError):
       raise ValueError(f"not a data position: {value!r}") from None
     counts = [position.windows, *position.per_source.values()]
     if position.reader_groups is not None:
       counts.append(position.reader_groups - 1)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+    if (not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+        or not all(isinstance(h, str) for h in position.datasets.values())):
       raise ValueError(f"not a data position: {value!r}")
     return position
+
+  def in_datasets_of(self, sources: list[Source], restart_changed: bool) -> "DataPosition":
+    """This position in `sources`: refused (UserError) if one of them is not the dataset it
+    was counted in, unless `restart_changed`, which reads such a source from its start."""
+    changed = [s for s in sources if self.datasets.get(s.name, s.manifest_sha256)
+               != s.manifest_sha256]
+    if changed and not restart_changed:
+      source = changed[0]
+      raise UserError(
+          f"dataset {source.directory} is not the one the checkpoint's data position counts in "
+          f"(its manifest's sha256 is {source.manifest_sha256[:12]}, was "
+          f"{self.datasets[source.name][:12]}): it was prepared again or replaced, and resuming "
+          f"would read other data from that position. Point the config at the data the run "
+          f"started on, or set config.data.restart_changed_datasets=True to read it from its "
+          f"start")
+    for source in changed:
+      logging.warning("Dataset %s changed since the checkpoint (manifest sha256 %s, was %s); "
+                      "reading it from its start (config.data.restart_changed_datasets)",
+                      source.directory, source.manifest_sha256[:12],
+                      self.datasets[source.name][:12])
+    return dataclasses.replace(
+        self, per_source={**self.per_source, **{s.name: 0 for s in changed}},
+        datasets={**self.datasets, **{s.name: s.manifest_sha256 for s in sources}})
 
 
 def load_sources(cfg: DataConfig) -> list[Source]:
@@ -317,8 +359,14 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
                     f"--num_shards={num_groups} or more")
   order = schedule.ShardOrder(schedule.shard_windows(shards, seq_len), (seed, index))
   if not order.windows_per_epoch:
-    raise UserError(f"dataset {source.directory} holds no whole window of seq_len {seq_len} "
-                    f"for reader group {group}")
+    everything = source.manifest["splits"]["train"]
+    filled = np.count_nonzero(schedule.shard_windows(everything, seq_len))
+    raise UserError(f"dataset {source.directory} is too small for the run's {num_groups} reader "
+                    f"groups (config.data.reader_groups): {filled} of its {len(everything)} "
+                    f"train shards hold a whole {seq_len}-token window "
+                    f"({sum(s['num_documents'] for s in everything)} documents in all), and some "
+                    f"groups read none of those; prepare it with fewer shards (--num_shards="
+                    f"{max(filled, 1)}), or start the run with fewer reader groups")
 
   def chunks(epoch):
     shards, seeds, skips = order.epoch_chunks(start, epoch)
@@ -484,9 +532,11 @@ class TrainBatches:
                                      for i in batch["source"][rows]})
       # Every group draws the same sources in the same order, so the counts split evenly.
       counts = np.bincount(batch["source"], minlength=len(self._sources)) // groups_here
-      position = DataPosition(position.windows + len(batch["tokens"]) // groups_here, {
-          s.name: position.per_source.get(s.name, 0) + int(n) for s, n in zip(self._sources, counts)},
-          self.groups.count)
+      position = dataclasses.replace(
+          position, windows=position.windows + len(batch["tokens"]) // groups_here,
+          per_source={s.name: position.per_source.get(s.name, 0) + int(n)
+                      for s, n in zip(self._sources, counts)},
+          reader_groups=self.groups.count)
       yield {"tokens": batch["tokens"]}, position
     raise self._check.error or UserError("the train stream ended unexpectedly")
 

@@ -1,0 +1,118 @@
+"""What a resume checks and keeps: the datasets its position counts in, the config beside its
+checkpoints, the skipped-step counts, and the eval of the step it resumes at."""
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, read_metrics, write_dataset
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+from levanter_flax.train import train_and_evaluate
+from test_eval_set import EASY, HARD
+from test_main import NANO, TINY
+
+
+def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_start(tiny_config,
+                                                                                  tmp_path):
+  directory = write_dataset(tmp_path / "data", HARD, HARD[:20])
+  tiny_config.data.dataset = str(directory)
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  shutil.rmtree(directory)
+  write_dataset(directory, HARD[::-1], HARD[:20])  # Prepared again from other documents.
+  tiny_config.trainer.num_train_steps = 4
+  with pytest.raises(UserError, match=rf"^dataset {directory} is not the one the checkpoint's "
+                                      rf"data position counts in \(its manifest's sha256 is \w+, "
+                                      rf"was \w+\): it was prepared again or replaced.*set "
+                                      rf"config.data.restart_changed_datasets=True"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  assert [m["step"] for m in read_metrics(tmp_path / "run") if "train/loss" in m] == [1, 2]
+
+  tiny_config.data.restart_changed_datasets = True
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  assert [m["step"] for m in read_metrics(tmp_path / "run") if "train/loss" in m] == [1, 2, 3, 4]
+  # Read from its start: two steps of 8 windows of the new data, from window 0.
+  assert [m["data/tokens/train"] for m in read_metrics(tmp_path / "run")
+          if "data/tokens/train" in m][-1] == 2 * 8 * 64
+
+
+def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, tmp_path, caplog):
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  (tmp_path / "config.json").unlink()
+  tiny_config.trainer.num_train_steps = 3
+  tiny_config.trainer.seed = 7  # Unchecked, it would go through unnoticed.
+  with pytest.raises(UserError, match=rf"^{tmp_path / 'checkpoints'} holds checkpoints \(the "
+                                      rf"newest at step 2\) but {tmp_path / 'config.json'}, the "
+                                      rf"config they were written with, is missing: .* set "
+                                      rf"config.trainer.resume_without_config=True"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  tiny_config.trainer.resume_without_config = True
+  with caplog.at_level(logging.WARNING):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert "without the config they were written with" in caplog.text
+  assert json.loads((tmp_path / "config.json").read_text())["trainer.seed"] == 7
+
+
+def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_config, tmp_path,
+                                                                        caplog):
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.trainer.checkpoint_every_steps = 2
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  shutil.rmtree(tmp_path / "checkpoints")
+  with caplog.at_level(logging.WARNING):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  assert (f"Starting from step 0, but {tmp_path / 'metrics.jsonl'} logged steps up to 2: the "
+          f"checkpoints of that run are gone from {tmp_path / 'checkpoints'}") in caplog.text
+
+
+def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
+  """A run that crash-loops on non-finite steps reaches max_consecutive_skipped_steps across its
+  restarts, and its count of skipped steps goes on."""
+  tiny_config.optimizer.learning_rate = 1e38  # The second update overflows float32.
+  tiny_config.trainer.nan_policy = "skip"
+  tiny_config.trainer.max_consecutive_skipped_steps = 4
+  tiny_config.trainer.num_train_steps = 4
+  tiny_config.trainer.checkpoint_every_steps = 4
+  tiny_config.trainer.eval_every_steps = 100
+  first = train_and_evaluate(to_run_config(tiny_config), tmp_path)["train/skipped_steps"]
+  assert 2 <= first <= 3
+  tiny_config.trainer.num_train_steps = 8
+  with pytest.raises(UserError, match=rf"non-finite loss or gradients in 5 steps in a row, up to "
+                                      rf"step {int(9 - first)}: more than"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  logged = {m["step"]: m["train/skipped_steps"] for m in read_metrics(tmp_path)
+            if "train/skipped_steps" in m}
+  assert logged[6] == first + 2  # Counted on from the checkpoint, not from 0.
+
+
+def run_killed_after_checkpoint(workdir, step, *flags):
+  """main, killed with SIGKILL right after the checkpoint of `step` (None: not killed)."""
+  return subprocess.run(
+      [sys.executable, str(REPO / "tests" / "killed_after_checkpoint_main.py"), f"--config={NANO}",
+       f"--workdir={workdir}", *TINY, *flags], cwd=REPO, capture_output=True, text=True,
+      timeout=300, env={**os.environ, "KILL_AFTER_CHECKPOINT": str(step)})
+
+
+def test_an_eval_lost_to_a_kill_after_its_checkpoint_runs_on_resume(data_cache, tmp_path):
+  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
+           "--config.trainer.num_train_steps=4", "--config.trainer.eval_every_steps=2",
+           "--config.trainer.checkpoint_every_steps=2", "--config.data.reader_groups=1"]
+  killed = run_killed_after_checkpoint(tmp_path, 2, *flags)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert not [m for m in read_metrics(tmp_path) if "eval/loss" in m]
+  killed = run_killed_after_checkpoint(tmp_path, 4, *flags)  # The last step's eval is lost too.
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  assert [m["step"] for m in read_metrics(tmp_path) if "eval/loss" in m] == [2]
+  finished = run_killed_after_checkpoint(tmp_path, None, *flags)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  assert "Already finished" in finished.stderr
+  assert [m["step"] for m in read_metrics(tmp_path) if "eval/loss" in m] == [2, 4]
