@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import prepare_texts, random_documents
+from conftest import prepare_texts, random_documents, write_dataset
 from levanter_flax.data import DataConfig, eval_set, loader, prepare, schedule, tfrecord
 from levanter_flax.errors import UserError
 
@@ -302,6 +302,20 @@ def test_token_ids_outside_the_vocabulary_are_named(datasets):
   with pytest.raises(UserError, match=f"token id \\d+ in {datasets[0]} is outside "
                                       f"config.model.vocab_size \\(200\\)"):
     next(train_batches(datasets[0], "fail", vocab_size=200))
+
+
+def test_a_dataset_with_fewer_filled_shards_than_reader_groups_says_so(tmp_path):
+  """3 documents in 8 shards: the default groups fit them; 8 groups explicitly are refused, naming
+  the data's shards and the setting rather than a group number the user never chose."""
+  directory = write_dataset(tmp_path / "data", random_documents(3), random_documents(3, 1), 8)
+  sources = [source(directory)]
+  assert loader.default_reader_groups(8, 1, sources, SEQ_LEN) == 2  # Shards 0, 2, 5 hold them.
+  with pytest.raises(UserError, match=rf"^dataset {directory} is too small for the run's 8 reader "
+                                      rf"groups \(config.data.reader_groups\): 3 of its 8 train "
+                                      rf"shards hold a whole 16-token window \(3 documents in "
+                                      rf"all\), and some groups read none of those; prepare it "
+                                      rf"with fewer shards \(--num_shards=3\)"):
+    take(sources, 1, batch=8, groups=loader.ReaderGroups(8, range(8)))
 
 
 def test_the_whole_eval_set_is_the_validation_stream_cut_into_windows(datasets):
