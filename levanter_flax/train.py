@@ -335,9 +335,9 @@ def _warn_if_logged_before(workdir: epath.Path, checkpointer: Checkpointer) -> N
   logged = max((step_num for series in history.series.values() for step_num in series),
                default=0) if history else 0
   if logged:
-    logging.warning("Starting from step 0, but %s logged steps up to %d: the checkpoints of that "
-                    "run are gone from %s", workdir / "metrics.jsonl", logged,
-                    checkpointer.directory)
+    logging.warning("Starting from step 0, but %s logged steps up to %d: no checkpoint of that "
+                    "run is in %s (deleted, or none was written before it stopped)",
+                    workdir / "metrics.jsonl", logged, checkpointer.directory)
 
 
 def _eval_missed(run: RunConfig, workdir: epath.Path, step_num: int) -> bool:

@@ -70,8 +70,8 @@ def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_co
   shutil.rmtree(tmp_path / "checkpoints")
   with caplog.at_level(logging.WARNING):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  assert (f"Starting from step 0, but {tmp_path / 'metrics.jsonl'} logged steps up to 2: the "
-          f"checkpoints of that run are gone from {tmp_path / 'checkpoints'}") in caplog.text
+  assert (f"Starting from step 0, but {tmp_path / 'metrics.jsonl'} logged steps up to 2: no "
+          f"checkpoint of that run is in {tmp_path / 'checkpoints'}") in caplog.text
 
 
 def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
