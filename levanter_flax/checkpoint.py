@@ -459,15 +459,15 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
 def _restore_params_to_host(path: epath.Path) -> Any:
   """A saved state's params alone, as host numpy arrays: sampling and export run on one
   machine whatever mesh the run trained on (orbax would restore onto the saved one), and
-  neither needs the optimizer state or a device big enough for the whole model."""
+  neither needs the optimizer state or a device big enough for the whole model.
+
+  Through the handler: a Checkpointer would also look for step metadata in the item's
+  directory, which has none, and warn that it does not exist."""
   (path / "_METADATA").stat()  # As in Checkpointer._restore: missing, or the storage's error.
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read _METADATA.
-  if metadata is None:
-    raise FileNotFoundError(f"{path}/_METADATA is missing or unreadable")
-  params = metadata.tree["params"]
+  handler = ocp.PyTreeCheckpointHandler()
+  params = handler.metadata(path).tree["params"]
   on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
-  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+  return handler.restore(path, args=ocp.args.PyTreeRestore(
       item={"params": params}, restore_args={"params": on_host}, partial_restore=True))["params"]
 
 

@@ -3,6 +3,7 @@ verdict, as orbax and tensorstore raise them."""
 import contextlib
 import gc
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -15,7 +16,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_flax import checkpoint
-from levanter_flax.checkpoint import Cadence, Checkpointer
+from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
 from levanter_flax.errors import UserError
 
 # A failed orbax restore leaves its read coroutines unawaited; Python reports each one.
@@ -234,3 +235,15 @@ def test_the_errors_each_verdict_rests_on_are_as_orbax_and_tensorstore_raise_the
     assert (f"[os_error_code='{os_error}']" in text) == (os_error is not None)
     assert checkpoint._tensorstore_status(cause) == (code, os_error)
   assert isinstance(classified(errors[0], step), checkpoint._Damaged) == damaged
+
+
+def test_run_params_reads_params_alone_to_the_host_without_orbax_warnings(saved, tmp_path, caplog):
+  shutil.copytree(saved / "2", tmp_path / "checkpoints" / "2")
+  (tmp_path / "config.json").write_text(json.dumps({  # What run_params reads of it.
+      "model.vocab_size": 50, "model.seq_len": 8, "model.num_layers": 1, "model.num_heads": 1,
+      "model.hidden_dim": 4}))
+  with caplog.at_level(logging.WARNING):
+    _, params, _ = run_params(epath.Path(tmp_path))
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+  assert jax.tree.map(np.array_equal, params, state()["params"]) == {"w": True, "b": True}
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
