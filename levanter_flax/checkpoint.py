@@ -1,6 +1,7 @@
 """Checkpoints with an orbax CheckpointManager: the train state and the data position, together."""
 import dataclasses
 import datetime
+import errno
 import json
 import os
 import re
@@ -64,7 +65,7 @@ class Checkpointer:
     """The newest checkpoint that restores, as (state, parse_data(its data item)); None if none.
 
     Arrays land on the shardings in `abstract_state`. A checkpoint that is
-    damaged (a missing or truncated file, unreadable metadata) is renamed
+    damaged (a missing, truncated or garbled file or item) is renamed
     `<step>.unreadable`, kept for inspection, with a warning, and the next
     older one is tried; if none is left, that is an error unless
     `start_fresh_if_unusable`. A checkpoint that holds another state than this
@@ -105,22 +106,23 @@ class Checkpointer:
                config_changes: Sequence[str]) -> Any:
     """One checkpoint; raises _Damaged for damage and a UserError for anything else."""
     path = self.directory / str(step)
+    # Through the item handlers, not the manager: its restore ends in a barrier that a process
+    # whose read failed never reaches, which would leave the others waiting there for ever; and
+    # its metadata takes a missing item and one it failed to read for the same: absent.
+    # Each process reads its own shards and returns here; the verdicts are then shared.
+    handlers = _item_handlers()
     try:
-      saved = self._manager.item_metadata(step)["state"]
+      for name in _ITEM_FILES:
+        (path / name).stat()
+      saved = handlers["state"].metadata(path / "state")
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       raise _classified(e, path) from None
-    if saved is None:
-      raise _Damaged("its state metadata is missing")
     mismatch = _layout_differences(saved, abstract_state)
     if mismatch:
       changed = f"; the config changed: {', '.join(config_changes)}" if config_changes else ""
       raise UserError(f"checkpoint {path} holds another state than this run builds "
                       f"({'; '.join(mismatch)}){changed}; restore the settings it was written "
                       f"with, or use a new --workdir")
-    # Through the item handlers, not the manager: its restore ends in a barrier that a process
-    # whose read failed never reaches, which would leave the others waiting there for ever.
-    # Each process reads its own shards and returns here; the verdicts are then shared.
-    handlers = _item_handlers()
     try:
       state = handlers["state"].restore(path / "state",
                                         args=ocp.args.StandardRestore(abstract_state))
@@ -257,10 +259,25 @@ class _Damaged(Exception):
   """A checkpoint's files are missing, truncated or garbled: it can never be read."""
 
 
-# Tensorstore's status codes that mean the bytes on disk are wrong or gone. Others
-# (PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) say
-# the storage failed this time; the checkpoint may be fine.
-_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+# The file each item's handler looks for first, with `exists()`, which answers False for a file
+# the storage refused to show as for one that is gone. `stat` tells the two apart, so it is
+# asked first: FileNotFoundError, or the storage's own error.
+_ITEM_FILES = ("state/_METADATA", "data/metadata")
+
+
+def _classified(error: Exception, path: epath.Path) -> Exception:
+  """_Damaged if `error` means the checkpoint's files are bad, else a UserError naming it.
+
+  The first exception in the chain whose type tells decides (see _verdict).
+  Anything else is not known to be damage: the run stops and the checkpoint is
+  left alone.
+  """
+  for cause in _causes(error):
+    verdict = _verdict(cause)
+    if verdict:
+      damaged, reason = verdict
+      return _Damaged(reason) if damaged else _unreadable(path, reason)
+  return _unreadable(path, _first_line(error))
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:
@@ -269,21 +286,78 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
     error = error.__cause__ or error.__context__
 
 
-def _classified(error: Exception, path: epath.Path) -> Exception:
-  """_Damaged if `error` means the checkpoint's files are bad, else a UserError naming it."""
-  reason = _first_line(error)
-  for cause in _causes(error):
-    if isinstance(cause, (json.JSONDecodeError, FileNotFoundError, EOFError)):
-      return _Damaged(_first_line(cause))
-    if isinstance(cause, OSError):  # Permissions, I/O errors, timeouts: the storage, not the data.
-      reason = cause.strerror or reason
-      break
-    code = re.match(r"([A-Z_]{4,}): ", str(cause))
-    if code:
-      if code.group(1) in _DAMAGE_CODES:
-        return _Damaged(_first_line(cause))
-      reason = _first_line(cause)
-      break
+# An OS error is the storage's (permissions, I/O, timeouts), unless it says that a file or
+# directory is not where the checkpoint has it: as an exception type, or as tensorstore's errno.
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+_MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+
+
+def _verdict(error: BaseException) -> Optional[tuple[bool, str]]:
+  """(damaged, reason) if the type of `error` tells, else None.
+
+  Damage: text that does not decode or parse (orbax reads its own metadata and
+  the data item), a missing file, and tensorstore's damage codes. The storage
+  failing this time: any other OS error or status code.
+  """
+  if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError, EOFError)):
+    return True, _first_line(error)
+  if isinstance(error, OSError):
+    if isinstance(error, _MISSING):
+      return True, _first_line(error)
+    return False, error.strerror or _first_line(error)
+  status = _tensorstore_status(error)
+  if status is None:
+    return None
+  if status.os_error is not None:
+    if status.os_error in _MISSING_ERRNOS:
+      return True, _first_line(error)
+    return False, os.strerror(status.os_error)
+  return status.code in _DAMAGE_CODES, _first_line(error)
+
+
+# absl's status codes (absl/status/status.h), which tensorstore reports.
+_STATUS_CODES = ("CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                 "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+                 "UNAUTHENTICATED")
+# The codes that say the bytes read are gone (NOT_FOUND), too short (OUT_OF_RANGE) or do not
+# decode (DATA_LOSS: a checksum; FAILED_PRECONDITION, INVALID_ARGUMENT: a format). The others
+# (PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) say the storage failed this time.
+_DAMAGE_CODES = frozenset({"DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION",
+                           "INVALID_ARGUMENT"})
+_STATUS = re.compile(rf"({'|'.join(_STATUS_CODES)}): ")
+_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+_TENSORSTORE_SPEC = "[tensorstore_spec="
+
+
+class _Status(NamedTuple):
+  code: str
+  os_error: Optional[int]  # The errno of the OS call that failed, if one did.
+
+
+def _tensorstore_status(error: BaseException) -> Optional[_Status]:
+  """The status of a tensorstore error; None for any other exception.
+
+  Tensorstore raises a plain ValueError and has no attribute for the status: the
+  code is the message's first word, in absl's own format ("DATA_LOSS: ..."), but
+  for INVALID_ARGUMENT, which it leaves out; a failed OS call adds its errno as
+  the payload `[os_error_code='13']`. A ValueError without a code is taken for
+  tensorstore's INVALID_ARGUMENT only with the `[tensorstore_spec=...]` payload
+  that tensorstore adds when a driver fails to open: the last resort, as jax and
+  orbax raise plain ValueErrors too. tests/test_checkpoint.py pins all this.
+  """
+  if type(error) is not ValueError:  # pylint: disable=unidiomatic-typecheck  # Not subclasses.
+    return None
+  text = str(error)
+  code = _STATUS.match(text)
+  if not code and _TENSORSTORE_SPEC not in text:
+    return None
+  os_error = _OS_ERROR.search(text)
+  return _Status(code.group(1) if code else "INVALID_ARGUMENT",
+                 int(os_error.group(1)) if os_error else None)
+
+
+def _unreadable(path: epath.Path, reason: str) -> UserError:
   return UserError(f"cannot read checkpoint {path}: {reason}; it was left as it is. "
                    f"Run again once the storage is readable; if the checkpoint is damaged, move "
                    f"it away (mv {path} {path}.unreadable)")
@@ -385,19 +459,25 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
 def _restore_params_to_host(path: epath.Path) -> Any:
   """A saved state's params alone, as host numpy arrays: sampling and export run on one
   machine whatever mesh the run trained on (orbax would restore onto the saved one), and
-  neither needs the optimizer state or a device big enough for the whole model."""
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read _METADATA.
-  if metadata is None:
-    raise FileNotFoundError(f"{path}/_METADATA is missing or unreadable")
-  params = metadata.tree["params"]
+  neither needs the optimizer state or a device big enough for the whole model.
+
+  Through the handler: a Checkpointer would also look for step metadata in the item's
+  directory, which has none, and warn that it does not exist."""
+  (path / "_METADATA").stat()  # As in Checkpointer._restore: missing, or the storage's error.
+  handler = ocp.PyTreeCheckpointHandler()
+  params = handler.metadata(path).tree["params"]
   on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
-  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+  return handler.restore(path, args=ocp.args.PyTreeRestore(
       item={"params": params}, restore_args={"params": on_host}, partial_restore=True))["params"]
 
 
-def _first_line(error: Exception) -> str:
-  text = str(error).strip()
+# What absl appends to a status's message, one per payload: ` [name='value']`.
+_PAYLOADS = re.compile(r" \[[\w\[\]]+='.*", re.DOTALL)
+
+
+def _first_line(error: BaseException) -> str:
+  """The first line of the message, less tensorstore's payloads (its spec runs to kilobytes)."""
+  text = _PAYLOADS.sub("", str(error)).strip()
   return text.splitlines()[0] if text else type(error).__name__
 
 
