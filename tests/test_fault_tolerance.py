@@ -142,6 +142,7 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
   assert checkpoint_files(tmp_path) == checkpoints
   # Without config.json to compare with, the checkpoint itself refuses another dtype.
   (tmp_path / "config.json").unlink()
+  tiny_config.trainer.resume_without_config = True
   tiny_config.optimizer.weight_decay = 0.0
   tiny_config.model.param_dtype = "bfloat16"
   with pytest.raises(UserError, match=r"holds another state than this run builds \(opt_state/"
