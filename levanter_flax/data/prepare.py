@@ -13,21 +13,18 @@ Both run the same functions on the same shard indices, so their shards and
 manifest are the same bytes.
 """
 import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
 import pathlib
-import signal
-import sys
 import zlib
 
 from absl import logging
 from etils import epath
 
-from levanter_flax import locks, paths
+from levanter_flax import lifetime, locks, paths
 from levanter_flax.data import import_tensorflow, sources, tfrecord
 from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
@@ -123,29 +120,6 @@ def shard_record(options: PrepareOptions, files: list[str], tokenizer_spec: str,
 
 def _write_shard_task(args) -> tuple[int, dict]:
   return args[-1], shard_record(*args)
-
-
-_PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
-
-
-def _die_with_parent(parent_pid: int) -> None:
-  """Pool initializer: a worker is killed when its parent dies, even by kill -9.
-
-  Otherwise the workers of a killed prepare write on to the end of their
-  shards (hours, on a big corpus) for nobody. The signal fires when the
-  thread that started the worker exits; that thread (the caller's, or the
-  pool's worker handler, for a replacement) lives as long as the pool.
-  Linux only.
-  """
-  if not sys.platform.startswith("linux"):
-    return
-  libc = ctypes.CDLL(None, use_errno=True)
-  if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-    logging.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive its "
-                    "parent", ctypes.get_errno())
-  # A parent that died before the prctl never signals: we were adopted by another process.
-  if os.getppid() != parent_pid:
-    os._exit(1)  # pylint: disable=protected-access
 
 
 def _size_and_mtime(path: str) -> tuple[int, int]:
@@ -304,7 +278,9 @@ def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
   """
   with concurrent.futures.ProcessPoolExecutor(
       min(options.num_workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
-      initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+      # Killed with this process; the thread that starts a worker (the caller's, or the pool's
+      # worker handler, for a replacement) lives as long as the pool.
+      initializer=lifetime.die_with_parent, initargs=(os.getpid(),)) as pool:
     try:
       for done in concurrent.futures.as_completed([pool.submit(_write_shard_task, t) for t in tasks]):
         logging.info("Wrote shard %d of %d", done.result()[0] + 1, options.num_shards)
