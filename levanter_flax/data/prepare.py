@@ -373,17 +373,23 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   return options.output_dir
 
 
+def builtin_directory(cache_dir: str, tokenizer: str, validation_fraction: float,
+                      num_shards: int) -> epath.Path:
+  """Where builtin_dataset keeps the corpus prepared with these settings."""
+  tokenizer_id = identity(load_tokenizer(tokenizer))
+  name = "-".join([sources.stdlib_name(),
+                   tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
+                   f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
+  return paths.resolve(cache_dir or DEFAULT_CACHE_DIR, "config.data.cache_dir") / name
+
+
 def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
                     num_shards: int) -> epath.Path:
   """The Python-stdlib corpus, prepared under `cache_dir` on first use.
 
   Every trainer process asks for it: one prepares it while the others wait.
   """
-  tokenizer_id = identity(load_tokenizer(tokenizer))
-  name = "-".join([sources.stdlib_name(),
-                   tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
-                   f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
-  directory = paths.resolve(cache_dir or DEFAULT_CACHE_DIR, "config.data.cache_dir") / name
+  directory = builtin_directory(cache_dir, tokenizer, validation_fraction, num_shards)
   if not (directory / MANIFEST).exists():
     logging.info("Tokenizing the Python stdlib corpus into %s", directory)
   return prepare_dataset(PrepareOptions(
