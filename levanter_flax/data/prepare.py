@@ -200,6 +200,16 @@ def _remove_temp_files(directory: epath.Path) -> None:
         stale.unlink()
 
 
+def _discard_shards(directory: epath.Path) -> None:
+  """Removes what a prepare wrote that can never become a dataset (no documents, or none in a
+  split): every shard depends on the arguments that must change, and prepare_args.json would
+  refuse the changed command. Only under the lock."""
+  for pattern in ("train-*.tfrecord", "validation-*.tfrecord", "shard-*.done.json", ARGUMENTS,
+                  TRAINED_TOKENIZER, TOKENIZER_SAMPLE):
+    for path in directory.glob(pattern):
+      path.unlink()
+
+
 def tokenizer_sample(options: PrepareOptions, files: list[str], part: int) -> list[str]:
   """Part `part`'s share of the tokenizer's training text.
 
@@ -304,14 +314,17 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
     stats.add(sources.SourceStats(**shard["stats"]))
   where = ", ".join(options.source.inputs) or options.source.kind
   if not stats.documents:
+    _discard_shards(options.output_dir)
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped)")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
   for split, shards in splits.items():
     if not sum(s["num_documents"] for s in shards) and (split == "train" or
                                                         options.validation_fraction > 0):
+      _discard_shards(options.output_dir)
       raise UserError(f"source {where} gave no {split} documents out of {stats.documents}; "
-                      f"adjust --validation_fraction ({options.validation_fraction})")
+                      f"adjust --validation_fraction ({options.validation_fraction}) and run "
+                      f"again (this attempt's shards are removed)")
   manifest = {
       "format_version": FORMAT_VERSION,
       "tokenizer": dataclasses.asdict(tokenizer),
@@ -327,10 +340,15 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
 
 
 def _log_summary(options: PrepareOptions, manifest: dict) -> None:
-  source = manifest["source"]
+  source, train = manifest["source"], manifest["splits"]["train"]
   logging.info("Prepared %s: %s documents, %s train tokens", options.output_dir,
-               f"{source['documents']:,}",
-               f"{sum(s['num_tokens'] for s in manifest['splits']['train']):,}")
+               f"{source['documents']:,}", f"{sum(s['num_tokens'] for s in train):,}")
+  if empty := sum(not shard["num_documents"] for shard in train):
+    # The trainer's reader groups each read a fixed slice of the shards: one whose shards are
+    # all empty has no window to give, and the run stops.
+    logging.warning("Prepared %s: %d of its %d train shards are empty; --num_shards=%d or fewer "
+                    "would fill every one", options.output_dir, empty, len(train),
+                    len(train) - empty)
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
                     "%d empty documents were skipped (counts in its %s)", options.output_dir,
@@ -344,7 +362,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   `wait`, and is otherwise refused with a UserError naming it.
   """
   # The inputs first, so that a mistyped glob or tokenizer leaves no directory behind.
-  files = sources.resolve_files(options.source)
+  files = sources.resolve_files(options.source, os.fspath(options.output_dir))
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
   pipeline = None
