@@ -40,7 +40,8 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
 def ends_with_this_process(signum: int) -> Callable[[], None]:
   """A subprocess.Popen preexec_fn: the child gets `signum` when this process dies.
 
-  libc is loaded here, before the fork: the child runs the call alone.
+  libc is loaded here, before the fork, so that the child (whose one thread may have been
+  copied while another held the loader's lock) only calls into it.
   """
   if sys.platform.startswith("linux"):
     _libc()

@@ -13,7 +13,7 @@ datasets were tokenized with.
 import dataclasses
 import functools
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -145,11 +145,14 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
     raise UserError(f"{workdir}/config.json names no data.tokenizer to encode prompts with")
   tokenizer = tokenizers.load_tokenizer(spec)
   now = tokenizers.identity(tokenizer)
-  for directory in _datasets(saved):
+  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
+  for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
     try:
+      directory = _directory(saved, dataset)
       trained = prepare.manifest_tokenizer(prepare.load_manifest(directory))
     except UserError as e:  # Moved or deleted since: the check is left undone, not the sample.
-      logging.warning("Cannot check tokenizer %s against the run's dataset: %s", spec, e)
+      logging.warning("Cannot check tokenizer %s against the run's dataset %s: %s", spec, dataset,
+                      e)
       continue
     if not trained.matches(now):
       raise UserError(f"tokenizer {spec} is {now.describe()} (vocab {now.vocab_size}), but the "
@@ -159,17 +162,14 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
   return tokenizer
 
 
-def _datasets(saved: dict) -> Iterator[epath.Path]:
-  """The dataset directories of a run's config.json (data.mixture, else data.dataset)."""
+def _directory(saved: dict, dataset: str) -> epath.Path:
+  """Where a dataset of a run's config.json (data.dataset, or one of data.mixture) is."""
   from levanter_flax.data import prepare  # pylint: disable=g-import-not-at-top
-  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
-  for _, dataset, _ in entries:
-    if dataset == "stdlib":
-      yield prepare.builtin_directory(saved["data.cache_dir"], saved["data.tokenizer"],
-                                      saved["data.validation_fraction"],
-                                      saved["data.num_train_shards"])
-    elif isinstance(dataset, str):
-      yield paths.resolve(dataset, "data.dataset of the run's config.json")
+  if dataset == "stdlib":
+    return prepare.builtin_directory(saved["data.cache_dir"], saved["data.tokenizer"],
+                                     saved["data.validation_fraction"],
+                                     saved["data.num_train_shards"])
+  return paths.resolve(dataset, "data.dataset of the run's config.json")
 
 
 def encode(tokenizer, prompts: Sequence[str], bos: bool) -> list[list[int]]:
