@@ -23,10 +23,9 @@ from typing import Callable
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from levanter_flax import cli, models, optim, partitioning, step
-from levanter_flax.config import RunConfig, TrainerConfig, to_run_config
+from levanter_flax.config import RunConfig, TrainerConfig, define_config_flag, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
 
@@ -155,6 +154,6 @@ def main(argv):
 
 if __name__ == "__main__":
   # Defined only when run as a program: train.py imports this module next to main.py's flag.
-  config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
+  define_config_flag("A config file in configs/.")
   flags.mark_flag_as_required("config")
   app.run(main, flags_parser=cli.parse_flags)

@@ -7,14 +7,17 @@ import warnings
 
 from absl import flags, logging
 
-from levanter_flax.errors import exit_with_error
+from levanter_flax.errors import UserError, exit_with_error
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """For app.run(main, flags_parser=parse_flags): a bad flag is one line, not absl's two."""
+  """For app.run(main, flags_parser=parse_flags): a bad flag is one line, not absl's two.
+
+  A UserError comes from a flag's own parser (a config file, config.define_config_flag).
+  """
   try:
     return flags.FLAGS(argv)
-  except flags.Error as e:
+  except (flags.Error, UserError) as e:
     exit_with_error(str(e))
 
 

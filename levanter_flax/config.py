@@ -9,11 +9,14 @@ import importlib.util
 import json
 import pathlib
 import re
+import traceback
 import typing
 from typing import Any, Optional, Sequence
 
 import ml_collections
+from absl import flags
 from etils import epath
+from ml_collections import config_flags
 
 from levanter_flax import checks, models, optim
 from levanter_flax.data import DataConfig
@@ -311,13 +314,82 @@ def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
 
   A config file merges it into a section: config.optimizer.update(load_preset(...)).
   """
+  return call_from_file(path, "get_config", "config preset")
+
+
+def load_config_file(argument: str) -> ml_collections.ConfigDict:
+  """What --config=FILE[:ARG] names: get_config([ARG]) of FILE, as config_flags reads it."""
+  path, *arg = argument.split(":", 1)
+  config = call_from_file(path, "get_config", "config file", *arg)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UserError(f"get_config() of config file {path} returned a {type(config).__name__}, not "
+                    f"an ml_collections.ConfigDict (did it forget to return the config?)")
+  return config
+
+
+def define_config_flag(help_string: str, flag_values: flags.FlagValues = flags.FLAGS,
+                       sys_argv: Optional[list[str]] = None) -> flags.FlagHolder:
+  """config_flags' --config (a file, and --config.KEY=VALUE overrides), its file read by
+  load_config_file."""
+  holder = config_flags.DEFINE_config_file("config", None, help_string, flag_values,
+                                           lock_config=True, sys_argv=sys_argv)
+  flag_values["config"].parser = _ConfigFileParser()
+  return holder
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+  """--config's file, read by load_config_file: each thing wrong with it is one UserError.
+
+  config_flags' own parser defers an unreadable file's error, passes others
+  on as they are or with a traceback in their text, and a file without
+  get_config() comes out as a missing config key ("config_config").
+  """
+
+  def parse(self, argument: str) -> ml_collections.ConfigDict:
+    config = load_config_file(argument)
+    config.lock()
+    return config
+
+  def flag_type(self) -> str:
+    return "config object"
+
+
+def call_from_file(path: str | pathlib.Path, function: str, what: str, *args) -> Any:
+  """`function(*args)` of the Python file `path`, which a message calls `what`.
+
+  Whatever is wrong with the file (missing, failing to load, without the
+  function, or the function raising) is one UserError naming it, the line and
+  the exception. A UserError from the call (a preset it loads) is its own.
+  """
   path = pathlib.Path(path)
   if not path.is_file():
-    raise UserError(f"config preset {path} does not exist")
+    raise UserError(f"{what} {path} does not exist")
   spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except  # Whatever the user's file raises.
+    raise UserError(f"{what} {path} fails to load: {_failure(e, path)}") from None
+  if not callable(getattr(module, function, None)):
+    raise UserError(f"{what} {path} defines no {function}()")
+  try:
+    return getattr(module, function)(*args)
+  except UserError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"{function}() of {what} {path} raised {_failure(e, path)}") from None
+
+
+def _failure(error: Exception, path: pathlib.Path) -> str:
+  """'ValueError at line 2: why': the exception and the line of `path` that raised (or, for a
+  SyntaxError, holds) it."""
+  lines = [f.lineno for f in traceback.extract_tb(error.__traceback__)
+           if pathlib.Path(f.filename).absolute() == path.absolute()]
+  if isinstance(error, SyntaxError) and error.lineno:
+    lines = [error.lineno]
+  text = (error.msg if isinstance(error, SyntaxError) else str(error)).strip()
+  return (type(error).__name__ + (f" at line {lines[-1]}" if lines else "")
+          + (f": {text.splitlines()[0]}" if text else ""))
 
 
 def _type_name(tp) -> str:

@@ -11,11 +11,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import to_run_config
+from levanter_flax.config import define_config_flag, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
-                                          lock_config=True)
+_CONFIG = define_config_flag("Path to a config file in configs/.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
 flags.mark_flag_as_required("config")
 
@@ -30,7 +29,7 @@ def _config_path(argv: list[str]) -> str:
 
 
 def _describe_flag_error(error: Exception, argv: list[str]) -> str:
-  """One line for whatever config_flags raised while loading the file or an override."""
+  """One line for whatever config_flags raised while applying an override."""
   while error.args and isinstance(error.args[0], Exception):  # config_dict nests KeyErrors.
     error = error.args[0]
   text = str(error.args[0] if error.args else error)
@@ -40,24 +39,15 @@ def _describe_flag_error(error: Exception, argv: list[str]) -> str:
     hint = re.search(r"Did you mean \"(\w+)\"", text)
     culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
     return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
-  if isinstance(error, OSError) and "config file" in text:
-    reason = text.strip().splitlines()[-1].strip()
-    return f"cannot load config file {_config_path(argv)}: {reason}"
-  if isinstance(error, SyntaxError):
-    return f"config file {error.filename}, line {error.lineno}: {error.msg}"
   first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
   return f"config {_config_path(argv)}: {first_line}"
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
-    rest = flags.FLAGS(argv)
-    _CONFIG.value.keys()  # Surfaces an error config_flags deferred while loading the file.
-  except flags.Error as e:
-    exit_with_error(str(e))
-  except Exception as e:  # pylint: disable=broad-except
+    return cli.parse_flags(argv)
+  except Exception as e:  # pylint: disable=broad-except  # What config_flags lets through raw.
     exit_with_error(_describe_flag_error(e, argv))
-  return rest
 
 
 def _start_jax(trainer) -> None:

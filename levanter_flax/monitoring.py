@@ -1,5 +1,6 @@
 """Watching a run: a profiler window, memory figures and a hang watchdog."""
 import contextlib
+import faulthandler
 import os
 import resource
 import sys
@@ -80,12 +81,21 @@ def host_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, others KiB.
 
 
+# The process's stderr, where absl logs: fd 2, whatever sys.stderr has been replaced with.
+_STDERR = 2
+
+
 class HangWatchdog:
   """Logs the stack of every thread when no step has finished for `timeout_seconds`.
 
   A hung collective, a stalled filesystem or a deadlocked input pipeline
   otherwise leaves a silent process. The dump repeats every `timeout_seconds`
   while the hang lasts, so one can see whether it moves. 0 turns it off.
+
+  The watching thread needs the GIL, which a hang inside a C extension may
+  hold. faulthandler's own thread needs none: armed for the same timeout and
+  re-armed by the watching thread on each of its rounds, it writes the stacks
+  to the process's stderr only when that thread could not run for so long.
   """
 
   def __init__(self, timeout_seconds: float):
@@ -96,6 +106,7 @@ class HangWatchdog:
 
   def __enter__(self) -> "HangWatchdog":
     if self._timeout:
+      self._arm_backstop()
       self._thread.start()
     return self
 
@@ -103,12 +114,17 @@ class HangWatchdog:
     self._stopped.set()
     if self._thread.is_alive():
       self._thread.join()
+      faulthandler.cancel_dump_traceback_later()
 
   def step_finished(self, step: int) -> None:
     self._last_step, self._last_time = step, time.monotonic()
 
+  def _arm_backstop(self) -> None:
+    faulthandler.dump_traceback_later(self._timeout, repeat=True, file=_STDERR)
+
   def _watch(self) -> None:
     while not self._stopped.wait(min(self._timeout, 10.0) / 4):
+      self._arm_backstop()
       waited = time.monotonic() - self._last_time
       if waited >= self._timeout:
         logging.warning("Hang watchdog: no step finished for %.0f s since step %d "

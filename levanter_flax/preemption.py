@@ -1,6 +1,8 @@
-"""SIGTERM and SIGINT end a run cleanly: finish the step, write a checkpoint, exit 0.
+"""SIGTERM, SIGINT and SIGHUP end a run cleanly: finish the step, write a checkpoint, exit 0.
 
-Schedulers and cloud/TPU preemption send SIGTERM, Ctrl-C sends SIGINT.
+Schedulers and cloud/TPU preemption send SIGTERM, Ctrl-C sends SIGINT, a
+closed terminal (and some schedulers) SIGHUP, whose default would kill the run
+without its checkpoint.
 
 One process: a handler records the signal, and the loop asks after each step.
 
@@ -9,8 +11,9 @@ collective, but asking the others every step would be an all-gather that
 waits for the step to finish. jax.distributed's preemption service does it
 without one: it owns SIGTERM, tells the coordinator, which picks a step that
 no process has passed yet, and `multihost_utils.reached_preemption_sync_point`
-is then a local read on every process. A SIGINT is handed on to that service
-as a SIGTERM, so Ctrl-C on any process also stops all of them together.
+is then a local read on every process. A SIGINT or SIGHUP is handed on to
+that service as a SIGTERM, so Ctrl-C on any process also stops all of them
+together.
 
 Once a stop is on its way, later signals are ignored until the process
 exits: the last checkpoint is written whatever else arrives (SIGKILL still
@@ -24,9 +27,12 @@ from jax.experimental import multihost_utils
 
 from levanter_flax.errors import UserError
 
+# What asks a run (or a launcher, launch/local.py) to stop cleanly.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 class StopSignal:
-  """A context manager that turns SIGTERM/SIGINT into a request to stop after a step."""
+  """A context manager that turns STOP_SIGNALS into a request to stop after a step."""
 
   def __init__(self):
     self.received = None
@@ -39,7 +45,7 @@ class StopSignal:
       raise UserError("a run of several processes stops on SIGTERM through jax's preemption "
                       "service, which is switched off (jax_enable_preemption_service=False)")
     # With several processes, SIGTERM stays with jax's handler; taking it would cut jax out.
-    for signum in (signal.SIGINT,) if self._shared else (signal.SIGTERM, signal.SIGINT):
+    for signum in (s for s in STOP_SIGNALS if not (self._shared and s == signal.SIGTERM)):
       self._previous[signum] = signal.signal(signum, self._record)
     return self
 

@@ -5,15 +5,21 @@ r"""Text from the latest checkpoint of a run, decoded on a KV cache.
 
 Prompts of different lengths are left-padded into one batch. temperature 0
 is greedy decoding; top_k and top_p restrict sampling to the likeliest tokens.
+Each prompt follows an EOS, as every document the model trained on did
+(--no_bos: not), so an empty prompt starts a new document. The tokenizer is
+the run's (config.json's data.tokenizer), and must still be the file its
+datasets were tokenized with.
 """
 import dataclasses
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
+from etils import epath
 
 from levanter_flax import cli, models, paths
 from levanter_flax.checkpoint import run_params
@@ -115,9 +121,66 @@ def _decode_step(model, params, cache, tokens, positions, token_mask, key, *, cf
   return choose(logits[:, -1], key, cfg), variables["cache"]
 
 
+def check_text(prompts: Sequence[str]) -> None:
+  """A prompt's bytes that are not UTF-8 (a shell's $'\\xff') reach Python as lone surrogates,
+  which no tokenizer encodes."""
+  for prompt in prompts:
+    raw = os.fsencode(prompt)  # The bytes as given.
+    try:
+      raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise UserError(f"--prompt {raw!r} is not UTF-8 text (byte {e.start}, {raw[e.start]:#04x}: "
+                      f"{e.reason})") from None
+
+
+def run_tokenizer(workdir: epath.Path, saved: dict):
+  """The tokenizer a run trained with: config.json's data.tokenizer, if it is still the file
+  its datasets were tokenized with (each manifest records it; the trainer refused any other).
+
+  A file replaced since would encode prompts into ids the model did not learn.
+  """
+  from levanter_flax.data import prepare, tokenizers  # pylint: disable=g-import-not-at-top
+  spec = saved.get("data.tokenizer")
+  if not isinstance(spec, str):
+    raise UserError(f"{workdir}/config.json names no data.tokenizer to encode prompts with")
+  tokenizer = tokenizers.load_tokenizer(spec)
+  now = tokenizers.identity(tokenizer)
+  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
+  for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
+    try:
+      directory = _directory(saved, dataset)
+      trained = prepare.manifest_tokenizer(prepare.load_manifest(directory))
+    except UserError as e:  # Moved or deleted since: the check is left undone, not the sample.
+      logging.warning("Cannot check tokenizer %s against the run's dataset %s: %s", spec, dataset,
+                      e)
+      continue
+    if not trained.matches(now):
+      raise UserError(f"tokenizer {spec} is {now.describe()} (vocab {now.vocab_size}), but the "
+                      f"run in {workdir} trained on {directory}, tokenized with "
+                      f"{trained.describe()} (vocab {trained.vocab_size}): the file changed "
+                      f"since; put back the one the run trained with")
+  return tokenizer
+
+
+def _directory(saved: dict, dataset: str) -> epath.Path:
+  """Where a dataset of a run's config.json (data.dataset, or one of data.mixture) is."""
+  from levanter_flax.data import prepare  # pylint: disable=g-import-not-at-top
+  if dataset == "stdlib":
+    return prepare.builtin_directory(saved["data.cache_dir"], saved["data.tokenizer"],
+                                     saved["data.validation_fraction"],
+                                     saved["data.num_train_shards"])
+  return paths.resolve(dataset, "data.dataset of the run's config.json")
+
+
+def encode(tokenizer, prompts: Sequence[str], bos: bool) -> list[list[int]]:
+  """Each prompt's tokens, after an EOS with `bos`: the loader puts one after every document,
+  so each document the model trained on began after it (with data.document_masking, as the
+  first token it could see, at position 0)."""
+  return [[tokenizer.eos_id] * bos + tokenizer.encode(p).tolist() for p in prompts]
+
+
 def main(argv: list[str]) -> None:
   del argv
-  from levanter_flax.data.tokenizers import load_tokenizer  # pylint: disable=g-import-not-at-top
   flag = flags.FLAGS
   cfg = SamplingConfig(flag.max_new_tokens, flag.temperature, flag.top_k, flag.top_p, flag.seed,
                        flag.long_prompt)
@@ -125,12 +188,12 @@ def main(argv: list[str]) -> None:
   try:
     if not flag.prompt:
       raise UserError("give at least one --prompt")
+    check_text(flag.prompt)
     check_ranges(cfg)
-    model_cfg, params, saved = run_params(paths.resolve(flag.workdir, "--workdir"))
-    if not isinstance(saved.get("data.tokenizer"), str):
-      raise UserError(f"{flag.workdir}/config.json names no data.tokenizer to encode prompts with")
-    tokenizer = load_tokenizer(saved["data.tokenizer"])
-    prompts = [tokenizer.encode(p).tolist() for p in flag.prompt]
+    workdir = paths.resolve(flag.workdir, "--workdir")
+    model_cfg, params, saved = run_params(workdir)
+    tokenizer = run_tokenizer(workdir, saved)
+    prompts = encode(tokenizer, flag.prompt, bos=not flag.no_bos)
     for prompt, continuation in zip(flag.prompt, generate(model_cfg, params, prompts, cfg)):
       print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(continuation)}")
   except UserError as e:
@@ -148,4 +211,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_enum("long_prompt", "error", ["error", "truncate"],
                     "A prompt too long for seq_len - max_new_tokens: refuse it, or keep its end.")
+  flags.DEFINE_bool("no_bos", False, "Feed each prompt alone, not after the EOS that began "
+                    "every training document.")
   app.run(main, flags_parser=cli.parse_flags)

@@ -5,7 +5,7 @@ import ml_collections
 import pytest
 
 from conftest import REPO, load_config_file
-from levanter_flax.config import default_config, mesh, to_run_config
+from levanter_flax.config import default_config, load_config_file as load_config, mesh, to_run_config
 from levanter_flax.errors import UserError
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "configs").glob("*.py"))
@@ -164,3 +164,25 @@ def test_a_saved_config_without_a_newer_key_means_what_its_run_did():
   saved = {k: v for k, v in now.items()
            if k not in ("data.document_masking", "trainer.hang_watchdog_seconds")}
   assert changes(saved, now) == ["data.document_masking False -> True"]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("X = 1\n", "config file {path} defines no get_config()"),
+    ("def get_config():\n  raise ValueError('no such model')\n",
+     "get_config() of config file {path} raised ValueError at line 2: no such model"),
+    ("def get_config():\n  return {}['seq_len']\n",
+     "get_config() of config file {path} raised KeyError at line 2: 'seq_len'"),
+    ("def get_config():\n  pass\n",
+     "get_config() of config file {path} returned a NoneType, not an ml_collections.ConfigDict"),
+    ("import no_such_module\n",
+     "config file {path} fails to load: ModuleNotFoundError at line 1: No module named"),
+    ("def get_config(:\n", "config file {path} fails to load: SyntaxError at line 1: "),
+])
+def test_a_config_file_that_cannot_give_a_config_is_named_with_its_reason(tmp_path, source,
+                                                                          message):
+  path = tmp_path / "broken.py"
+  path.write_text(source)
+  with pytest.raises(UserError) as raised:
+    load_config(str(path))
+  assert str(raised.value).startswith(message.format(path=path)), raised.value
+  assert "\n" not in str(raised.value)

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
-from levanter_flax import report
+from levanter_flax import preemption, report
 from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
@@ -88,6 +88,22 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
   assert max(train_losses(tmp_path)) == stopped_at + 2
   assert [m["step"] for m in read_metrics(tmp_path) if "train/loss" in m][-2:] == [
       stopped_at + 1, stopped_at + 2]
+
+
+def test_a_hangup_asks_the_run_to_stop_as_sigterm_does():
+  """A closed terminal (or a scheduler) sends SIGHUP, whose default ends a run unsaved; the
+  run above shows what a recorded request leads to."""
+  reached_the_default = []
+  default = signal.signal(signal.SIGHUP, lambda *_: reached_the_default.append(True))
+  try:
+    with preemption.StopSignal() as stop:
+      assert not stop.requested(1)
+      signal.raise_signal(signal.SIGHUP)
+      assert stop.requested(2) and stop.received == signal.SIGHUP
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # On its way out: no second one.
+  finally:
+    signal.signal(signal.SIGHUP, default)
+  assert not reached_the_default
 
 
 def checkpoint_files(workdir: pathlib.Path) -> dict[str, bytes]:

@@ -1,16 +1,20 @@
 """Experiments: sweeps of work units, the local executor, and what bad input gets."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, train_losses
 from levanter_flax.errors import UserError
 from levanter_flax.launch import Experiment, product, sweep, zipit
 from levanter_flax.launch.experiment import work_units
 from levanter_flax.launch.local import is_done
 from test_main import NANO, TINY
+from test_prepare import children, running
 
 
 def test_product_and_zipit_combine_sweeps():
@@ -188,6 +192,56 @@ def test_a_failing_unit_is_reported_while_the_other_finishes(data_cache, tmp_pat
       "levanter_flax: error: 1 of 2 work units did not finish: 001_")
   [bad_dir] = (tmp_path / "runs" / "tiny").glob("001_*")
   assert f"{tmp_path / 'missing'}" in (bad_dir / "log.txt").read_text()
+
+
+def start_until_it_trains(experiment_file, root, workdir_glob: str, after_step: int):
+  """A launch, its unit's pid and workdir once the unit has logged a step after `after_step`."""
+  launcher = subprocess.Popen([sys.executable, "-m", "levanter_flax.launch", experiment_file,
+                               f"--root={root}"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline:
+    units = children(launcher.pid)
+    workdirs = list(root.glob(workdir_glob))
+    if units and workdirs and (workdirs[0] / "metrics.jsonl").exists() and max(
+        train_losses(workdirs[0]), default=0) > after_step:
+      return launcher, units[0], workdirs[0]
+    assert launcher.poll() is None, launcher.communicate()
+    time.sleep(0.5)
+  raise AssertionError("the unit logged no step in time")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="Linux only: PR_SET_PDEATHSIG, and the processes are found in /proc")
+def test_a_hangup_or_a_killed_launch_stops_its_units_with_a_checkpoint(data_cache, tmp_path):
+  endless = {"trainer.num_train_steps": 100000, "trainer.checkpoint_every_steps": 100000,
+             "data.cache_dir": str(data_cache), "trainer.batch_size": 8}
+  experiment = write_experiment(tmp_path / "exp.py", [endless])
+  runs, units = tmp_path / "runs", []
+  try:
+    # A closed terminal: SIGTERM passed on, the unit's checkpoint waited for.
+    launcher, unit, workdir = start_until_it_trains(experiment, runs, "tiny/000*", 0)
+    units.append(unit)
+    launcher.send_signal(signal.SIGHUP)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1, stdout + stderr[-3000:]
+    assert f"[{workdir.name}] interrupted (exit 0)" in stdout
+    assert not running(unit)
+    [stopped_at] = [int(p.name) for p in (workdir / "checkpoints").iterdir()]
+    # A launch killed outright: its unit is sent SIGTERM by the kernel and stops the same way.
+    launcher, unit, _ = start_until_it_trains(experiment, runs, "tiny/000*", stopped_at)
+    units.append(unit)
+    launcher.kill()
+    launcher.communicate()
+    deadline = time.time() + 120
+    while running(unit) and time.time() < deadline:
+      time.sleep(0.2)
+    assert not running(unit)
+    assert max(int(p.name) for p in (workdir / "checkpoints").iterdir()) > stopped_at
+    assert (workdir / "log.txt").read_text().count("on request; its checkpoint is written") == 2
+  finally:
+    for unit in filter(running, units):  # Orphans, when the launch cannot take them along.
+      os.kill(unit, signal.SIGKILL)
 
 
 def test_the_xm_executor_says_how_to_install_xmanager(tmp_path):

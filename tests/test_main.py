@@ -67,7 +67,14 @@ def test_bad_overrides_are_one_line(args, fragments):
 
 
 def test_missing_config_file_is_one_line():
-  assert_one_line_error(run_main("--config=configs/nope.py"), "configs/nope.py", "No such file")
+  assert_one_line_error(run_main("--config=configs/nope.py"), "config file configs/nope.py does not exist")
+
+
+def test_a_config_file_without_get_config_is_one_line_naming_it(tmp_path):
+  """Not "unknown config key config_config" (config_flags' name for the file's module)."""
+  (tmp_path / "no_function.py").write_text("from levanter_flax.config import default_config\n")
+  assert_one_line_error(run_main(f"--config={tmp_path}/no_function.py"),
+                        f"config file {tmp_path}/no_function.py defines no get_config()")
 
 
 def test_missing_config_flag_is_one_line():

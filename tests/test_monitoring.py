@@ -1,4 +1,5 @@
 """The profiler window, health metrics, the hang watchdog and the report of runs."""
+import ctypes
 import glob
 import json
 import logging
@@ -14,7 +15,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from conftest import REPO, read_metrics
-from levanter_flax import report
+from levanter_flax import monitoring, report
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError
@@ -76,6 +77,20 @@ def test_watchdog_dumps_the_stacks_when_a_step_hangs(tiny_config, tmp_path, monk
   dumps = [r.getMessage() for r in caplog.records if "Hang watchdog" in r.getMessage()]
   assert any("since step 2" in d and "in stalled_input_pipeline" in d and "Thread MainThread" in d
              for d in dumps), dumps
+
+
+def test_watchdog_dumps_the_stacks_when_a_step_hangs_holding_the_gil(capfd):
+  """Where the watching thread cannot run: a step stuck in a C call that keeps the GIL."""
+  libc = ctypes.PyDLL(None)  # Unlike CDLL, it keeps the GIL for the call.
+
+  def step_stuck_in_c():
+    libc.sleep(2)
+
+  with monitoring.HangWatchdog(1.0) as watchdog:
+    watchdog.step_finished(1)
+    step_stuck_in_c()
+  stderr = capfd.readouterr().err  # The process's own: file descriptor 2.
+  assert "Timeout (0:00:01)!" in stderr and "in step_stuck_in_c" in stderr, stderr
 
 
 def test_report_plots_runs_together_and_its_table_matches_the_metrics(tiny_config, tmp_path, capsys):

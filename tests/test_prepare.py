@@ -226,7 +226,9 @@ def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
   assert prepare.load_manifest(directory)["source"]["invalid_utf8_documents"] == 1
   warnings = [r.getMessage() for r in caplog.records
               if r.levelname == "WARNING" and r.getMessage().startswith("Prepared")]
-  assert warnings == [f"Prepared {directory}: 1 documents had invalid UTF-8 (bad bytes replaced by "
+  assert warnings == [f"Prepared {directory}: 6 of its 8 train shards are empty; --num_shards=2 or "
+                      f"fewer would fill every one",
+                      f"Prepared {directory}: 1 documents had invalid UTF-8 (bad bytes replaced by "
                       f"U+FFFD), 1 empty documents were skipped (counts in its manifest.json)"]
   strict = sources.SourceSpec(kind="text", inputs=spec.inputs, on_decode_error="error")
   with pytest.raises(UserError, match=r"bad.txt: invalid UTF-8 at byte 3"):
@@ -343,6 +345,39 @@ def test_an_input_edited_in_place_is_noticed(tmp_path):
   arguments.write_text(json.dumps({k: v for k, v in json.loads(arguments.read_text()).items()
                                    if k != "input_mtimes"}))
   prepare_again(tmp_path)
+
+
+def test_an_output_dir_inside_the_input_glob_is_no_input(tmp_path):
+  """Its shards, matched on a rerun, would change the inputs, which refuses the same command."""
+  for name, text in (("a.txt", "one"), ("b.txt", "two")):
+    (tmp_path / name).write_text(text)
+  everything = sources.SourceSpec(kind="text", inputs=(f"{tmp_path}/**",))
+  options = prepare.PrepareOptions(source=everything, output_dir=tmp_path / "out",
+                                   validation_fraction=0.0, num_shards=1)
+  prepare.prepare_dataset(options)
+  prepare.prepare_dataset(options)  # The same command again.
+  assert sorted(read_documents(tmp_path / "out")) == ["one", "two"]
+  with pytest.raises(UserError, match=f"input glob '{tmp_path}/out/\\*' matches no files outside "
+                                      f"--output_dir {tmp_path}/out"):
+    prepare.prepare_dataset(prepare.PrepareOptions(
+        source=sources.SourceSpec(kind="text", inputs=(f"{tmp_path}/out/*",)),
+        output_dir=tmp_path / "out"))
+
+
+def test_an_empty_split_can_be_fixed_as_the_error_says(tmp_path):
+  texts = random_documents(20)
+  with pytest.raises(UserError, match=r"gave no validation documents out of 20; adjust "
+                                      r"--validation_fraction \(1e-09\)"):
+    prepare_texts(tmp_path, texts, validation_fraction=1e-9)
+  assert [p.name for p in (tmp_path / "data").iterdir()] == [".lock"]  # No shard of it is kept.
+  prepare_again(tmp_path, validation_fraction=0.5)
+  assert sorted(read_documents(tmp_path / "data")) == sorted(texts)
+
+
+def test_mostly_empty_shards_are_warned_of(tmp_path, caplog):
+  prepare_texts(tmp_path, ["one", "two", "three"], num_shards=8, validation_fraction=0.0)
+  assert f"Prepared {tmp_path / 'data'}: 5 of its 8 train shards are empty; --num_shards=3 or " \
+         f"fewer would fill every one" in caplog.text
 
 
 # A prepare that writes slowly (0.1 s a document) and says when it starts writing shards.

@@ -16,7 +16,8 @@ from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
-from levanter_flax.sample import SamplingConfig, choose, generate
+from levanter_flax.data.tokenizers import ByteTokenizer
+from levanter_flax.sample import SamplingConfig, choose, encode, generate
 from levanter_flax.train import train_and_evaluate
 
 MODELS = {
@@ -98,11 +99,12 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   one_device = {**os.environ, "XLA_FLAGS": xla_flags(1)}
   result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
-                           "--prompt=def ", "--prompt=import os", "--max_new_tokens=6",
+                           "--prompt=def ", "--prompt=import os", "--prompt=", "--max_new_tokens=6",
                            "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=one_device)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--- 'def '\ndef " in result.stdout and "--- 'import os'\nimport os" in result.stdout
+  assert "--- ''\n" in result.stdout  # After the EOS alone: a new document.
   missing = subprocess.run([sys.executable, "-m", "levanter_flax.sample",
                             f"--workdir={tmp_path / 'nothing'}", "--prompt=x"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
@@ -115,6 +117,23 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   assert too_many.returncode == 1 and "Traceback" not in too_many.stderr, too_many.stderr[-3000:]
   assert too_many.stderr.strip().splitlines()[-1].startswith(
       "levanter_flax: error: --top_k 100000 exceeds the model's vocabulary of ")
+
+
+def test_prompts_follow_an_eos_as_every_training_document_did():
+  tokenizer = ByteTokenizer()
+  assert encode(tokenizer, ["ab", ""], bos=True) == [[tokenizer.eos_id, 97, 98], [tokenizer.eos_id]]
+  assert encode(tokenizer, ["ab"], bos=False) == [[97, 98]]
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
+  """As a shell passes --prompt=$'\\xff': bytes, which Python holds as a lone surrogate."""
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+                           b"--prompt=ab\xff"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+      "levanter_flax: error: --prompt b'ab\\xff' is not UTF-8 text (byte 2, 0xff: invalid start "
+      "byte)")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.

@@ -1,7 +1,10 @@
 """Tokenizers round-trip text, are recorded in the manifest, and a mismatched config is refused."""
+import shutil
+
 import pytest
 
 from conftest import prepare_texts, random_documents
+from levanter_flax import sample
 from levanter_flax.config import default_config, to_run_config
 from levanter_flax.data import loader, prepare, tfrecord
 from levanter_flax.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
@@ -77,6 +80,22 @@ def test_config_with_another_tokenizer_is_refused(tmp_path, bpe_file):
   config.data.tokenizer = str(tmp_path / "missing.json")
   with pytest.raises(UserError, match="is neither 'byte' nor an existing tokenizer.json"):
     loader.load_sources(to_run_config(config).data)
+
+
+def test_sample_refuses_a_tokenizer_file_changed_since_the_run(tmp_path, bpe_file):
+  tokenizer = tmp_path / "tokenizer.json"
+  shutil.copy(bpe_file, tokenizer)
+  directory = prepare_texts(tmp_path, random_documents(20), tokenizer=str(tokenizer))
+  saved = {"data.dataset": str(directory), "data.mixture": [], "data.tokenizer": str(tokenizer)}
+  trained_with = load_tokenizer(str(bpe_file))
+  assert sample.run_tokenizer(tmp_path, saved).sha256 == trained_with.sha256
+  train_bpe(random_documents(50, seed=1), 400, tokenizer)  # Retrained in place: other merges.
+  load_tokenizer.cache_clear()  # As a new sample process reads it.
+  with pytest.raises(UserError, match=(
+      f"tokenizer {tokenizer} is huggingface sha256:\\w{{12}} \\(vocab 400\\), but the run in "
+      f"{tmp_path} trained on {directory}, tokenized with huggingface "
+      f"sha256:{trained_with.sha256[:12]} \\(vocab 400\\): the file changed since")):
+    sample.run_tokenizer(tmp_path, saved)
 
 
 @pytest.mark.parametrize("content", ["not json", '{"version": "1.0"}'])

@@ -13,21 +13,18 @@ Both run the same functions on the same shard indices, so their shards and
 manifest are the same bytes.
 """
 import concurrent.futures
-import ctypes
 import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
 import pathlib
-import signal
-import sys
 import zlib
 
 from absl import logging
 from etils import epath
 
-from levanter_flax import locks, paths
+from levanter_flax import lifetime, locks, paths
 from levanter_flax.data import import_tensorflow, sources, tfrecord
 from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
@@ -126,29 +123,6 @@ def _write_shard_task(args) -> tuple[int, dict]:
   return args[-1], shard_record(*args)
 
 
-_PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
-
-
-def _die_with_parent(parent_pid: int) -> None:
-  """Pool initializer: a worker is killed when its parent dies, even by kill -9.
-
-  Otherwise the workers of a killed prepare write on to the end of their
-  shards (hours, on a big corpus) for nobody. The signal fires when the
-  thread that started the worker exits; that thread (the caller's, or the
-  pool's worker handler, for a replacement) lives as long as the pool.
-  Linux only.
-  """
-  if not sys.platform.startswith("linux"):
-    return
-  libc = ctypes.CDLL(None, use_errno=True)
-  if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-    logging.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive its "
-                    "parent", ctypes.get_errno())
-  # A parent that died before the prctl never signals: we were adopted by another process.
-  if os.getppid() != parent_pid:
-    os._exit(1)  # pylint: disable=protected-access
-
-
 def _size_and_mtime(path: str) -> tuple[int, int]:
   """(bytes, modification time in ns): of the object's last upload, on gs://."""
   try:
@@ -225,6 +199,16 @@ def _remove_temp_files(directory: epath.Path) -> None:
     for stale in directory.glob(pattern):
       if stale.exists():
         stale.unlink()
+
+
+def _discard_shards(directory: epath.Path) -> None:
+  """Removes what a prepare wrote that can never become a dataset (no documents, or none in a
+  split): every shard depends on the arguments that must change, and prepare_args.json would
+  refuse the changed command. Only under the lock."""
+  for pattern in ("train-*.tfrecord", "validation-*.tfrecord", "shard-*.done.json", ARGUMENTS,
+                  TRAINED_TOKENIZER, TOKENIZER_SAMPLE):
+    for path in directory.glob(pattern):
+      path.unlink()
 
 
 def tokenizer_sample(options: PrepareOptions, files: list[str], part: int) -> list[str]:
@@ -305,7 +289,9 @@ def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
   """
   with concurrent.futures.ProcessPoolExecutor(
       min(options.num_workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
-      initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+      # Killed with this process; the thread that starts a worker (the caller's, or the pool's
+      # worker handler, for a replacement) lives as long as the pool.
+      initializer=lifetime.die_with_parent, initargs=(os.getpid(),)) as pool:
     try:
       for done in concurrent.futures.as_completed([pool.submit(_write_shard_task, t) for t in tasks]):
         logging.info("Wrote shard %d of %d", done.result()[0] + 1, options.num_shards)
@@ -329,14 +315,17 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
     stats.add(sources.SourceStats(**shard["stats"]))
   where = ", ".join(options.source.inputs) or options.source.kind
   if not stats.documents:
+    _discard_shards(options.output_dir)
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped)")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
   for split, shards in splits.items():
     if not sum(s["num_documents"] for s in shards) and (split == "train" or
                                                         options.validation_fraction > 0):
+      _discard_shards(options.output_dir)
       raise UserError(f"source {where} gave no {split} documents out of {stats.documents}; "
-                      f"adjust --validation_fraction ({options.validation_fraction})")
+                      f"adjust --validation_fraction ({options.validation_fraction}) and run "
+                      f"again (this attempt's shards are removed)")
   manifest = {
       "format_version": FORMAT_VERSION,
       "tokenizer": dataclasses.asdict(tokenizer),
@@ -352,10 +341,15 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
 
 
 def _log_summary(options: PrepareOptions, manifest: dict) -> None:
-  source = manifest["source"]
+  source, train = manifest["source"], manifest["splits"]["train"]
   logging.info("Prepared %s: %s documents, %s train tokens", options.output_dir,
-               f"{source['documents']:,}",
-               f"{sum(s['num_tokens'] for s in manifest['splits']['train']):,}")
+               f"{source['documents']:,}", f"{sum(s['num_tokens'] for s in train):,}")
+  if empty := sum(not shard["num_documents"] for shard in train):
+    # The trainer's reader groups each read a fixed slice of the shards: one whose shards are
+    # all empty has no window to give, and the run stops.
+    logging.warning("Prepared %s: %d of its %d train shards are empty; --num_shards=%d or fewer "
+                    "would fill every one", options.output_dir, empty, len(train),
+                    len(train) - empty)
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
                     "%d empty documents were skipped (counts in its %s)", options.output_dir,
@@ -369,7 +363,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   `wait`, and is otherwise refused with a UserError naming it.
   """
   # The inputs first, so that a mistyped glob or tokenizer leaves no directory behind.
-  files = sources.resolve_files(options.source)
+  files = sources.resolve_files(options.source, os.fspath(options.output_dir))
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
   pipeline = None
@@ -398,17 +392,23 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   return options.output_dir
 
 
+def builtin_directory(cache_dir: str, tokenizer: str, validation_fraction: float,
+                      num_shards: int) -> epath.Path:
+  """Where builtin_dataset keeps the corpus prepared with these settings."""
+  tokenizer_id = identity(load_tokenizer(tokenizer))
+  name = "-".join([sources.stdlib_name(),
+                   tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
+                   f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
+  return paths.resolve(cache_dir or DEFAULT_CACHE_DIR, "config.data.cache_dir") / name
+
+
 def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
                     num_shards: int) -> epath.Path:
   """The Python-stdlib corpus, prepared under `cache_dir` on first use.
 
   Every trainer process asks for it: one prepares it while the others wait.
   """
-  tokenizer_id = identity(load_tokenizer(tokenizer))
-  name = "-".join([sources.stdlib_name(),
-                   tokenizer_id.kind + (f"-{tokenizer_id.sha256[:12]}" if tokenizer_id.sha256 else ""),
-                   f"val{validation_fraction:g}", f"shards{num_shards}", f"v{FORMAT_VERSION}"])
-  directory = paths.resolve(cache_dir or DEFAULT_CACHE_DIR, "config.data.cache_dir") / name
+  directory = builtin_directory(cache_dir, tokenizer, validation_fraction, num_shards)
   if not (directory / MANIFEST).exists():
     logging.info("Tokenizing the Python stdlib corpus into %s", directory)
   return prepare_dataset(PrepareOptions(

@@ -58,8 +58,12 @@ def stdlib_name() -> str:
   return f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def resolve_files(spec: SourceSpec) -> list[str]:
-  """The sorted input files every worker agrees on; names a glob that matches nothing."""
+def resolve_files(spec: SourceSpec, output_dir: str) -> list[str]:
+  """The sorted input files every worker agrees on; names a glob that matches nothing.
+
+  Files in `output_dir` are left out: a glob that reaches prepare's output
+  directory would otherwise read its shards, and a rerun would see other inputs.
+  """
   if spec.kind == "stdlib":
     # Installed packages are excluded so the corpus does not depend on what pip put there.
     return sorted(str(p) for p in stdlib_root().rglob("*.py")
@@ -70,11 +74,19 @@ def resolve_files(spec: SourceSpec) -> list[str]:
     raise UserError(f"a {spec.kind} source needs --input (a file or glob)")
   files = []
   for pattern in spec.inputs:
-    matched = sorted(_glob_files(pattern))
+    found = _glob_files(pattern)
+    matched = sorted(f for f in found if not _is_in(f, output_dir))
     if not matched:
-      raise UserError(f"input glob {pattern!r} matches no files")
+      raise UserError(f"input glob {pattern!r} matches no files"
+                      + (f" outside --output_dir {output_dir}" if found else ""))
     files.extend(matched)
   return files
+
+
+def _is_in(path: str, directory: str) -> bool:
+  if paths.is_remote(directory):
+    return path.startswith(directory.rstrip("/") + "/")
+  return os.path.abspath(path).startswith(os.path.join(os.path.abspath(directory), ""))
 
 
 def _decode(raw: bytes, where: str, spec: SourceSpec, stats: SourceStats) -> str:

@@ -1,6 +1,5 @@
 """An experiment: a config file, work units of overrides, and the checks before anything runs."""
 import dataclasses
-import importlib.util
 import itertools
 import pathlib
 import re
@@ -8,9 +7,9 @@ from typing import Any, Mapping, Sequence
 
 import ml_collections
 from absl import flags
-from ml_collections import config_flags
 
-from levanter_flax.config import flat_dict, to_run_config
+from levanter_flax.config import (call_from_file, define_config_flag, flat_dict, load_config_file,
+                                  to_run_config)
 from levanter_flax.errors import UserError
 
 Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
@@ -67,10 +66,7 @@ def _flag_value(value: Any) -> str:
 
 def load_experiment(path: pathlib.Path) -> Experiment:
   """get_experiment() of an experiment file."""
-  module = _load_module(path, "experiment file")
-  if not hasattr(module, "get_experiment"):
-    raise UserError(f"experiment file {path} defines no get_experiment()")
-  experiment = module.get_experiment()
+  experiment = call_from_file(path, "get_experiment", "experiment file")
   if not isinstance(experiment, Experiment):
     raise UserError(f"get_experiment() of {path} must return a levanter_flax.launch.Experiment; "
                     f"got {type(experiment).__name__}")
@@ -82,7 +78,7 @@ def load_experiment(path: pathlib.Path) -> Experiment:
 
 def work_units(experiment: Experiment) -> list[WorkUnit]:
   """The units with their overrides checked against the config file: keys, then values."""
-  config = _load_module(pathlib.Path(experiment.config), "config file").get_config()
+  config = load_config_file(experiment.config)
   units = []
   for index, swept in enumerate(experiment.work_units or [{}]):
     overrides = {**experiment.overrides, **swept}
@@ -103,7 +99,7 @@ def _resolve(unit_flags: list[str], where: str) -> dict[str, Any]:
   """
   argv = ["levanter_flax.main", *unit_flags]
   values = flags.FlagValues()  # Not absl's FLAGS: those hold the launcher's own flags.
-  config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
+  define_config_flag("The unit's config file.", flag_values=values, sys_argv=argv)
   try:
     values(argv)
     return flat_dict(to_run_config(values.config))
@@ -130,15 +126,3 @@ def _describe(swept: Overrides) -> str:
 def _unit_name(index: int, swept: Overrides) -> str:
   values = ",".join(f"{k.rsplit('.', 1)[-1]}={_flag_value(v)}" for k, v in swept.items())
   return re.sub(r"[^\w.,=-]", "_", f"{index:03d}" + (f"_{values}" if values else ""))[:120]
-
-
-def _load_module(path: pathlib.Path, what: str):
-  if not path.is_file():
-    raise UserError(f"{what} {path} does not exist")
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except Exception as e:  # pylint: disable=broad-except  # Whatever the user's file raises.
-    raise UserError(f"{what} {path} fails to load: {type(e).__name__}: {e}") from None
-  return module

@@ -5,8 +5,10 @@ output in log.txt there. A unit is done when the config.json there is the unit's
 run wrote the checkpoint of its last step, so a rerun skips done units and
 resumes the others from their checkpoints. A workdir whose run had another
 config is refused, unless only trainer.num_train_steps grew: the run extends.
-An interrupted launch (Ctrl-C, SIGTERM) passes SIGTERM on: units checkpoint
-and stop cleanly.
+An interrupted launch (Ctrl-C, SIGTERM, SIGHUP) passes SIGTERM on: units
+checkpoint and stop cleanly, and the launch waits for them. A launch that dies
+(kill -9, the OOM killer) leaves no unit running outside --max_parallel: the
+kernel sends each its SIGTERM then (Linux).
 """
 import dataclasses
 import pathlib
@@ -19,7 +21,7 @@ from typing import Any, Optional
 
 from etils import epath
 
-from levanter_flax import config, paths
+from levanter_flax import config, lifetime, paths, preemption
 from levanter_flax.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
 
@@ -97,7 +99,7 @@ def run(experiment: Experiment, units: list[WorkUnit], root: epath.Path, max_par
   running: dict[subprocess.Popen, Outcome] = {}
   interrupted, signalled = [], set()
   previous = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum))
-              for s in (signal.SIGINT, signal.SIGTERM)}
+              for s in preemption.STOP_SIGNALS}
   try:
     while (pending and not interrupted) or running:
       while pending and len(running) < max_parallel and not interrupted:
@@ -124,7 +126,9 @@ def _start(experiment: Experiment, outcome: Outcome) -> subprocess.Popen:
     log.write(f"$ {' '.join(command)}\n")
     log.flush()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # Ctrl-C reaches the launcher alone.
+                               start_new_session=True,  # Ctrl-C reaches the launcher alone.
+                               # Started by this, the main thread, which lives as long as we do.
+                               preexec_fn=lifetime.ends_with_this_process(signal.SIGTERM))
   outcome.state, outcome.seconds = "running", time.monotonic()
   _say(outcome, "started")
   return process
