@@ -53,6 +53,10 @@ class Checkpointer:
             preservation_policy=_KeptCheckpoints(cadence.keep, cadence.keep_period,
                                                  self._is_temporary),
             create=True, cleanup_tmp_directories=True))
+    # Orbax removes the half-written checkpoints of a killed run in a thread that only its
+    # next save waits for (orbax 0.12): a run refused right after this, exiting, cut that
+    # thread off, which then logged an error after the run's one-line error.
+    self._manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self._writing: Optional[int] = None  # The step whose asynchronous save may still run.
 
   @property

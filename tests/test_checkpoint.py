@@ -247,3 +247,15 @@ def test_run_params_reads_params_alone_to_the_host_without_orbax_warnings(saved,
   assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
   assert jax.tree.map(np.array_equal, params, state()["params"]) == {"w": True, "b": True}
   assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_killed_saves_leftovers_are_gone_once_the_checkpointer_is_made(tmp_path):
+  """Orbax removes them in a thread of its own that only a save waits for; a run refused right
+  after start-up then exited under it, and that thread logged an error after the run's line."""
+  leftover = tmp_path / "8.orbax-checkpoint-tmp-1234" / "state"
+  leftover.mkdir(parents=True)
+  for i in range(3000):
+    (leftover / f"chunk{i}").write_bytes(b"x")
+  checkpointer = Checkpointer(epath.Path(tmp_path), Cadence(every_steps=1, keep=1))
+  assert not leftover.parent.exists()
+  checkpointer.close()
