@@ -519,17 +519,17 @@ def _model_section(config: ml_collections.ConfigDict):
 
 
 # Keys that were replaced: what to set instead.
-_REPLACED = {"trainer.eval_batches": "config.trainer.eval_tokens, the eval set's size in tokens "
-                                     "(or 'all'), whatever the batch size"}
+REPLACED_KEYS = {"trainer.eval_batches": "config.trainer.eval_tokens, the eval set's size in "
+                                         "tokens (or 'all'), whatever the batch size"}
 
 
 def _fields(cls, section: ml_collections.ConfigDict, path: str):
   """`cls` from the keys of `section`, each checked; `path` names it in errors ("trainer")."""
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in section.keys():
-    if f"{path}.{key}" in _REPLACED:
+    if f"{path}.{key}" in REPLACED_KEYS:
       raise UserError(f"config key config.{path}.{key} was replaced: set "
-                      f"{_REPLACED[f'{path}.{key}']}")
+                      f"{REPLACED_KEYS[f'{path}.{key}']}")
     if key not in fields:
       raise UserError(f"unknown config key config.{path}.{key}")
   hints = typing.get_type_hints(cls)

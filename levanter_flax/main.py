@@ -11,7 +11,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import define_config_flag, to_run_config
+from levanter_flax.config import REPLACED_KEYS, define_config_flag, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
@@ -38,6 +38,9 @@ def _describe_flag_error(error: Exception, argv: list[str]) -> str:
     overrides = [a for a in argv if unknown and a.startswith("--config.") and unknown.group(1) in a]
     hint = re.search(r"Did you mean \"(\w+)\"", text)
     culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
+    if culprit.removeprefix("--config.") in REPLACED_KEYS:
+      return (f"config key {culprit} was replaced: set "
+              f"{REPLACED_KEYS[culprit.removeprefix('--config.')]}")
     return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
   first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
   return f"config {_config_path(argv)}: {first_line}"

@@ -45,6 +45,10 @@ def test_axes_accept_names_and_comma_lists():
 
 @pytest.mark.parametrize("section, key, value, message", [
     ("trainer", "batch_sise", 8, "unknown config key config.trainer.batch_sise"),
+    ("trainer", "eval_batches", 8, "config key config.trainer.eval_batches was replaced: set "
+                                   "config.trainer.eval_tokens"),
+    ("trainer", "eval_tokens", "most", "config key config.trainer.eval_tokens must be a positive "
+                                       "int or 'all'; got 'most'"),
     ("model", "num_layers", 0, "config.model.num_layers must be positive"),
     ("model", "num_heads", 5, "config.model.hidden_dim (768) must be divisible by config.model.num_heads (5)"),
     ("model", "dtype", "float8", "config.model.dtype"),
