@@ -47,8 +47,6 @@ def test_axes_accept_names_and_comma_lists():
     ("trainer", "batch_sise", 8, "unknown config key config.trainer.batch_sise"),
     ("trainer", "eval_batches", 8, "config key config.trainer.eval_batches was replaced: set "
                                    "config.trainer.eval_tokens"),
-    ("trainer", "eval_tokens", "most", "config key config.trainer.eval_tokens must be a positive "
-                                       "int or 'all'; got 'most'"),
     ("model", "num_layers", 0, "config.model.num_layers must be positive"),
     ("model", "num_heads", 5, "config.model.hidden_dim (768) must be divisible by config.model.num_heads (5)"),
     ("model", "dtype", "float8", "config.model.dtype"),
@@ -82,6 +80,16 @@ def test_bad_values_are_named(section, key, value, message):
   config[section] = ml_collections.ConfigDict(dict(config[section]))  # Untyped, as a file may build it.
   config[section][key] = value
   with pytest.raises(UserError, match=re.escape(message)):
+    to_run_config(config)
+
+
+def test_the_eval_set_size_is_tokens_or_all():
+  config = default_config()
+  config.trainer.eval_tokens = "all"
+  assert to_run_config(config).trainer.eval_tokens == "all"
+  config.trainer.eval_tokens = "most"
+  with pytest.raises(UserError, match=re.escape("config key config.trainer.eval_tokens must be a "
+                                                "positive int or 'all'; got 'most'")):
     to_run_config(config)
 
 
