@@ -3,7 +3,7 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -87,13 +87,31 @@ def _warn_torn(path: epath.Path, size: int) -> None:
                   "writing it); cutting it off", path, size)
 
 
-def create_writer(workdir: epath.Path) -> metric_writers.MetricWriter:
-  """TensorBoard + console on the first process; every other process only logs."""
+def create_writer(workdir: epath.Path,
+                  may_write: Callable[[], bool] = lambda: True) -> metric_writers.MetricWriter:
+  """TensorBoard + console on the first process; every other process only logs.
+
+  `may_write` is asked before each write into the workdir: its lock may have
+  been lost (locks.JobLock.may_write).
+  """
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(str(workdir), just_logging=True)
   jsonl = JsonlWriter(workdir / "metrics.jsonl")  # First: it names a file it cannot write.
-  return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(str(workdir), asynchronous=False), jsonl])
+  return _Guarded([metric_writers.create_default_writer(str(workdir), asynchronous=False), jsonl],
+                  may_write)
+
+
+class _Guarded(metric_writers.MultiWriter):
+  """Writes scalars, the only kind the trainer and clu's ReportProgress write, while
+  `may_write()` allows."""
+
+  def __init__(self, writers: list[metric_writers.MetricWriter], may_write: Callable[[], bool]):
+    super().__init__(writers)
+    self._may_write = may_write
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    if self._may_write():
+      super().write_scalars(step, scalars)
 
 
 class Throughput:

@@ -180,11 +180,11 @@ def train_and_evaluate(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
   merged with this one.
   """
   workdir = paths.make_dirs(workdir, "workdir")
-  with locks.locked_for_job(workdir, "workdir"):
-    return _build_and_train(run, workdir)
+  with locks.locked_for_job(workdir, "workdir") as lock:
+    return _build_and_train(run, workdir, lock)
 
 
-def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
+def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -> dict[str, float]:
   trainer = run.trainer
   _check_backend(run.model)
   _use_compilation_cache(trainer)
@@ -211,7 +211,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
 
   # The signal handlers stay until the last save is written: a second SIGTERM then waits too.
   with partitioner.activation_context(), preemption.StopSignal() as stop, \
-      contextlib.closing(Checkpointer(workdir / "checkpoints", _cadence(trainer))) as checkpointer:
+      contextlib.closing(Checkpointer(workdir / "checkpoints", _cadence(trainer),
+                                      before_save=lock.check_all)) as checkpointer:
     saved = _saved_config(workdir, checkpointer, trainer.resume_without_config)
     run = _fix_reader_groups(run, saved, sources, workdir)
     config_changes = _check_resumed_config(run, saved, workdir)
@@ -228,7 +229,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
                                        config_changes)
       if int(state.step) >= trainer.num_train_steps:
         if _eval_missed(run, workdir, int(state.step)):
-          with contextlib.closing(metrics.create_writer(workdir)) as writer:
+          with contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer:
             _evaluate_missed_step(_make_evaluate(run, steps, sources), state, writer)
         logging.warning("Already finished: the newest checkpoint is step %d, and "
                         "config.trainer.num_train_steps is %d; raise it to train on",
@@ -237,7 +238,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
       _save_config(run, workdir)
       compiled_step = compiled_step or compile_step()  # The newest checkpoint was unusable.
       return _train_loop(run, workdir, steps, state, progress, checkpointer, sources, stop,
-                         compiled_step)
+                         compiled_step, lock)
     finally:
       # It cannot be cancelled: a run that stops early waits for it, so that nothing prints
       # after the run's last line and no compiler thread outlives the interpreter.
@@ -483,7 +484,8 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                 state: step.TrainState, progress: Progress,
                 checkpointer: Checkpointer, sources: list[loader.Source],
                 stop: preemption.StopSignal,
-                compiled_step: "concurrent.futures.Future") -> dict[str, float]:
+                compiled_step: "concurrent.futures.Future",
+                lock: locks.JobLock) -> dict[str, float]:
   trainer = run.trainer
   start_step = int(state.step)
   evaluate = _make_evaluate(run, steps, sources)
@@ -503,7 +505,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
       vocab_size=run.model.vocab_size, groups=_reader_groups(run))) as train_batches, \
-      contextlib.closing(metrics.create_writer(workdir)) as writer, \
+      contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer, \
       monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
     if _eval_missed(run, workdir, start_step):

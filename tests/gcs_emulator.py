@@ -9,7 +9,8 @@ Every client the project uses for gs:// talks to it:
   for those hosts, and forwards plain HTTP to the emulator.
 
 The emulator has no access control, so the proxy also plays IAM for one purpose: requests
-for a bucket listed in the deny file get GCS's 403 answer.
+for a bucket listed in the deny file get GCS's 403 answer. It also ignores ifGenerationMatch on
+a delete, which the proxy checks as GCS does (the gs:// lock deletes only its own version).
 
 The proxy is a process of its own: TensorFlow holds the GIL through some of its HTTP calls
 (a TFRecordWriter's close), so a proxy thread in the client's process would never answer.
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Iterator
 
@@ -90,6 +93,19 @@ class _Forwarder(http.server.BaseHTTPRequestHandler):
           return match.group(1) in f.read().split()
     return False
 
+  def _generation_mismatch(self, path: str) -> bool:
+    """Whether a delete's ifGenerationMatch names another generation than the object's."""
+    url = urllib.parse.urlsplit(path)
+    wanted = urllib.parse.parse_qs(url.query).get("ifGenerationMatch")
+    if self.command != "DELETE" or not wanted:
+      return False
+    try:
+      with urllib.request.urlopen(f"http://127.0.0.1:{self.server.emulator_port}{url.path}",
+                                  timeout=60) as response:
+        return str(json.load(response)["generation"]) != wanted[0]
+    except urllib.error.HTTPError:  # No such object: the emulator answers the delete itself.
+      return False
+
   def _forward(self):
     path = re.sub(r"^https?://[^/]+", "", self.path)
     body = self._body()
@@ -97,6 +113,11 @@ class _Forwarder(http.server.BaseHTTPRequestHandler):
       self._answer(403, {"Content-Type": "application/json"}, json.dumps(
           {"error": {"code": 403, "message": "caller does not have storage.objects.get access",
                      "errors": [{"reason": "forbidden"}]}}).encode())
+      return
+    if self._generation_mismatch(path):
+      self._answer(412, {"Content-Type": "application/json"}, json.dumps(
+          {"error": {"code": 412, "message": "Precondition Failed",
+                     "errors": [{"reason": "conditionNotMet"}]}}).encode())
       return
     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
     if body or self.command in ("POST", "PUT", "PATCH"):

@@ -2,8 +2,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -275,13 +277,25 @@ def test_a_lock_on_gcs_refuses_a_second_holder_and_frees_a_dead_ones(gcs):
   first.release()
   assert second.try_acquire()
   second.release()
-  holder = subprocess.run([sys.executable, "-c", (
-      "import os; from levanter_flax import locks, paths\n"
-      "lock = locks.DirectoryLock(paths.resolve('gs://bkt/locked', 'test'), 'workdir')\n"
-      "assert lock.try_acquire(); os.kill(os.getpid(), 9)")], cwd=REPO, timeout=120)
-  assert holder.returncode == -9
+  assert kill_a_holder("os.kill(os.getpid(), 9)") == -9
+  # Its renewer deletes the lock at once: a run on another host need not wait for it to expire.
+  deadline = time.monotonic() + 30
+  while ".lock" in blobs("locked/") and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert ".lock" not in blobs("locked/")
+  assert kill_a_holder("os.killpg(0, 9)") == -9  # With its renewer.
+  assert ".lock" in blobs("locked/")
   assert first.try_acquire()  # Its holder is a dead process on this host.
   first.release()
+
+
+def kill_a_holder(kill: str) -> int:
+  """The exit status of a process that takes the lock of gs://bkt/locked, then runs `kill`."""
+  return subprocess.run([sys.executable, "-c", (
+      "import os; from etils import epath; from levanter_flax import locks\n"
+      "lock = locks.DirectoryLock(epath.Path('gs://bkt/locked'), 'workdir')\n"
+      f"assert lock.try_acquire(); {kill}")], cwd=REPO, timeout=120,
+                        start_new_session=True).returncode
 
 
 def test_a_launch_under_a_gcs_root_runs_and_a_rerun_skips(gcs_dataset, tmp_path):
@@ -299,3 +313,115 @@ def test_a_launch_under_a_gcs_root_runs_and_a_rerun_skips(gcs_dataset, tmp_path)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "] done in an earlier launch" in again.stdout
 
+
+
+OTHER_HOLDER = {"host": "elsewhere", "pid": 4242, "since": "2026-01-01T00:00:00+00:00"}
+
+
+def paused(pause_dir) -> dict[str, str]:
+  """The environment of tests/paused_main.py: the trainer, paused after its step 2 checkpoint."""
+  return {"PYTHONPATH": str(REPO / "tests"), "PAUSE_DIR": str(pause_dir)}
+
+
+def wait_for(path, process: subprocess.Popen, log, seconds: float = 240) -> None:
+  deadline = time.monotonic() + seconds
+  while not path.exists():
+    assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+    time.sleep(0.1)
+
+
+def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cache, tmp_path,
+                                                                   monkeypatch):
+  """Frozen past the lease (as by a thread that holds the GIL), it keeps its lock; once the lock
+  is another run's, it stops with one line and writes nothing more; then a new run resumes."""
+  from levanter_flax import locks, paths
+  monkeypatch.setattr(locks._ObjectLease, "LEASE_SECONDS", 2)  # For this process's takers.
+  flags = [f"--config={NANO}", "--workdir=gs://bkt/taken", *TINY, "--config.trainer.batch_size=8",
+           "--config.trainer.num_train_steps=4", "--config.trainer.checkpoint_every_steps=2",
+           "--config.data.reader_groups=1", f"--config.data.cache_dir={data_cache}"]
+  log = tmp_path / "stderr.txt"
+  with open(log, "w", encoding="utf-8") as stderr:
+    trainer = subprocess.Popen([sys.executable, "-m", "paused_main", *flags], cwd=REPO,
+                               env={**os.environ, **paused(tmp_path)}, stderr=stderr)
+  try:
+    wait_for(tmp_path / "paused_0", trainer, log)
+    written = blobs("taken/")
+    trainer.send_signal(signal.SIGSTOP)  # No thread of it runs; its renewer does.
+    time.sleep(3)
+    taker = locks.DirectoryLock(paths.resolve("gs://bkt/taken", "test"), "workdir")
+    assert not taker.try_acquire()
+    trainer.send_signal(signal.SIGCONT)
+    upload("taken/.lock", json.dumps(OTHER_HOLDER).encode())
+    (tmp_path / "go").touch()
+    trainer.wait(timeout=120)
+  finally:
+    trainer.kill()
+  assert_one_line_error(
+      subprocess.CompletedProcess([], trainer.returncode, "", log.read_text()),
+      "lost workdir gs://bkt/taken: pid 4242 on elsewhere (since 2026-01-01T00:00:00+00:00) took "
+      "over its lock gs://bkt/taken/.lock; stopped before writing anything more")
+  after = blobs("taken/")
+  assert json.loads(after.pop(".lock")) == OTHER_HOLDER
+  assert after == {n: b for n, b in written.items() if n != ".lock"}  # Nothing written since.
+  from google.cloud import storage
+  storage.Client().bucket("bkt").blob("taken/.lock").delete()  # The other run is done.
+  resumed = run("levanter_flax.main", *flags)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resuming from checkpoint at step 2" in resumed.stderr
+  assert sorted(losses(blobs("taken/")["metrics.jsonl"])) == [1, 2, 3, 4]
+  assert ".lock" not in blobs("taken/")
+
+
+def test_a_lock_renewal_that_fails_for_a_moment_keeps_the_gcs_lock(gcs, monkeypatch):
+  """Storage that answers nothing for longer than a request's retries, and then the renewals'
+  requests that it answers late, do not cost the lock."""
+  from levanter_flax import locks, paths
+  for timing, seconds in (("LEASE_SECONDS", 2), ("RENEW_SECONDS", 0.3), ("REQUEST_SECONDS", 1),
+                          ("ATTEMPT_SECONDS", 0.5)):
+    monkeypatch.setattr(locks._ObjectLease, timing, seconds)
+  directory = paths.resolve("gs://bkt/flaky", "test")
+  holder, taker = (locks.DirectoryLock(directory, "workdir") for _ in range(2))
+  assert holder.try_acquire()
+  try:
+    gcs._proxy.send_signal(signal.SIGSTOP)  # Cloud Storage unreachable for 3 s.
+    time.sleep(3)
+    gcs._proxy.send_signal(signal.SIGCONT)
+    time.sleep(3)  # More than the lease: the renewals went on.
+    assert not taker.try_acquire()
+    assert holder.lost() is None
+  finally:
+    gcs._proxy.send_signal(signal.SIGCONT)
+    holder.release()
+  assert taker.try_acquire()
+  taker.release()
+
+
+def test_a_job_of_two_processes_whose_gcs_lock_is_taken_stops_on_both(gcs, data_cache, tmp_path):
+  """Process 0 finds the lock lost before its next metrics write and skips it; both stop together
+  at the next checkpoint, writing nothing, each with one line."""
+  from test_multihost import start_two
+  processes = start_two("gs://bkt/taken2", f"--config.data.cache_dir={data_cache}",
+                        "--config.trainer.num_train_steps=6",
+                        "--config.trainer.checkpoint_every_steps=2",
+                        "--config.data.reader_groups=2", module="paused_main",
+                        env=paused(tmp_path))
+  try:
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "paused_0").exists():
+      assert all(p.poll() is None for p in processes) and time.monotonic() < deadline
+      time.sleep(0.1)
+    written = blobs("taken2/")
+    upload("taken2/.lock", json.dumps(OTHER_HOLDER).encode())
+    (tmp_path / "go").touch()
+    outputs = [p.communicate(timeout=120) for p in processes]
+    results = [subprocess.CompletedProcess([], p.returncode, *o) for p, o in zip(processes, outputs)]
+  finally:
+    for process in processes:
+      process.kill()
+  assert_one_line_error(results[0], "lost workdir gs://bkt/taken2: pid 4242 on elsewhere (since "
+                                    "2026-01-01T00:00:00+00:00) took over its lock")
+  assert_one_line_error(results[1], "lost workdir gs://bkt/taken2: its lock is no longer this "
+                                    "job's; process 0's log names the new holder")
+  after = blobs("taken2/")
+  assert json.loads(after.pop(".lock")) == OTHER_HOLDER
+  assert after == {n: b for n, b in written.items() if n != ".lock"}
