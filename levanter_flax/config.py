@@ -519,8 +519,15 @@ def _model_section(config: ml_collections.ConfigDict):
 
 
 # Keys that were replaced: what to set instead.
-REPLACED_KEYS = {"trainer.eval_batches": "config.trainer.eval_tokens, the eval set's size in "
-                                         "tokens (or 'all'), whatever the batch size"}
+# Keys that were replaced: old key -> (its replacement, what that one means).
+REPLACED_KEYS = {"trainer.eval_batches": ("trainer.eval_tokens", "the eval set's size in tokens "
+                                          "(or 'all'), whatever the batch size")}
+
+
+def replacement(key: str, shown: str) -> str:
+  """What to set instead of the replaced `key`, which the user wrote as `shown`."""
+  new, meaning = REPLACED_KEYS[key]
+  return f"config key {shown} was replaced: set config.{new}, {meaning}"
 
 
 def _fields(cls, section: ml_collections.ConfigDict, path: str):
@@ -528,8 +535,7 @@ def _fields(cls, section: ml_collections.ConfigDict, path: str):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in section.keys():
     if f"{path}.{key}" in REPLACED_KEYS:
-      raise UserError(f"config key config.{path}.{key} was replaced: set "
-                      f"{REPLACED_KEYS[f'{path}.{key}']}")
+      raise UserError(replacement(f"{path}.{key}", f"config.{path}.{key}"))
     if key not in fields:
       raise UserError(f"unknown config key config.{path}.{key}")
   hints = typing.get_type_hints(cls)
@@ -607,6 +613,9 @@ def changes(saved: dict[str, Any], now: dict[str, Any],
   architecture = saved.get("model.architecture", "gpt2")  # The only family before there was a key.
   missing = defaults(architecture if architecture in models.FAMILIES else "gpt2")
   saved = {**{k: v for k, v in missing.items() if k in now}, **saved}
+  for old, (new, _) in REPLACED_KEYS.items():  # Written before `new`: nothing to compare it with.
+    if old in saved and new not in saved:
+      saved = {**{k: v for k, v in saved.items() if k != old}, new: now.get(new)}
   keys = sorted(set(saved) | set(now) if keys is None else keys)
   return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
 

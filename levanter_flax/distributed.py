@@ -13,13 +13,16 @@ import socket
 import sys
 import threading
 import time
+from typing import Callable, TypeVar
 
 import jax
+import numpy as np
 from absl import logging
 
 from levanter_flax import checks
 from levanter_flax.errors import UserError
 
+T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -127,3 +130,29 @@ def _check(cfg: DistributedConfig) -> None:
   if ":" not in cfg.coordinator_address:
     raise UserError(f"config.trainer.distributed.coordinator_address must be host:port; "
                     f"got {cfg.coordinator_address!r}")
+
+
+def agreed(action: Callable[[], T], what: str) -> T:
+  """action()'s result on every process, or its UserError on every process.
+
+  A start-up check that fails on one process alone (a damaged shard only it
+  reads) would leave the others waiting in their next collective until jax
+  gives up on it. One all-gather of who failed: the process that found the
+  problem names it, the others point at its log.
+  """
+  result, error = None, None
+  try:
+    result = action()
+  except UserError as e:
+    error = e
+  if jax.process_count() == 1:
+    if error:
+      raise error
+    return result
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  failed = multihost_utils.process_allgather(np.int32(error is not None)).tolist()
+  if error:
+    raise error
+  if any(failed):
+    raise UserError(f"process {failed.index(1)} failed {what}; its log names the problem")
+  return result

@@ -11,7 +11,6 @@ import signal
 import sys
 from typing import Callable
 
-from absl import logging
 
 _PR_SET_PDEATHSIG = 1  # From <linux/prctl.h>.
 
@@ -30,8 +29,9 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
   if not sys.platform.startswith("linux"):
     return
   if _libc().prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-    logging.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive its "
-                    "parent", ctypes.get_errno())
+    # Not absl's logging, whose locks another thread of the parent may have held at the fork.
+    os.write(2, f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this process may "
+                f"outlive its parent\n".encode())
   # A parent that died before the prctl never signals: we were adopted by another process.
   if os.getppid() != parent_pid:
     os._exit(1)  # pylint: disable=protected-access

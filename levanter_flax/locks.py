@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import fcntl
 import json
+import math
 import os
 import select
 import signal
@@ -111,9 +112,10 @@ class DirectoryLock:
   def holder(self) -> str:
     return _holder_description(self.path)
 
-  def lost(self) -> Optional[str]:
-    """None while this process holds the lock, else what became of it; a flock is never lost."""
-    return self._lease.lost() if self._lease else None
+  def lost(self, seen_within: float = 0.0) -> Optional[str]:
+    """None while this process holds the lock, else what became of it; a flock is never lost.
+    See _ObjectLease.lost for `seen_within`."""
+    return self._lease.lost(seen_within) if self._lease else None
 
   def refusal(self) -> UserError:
     goes = (f"expires {_ObjectLease.LEASE_SECONDS} s after its holder stops renewing it"
@@ -167,6 +169,11 @@ def _shared(flag: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
+# clu's progress reporter and the loop write a log step's metrics within milliseconds: one read
+# of the lock object serves them all, and nothing later than this trusts an earlier read.
+_ONE_LOG_STEP_SECONDS = 1.0
+
+
 class JobLock:
   """A job's lock as its writers see it: asked before each write into the directory.
 
@@ -199,7 +206,7 @@ class JobLock:
     if jax.process_index() > 0:  # It holds nothing: process 0 decides for it in check_all.
       return True
     if self._lost is None:
-      self._lost = self._lock.lost()
+      self._lost = self._lock.lost(seen_within=_ONE_LOG_STEP_SECONDS)
       if self._lost is None:
         return True
       if jax.process_count() > 1:
@@ -266,7 +273,8 @@ class _ObjectLease:
   the object replaced or deleted by hand). `lost()` reads the object, and the
   trainer asks before each write (JobLock), so a lost lock is noticed before
   anything more is written, with no renewal interval of delay; one small
-  read per metrics or checkpoint write, each of which uploads far more. The
+  read per log step's metrics and per checkpoint, each of which uploads far
+  more. A read that fails is no loss while the renewer runs. The
   renewer alone could only notice at its next renewal; the checks alone
   would leave a trainer starved of its GIL to lose the lock to a second run
   that then writes alongside it.
@@ -291,6 +299,7 @@ class _ObjectLease:
     self._bucket = storage.Client().bucket(bucket)
     self._holder, self._generation = holder, generation
     self._renewer: Optional[subprocess.Popen] = None
+    self._seen_ours_at = -math.inf  # When lost() last read our text in the object.
 
   def _requests(self) -> dict:
     from google.cloud.storage import retry  # pylint: disable=g-import-not-at-top
@@ -375,17 +384,31 @@ class _ObjectLease:
         env={**os.environ, "PYTHONPATH": python_path})
     return True
 
-  def lost(self) -> Optional[str]:
-    """None while the object holds our text and is renewed; else what became of the lock."""
-    text, _ = self._read()
+  def lost(self, seen_within: float = 0.0) -> Optional[str]:
+    """None while the object holds our text and is renewed; else what became of the lock.
+
+    A read that found it ours less than `seen_within` seconds ago stands while the renewer
+    runs: one log step's several metrics writes cost one read. A read that fails (the
+    storage unreachable for REQUEST_SECONDS) is no loss while the renewer runs.
+    """
+    status = self._renewer.poll()
+    if status is None and time.monotonic() - self._seen_ours_at < seen_within:
+      return None
+    try:
+      text, _ = self._read()
+    except UserError as e:
+      if status is None:
+        logging.warning("%s; still held while its renewer runs, asked again at the next write", e)
+        return None
+      text = self._holder
     if text is None:
       return f"its lock {self._path} was deleted"
     if text != self._holder:
       return f"{_describe(text)} took over its lock {self._path}"
-    status = self._renewer.poll()
     if status is not None:
       return (f"the process renewing its lock {self._path} (pid {self._renewer.pid}) exited "
               f"with status {status}, so the lock would expire")
+    self._seen_ours_at = time.monotonic()
     return None
 
   def release(self) -> None:
@@ -461,10 +484,10 @@ def _ended(stream, timeout: float) -> bool:
 
 
 if __name__ == "__main__":  # The renewer process of an _ObjectLease.
-  # Its parent decides when the lease ends: a Ctrl-C or SIGTERM to the process group is for the
-  # parent to handle (with a last checkpoint, under the lock).
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  # Its parent decides when the lease ends: a Ctrl-C, SIGTERM or a closed terminal's SIGHUP to
+  # the process group is for the parent to handle (with a last checkpoint, under the lock).
+  for _signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_signum, signal.SIG_IGN)
   _settings = json.loads(sys.argv[1])
   _lease = _ObjectLease(_settings.pop("path"), _settings.pop("holder"), _settings.pop("generation"))
   for _timing, _seconds in _settings.items():

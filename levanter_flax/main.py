@@ -11,7 +11,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import REPLACED_KEYS, define_config_flag, to_run_config
+from levanter_flax.config import REPLACED_KEYS, define_config_flag, replacement, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
@@ -39,8 +39,7 @@ def _describe_flag_error(error: Exception, argv: list[str]) -> str:
     hint = re.search(r"Did you mean \"(\w+)\"", text)
     culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
     if culprit.removeprefix("--config.") in REPLACED_KEYS:
-      return (f"config key {culprit} was replaced: set "
-              f"{REPLACED_KEYS[culprit.removeprefix('--config.')]}")
+      return replacement(culprit.removeprefix("--config."), culprit)
     return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
   first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
   return f"config {_config_path(argv)}: {first_line}"

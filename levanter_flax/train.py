@@ -14,8 +14,8 @@ from clu import periodic_actions
 from etils import epath
 from jax.experimental import multihost_utils
 
-from levanter_flax import (batch_search, config, flops, hf, locks, metrics, models, monitoring,
-                           optim, partitioning, paths, preemption, report, step)
+from levanter_flax import (batch_search, config, distributed, flops, hf, locks, metrics, models,
+                           monitoring, optim, partitioning, paths, preemption, report, step)
 from levanter_flax.checkpoint import Cadence, Checkpointer, abstract_like, load_other_run
 from levanter_flax.config import RunConfig
 from levanter_flax.data import eval_set, loader
@@ -92,6 +92,10 @@ def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.
   if refused:
     raise UserError(f"cannot resume the checkpoints in {workdir} with a different model or "
                     f"optimizer: {', '.join(refused)}; use a new --workdir")
+  for old, (new, _) in config.REPLACED_KEYS.items():
+    if old in saved:
+      logging.warning("The run in %s started with %s, which %s replaced: its evals before this "
+                      "resume scored another set", workdir, old, new)
   changed = config.changes(saved, now)
   for change in changed:
     if not change.startswith("trainer.distributed "):  # Another address or id is no news.
@@ -198,6 +202,9 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
   _check_batch_size(trainer, partitioner)
   sources = loader.load_sources(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
+  for source in sources:  # A split too small to evaluate: said now, not after the first steps.
+    if source.has_validation:
+      eval_set.num_windows(source, run.model.seq_len, trainer.eval_tokens)
 
   model = models.build(run.model)
   schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
@@ -228,7 +235,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
       state, progress = _initial_state(run, workdir, steps, checkpointer, sources,
                                        config_changes)
       if int(state.step) >= trainer.num_train_steps:
-        if _eval_missed(run, workdir, int(state.step)):
+        if _eval_missed(run, workdir, sources, checkpointer, int(state.step)):
           with contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer:
             _evaluate_missed_step(_make_evaluate(run, steps, sources), state, writer)
         logging.warning("Already finished: the newest checkpoint is step %d, and "
@@ -280,8 +287,10 @@ def _initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps
     raise UserError(f"the data position of the checkpoint to resume from was read by "
                     f"{position.reader_groups} reader groups, but this run has {reader_groups} "
                     f"(config.data.reader_groups): set it to {position.reader_groups}")
-  return state, dataclasses.replace(progress, position=position.in_datasets_of(
-      sources, run.data.restart_changed_datasets))
+  position = distributed.agreed(
+      lambda: position.in_datasets_of(sources, run.data.restart_changed_datasets),
+      "to resume on its datasets")
+  return state, dataclasses.replace(progress, position=position)
 
 
 def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
@@ -336,17 +345,21 @@ def _warn_if_logged_before(workdir: epath.Path, checkpointer: Checkpointer) -> N
   logged = max((step_num for series in history.series.values() for step_num in series),
                default=0) if history else 0
   if logged:
-    logging.warning("Starting from step 0, but %s logged steps up to %d: no checkpoint of that "
-                    "run is in %s (deleted, or none was written before it stopped)",
+    logging.warning("Starting from step 0, but %s logged steps up to %d: no usable checkpoint "
+                    "of that run is in %s (deleted, set aside as damaged, or none was written "
+                    "before it stopped)",
                     workdir / "metrics.jsonl", logged, checkpointer.directory)
 
 
-def _eval_missed(run: RunConfig, workdir: epath.Path, step_num: int) -> bool:
-  """Whether `step_num` is an eval step that metrics.jsonl has no eval for: the run was killed
-  between its checkpoint and its eval. Process 0 reads the file and tells the others."""
+def _eval_missed(run: RunConfig, workdir: epath.Path, sources: list[loader.Source],
+                 checkpointer: Checkpointer, step_num: int) -> bool:
+  """Whether `step_num`, restored from this run's own checkpoint, is an eval step that
+  metrics.jsonl has no eval for: the run was killed between its checkpoint and its eval.
+  Process 0 reads the file and tells the others."""
   trainer = run.trainer
-  if not step_num or (step_num % trainer.eval_every_steps
-                      and step_num != trainer.num_train_steps):
+  if (not step_num or checkpointer.latest_step != step_num
+      or not any(s.has_validation for s in sources)
+      or (step_num % trainer.eval_every_steps and step_num != trainer.num_train_steps)):
     return False
   missed = False
   if jax.process_index() == 0:
@@ -387,11 +400,12 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   evaluated = [s for s in sources if s.has_validation]
   if not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
-  eval_sets = [eval_set.build(source, seq_len=run.model.seq_len,
-                              eval_tokens=run.trainer.eval_tokens,
-                              vocab_size=run.model.vocab_size,
-                              process_index=jax.process_index(),
-                              process_count=jax.process_count()) for source in evaluated]
+  # Each process reads its own share: damage found in one is every process's error.
+  eval_sets = distributed.agreed(lambda: [
+      eval_set.build(source, seq_len=run.model.seq_len, eval_tokens=run.trainer.eval_tokens,
+                     vocab_size=run.model.vocab_size, process_index=jax.process_index(),
+                     process_count=jax.process_count()) for source in evaluated],
+                                 "to read its share of the eval set")
   # Microbatch-sized: what fits in memory for training fits for eval.
   batch_size = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
 
@@ -508,7 +522,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer, \
       monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
-    if _eval_missed(run, workdir, start_step):
+    if _eval_missed(run, workdir, sources, checkpointer, start_step):
       last_metrics = _evaluate_missed_step(evaluate, state, writer)
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)

@@ -227,7 +227,7 @@ def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
   warnings = [r.getMessage() for r in caplog.records
               if r.levelname == "WARNING" and r.getMessage().startswith("Prepared")]
   assert warnings == [f"Prepared {directory}: 6 of its 8 train shards are empty; --num_shards=2 or "
-                      f"fewer would fill every one",
+                      f"fewer may fill every one",
                       f"Prepared {directory}: 1 documents had invalid UTF-8 (bad bytes replaced by "
                       f"U+FFFD), 1 empty documents were skipped (counts in its manifest.json)"]
   strict = sources.SourceSpec(kind="text", inputs=spec.inputs, on_decode_error="error")
@@ -377,7 +377,7 @@ def test_an_empty_split_can_be_fixed_as_the_error_says(tmp_path):
 def test_mostly_empty_shards_are_warned_of(tmp_path, caplog):
   prepare_texts(tmp_path, ["one", "two", "three"], num_shards=8, validation_fraction=0.0)
   assert f"Prepared {tmp_path / 'data'}: 5 of its 8 train shards are empty; --num_shards=3 or " \
-         f"fewer would fill every one" in caplog.text
+         f"fewer may fill every one" in caplog.text
 
 
 # A prepare that writes slowly (0.1 s a document) and says when it starts writing shards.

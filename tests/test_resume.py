@@ -3,6 +3,7 @@ checkpoints, the skipped-step counts, and the eval of the step it resumes at."""
 import json
 import logging
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -11,9 +12,10 @@ import sys
 import pytest
 
 from conftest import REPO, read_metrics, write_dataset
-from levanter_flax.config import to_run_config
+from levanter_flax.config import changes, flat_dict, to_run_config
+from levanter_flax.data import loader
 from levanter_flax.errors import UserError
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.train import Progress, _check_resumed_config, train_and_evaluate
 from test_eval_set import EASY, HARD
 from test_main import NANO, TINY
 
@@ -71,7 +73,7 @@ def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_co
   with caplog.at_level(logging.WARNING):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert (f"Starting from step 0, but {tmp_path / 'metrics.jsonl'} logged steps up to 2: no "
-          f"checkpoint of that run is in {tmp_path / 'checkpoints'}") in caplog.text
+          f"usable checkpoint of that run is in {tmp_path / 'checkpoints'}") in caplog.text
 
 
 def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
@@ -116,3 +118,28 @@ def test_an_eval_lost_to_a_kill_after_its_checkpoint_runs_on_resume(data_cache, 
   assert finished.returncode == 0, finished.stderr[-2000:]
   assert "Already finished" in finished.stderr
   assert [m["step"] for m in read_metrics(tmp_path) if "eval/loss" in m] == [2, 4]
+
+
+def test_a_config_json_from_before_eval_tokens_is_the_same_run(tiny_config, caplog):
+  """The launcher counts such a unit done, and the trainer says its evals changed."""
+  now = flat_dict(to_run_config(tiny_config))
+  before = {k: v for k, v in now.items() if k != "trainer.eval_tokens"} | {
+      "trainer.eval_batches": 2}
+  assert changes(before, now) == []
+  assert changes(before | {"trainer.seed": 3}, now) == [f"trainer.seed 3 -> {now['trainer.seed']}"]
+  with caplog.at_level(logging.WARNING):
+    _check_resumed_config(to_run_config(tiny_config), before, pathlib.Path("run"))  # pylint: disable=protected-access
+  assert ("The run in run started with trainer.eval_batches, which trainer.eval_tokens "
+          "replaced: its evals before this resume scored another set") in caplog.text
+
+
+def test_a_data_item_from_before_dataset_hashes_and_skip_counts_resumes(tmp_path, caplog):
+  source = loader.Source("train", tmp_path, {"splits": {}}, 1.0)
+  old = {"windows": 40, "per_source": {"train": 40}, "reader_groups": 1}
+  progress = Progress.from_json(old)
+  assert (progress.skipped_steps, progress.consecutive_skipped_steps) == (0, 0)
+  with caplog.at_level(logging.WARNING):
+    position = progress.position.in_datasets_of([source], restart_changed=False)
+  assert position.per_source == {"train": 40}
+  assert position.datasets == {"train": source.manifest_sha256}
+  assert "predates dataset hashes" in caplog.text

@@ -49,44 +49,50 @@ class EvalSet:
     return np.array([len(s) for s in np.array_split(np.arange(self.num_windows),
                                                       self.process_count)])
 
-  def num_batches(self, batch_size: int) -> int:
-    return -(-int(self._share_sizes().max()) // (batch_size // self.process_count))
+  def num_batches(self, rows_per_process: int) -> int:
+    return -(-int(self._share_sizes().max()) // rows_per_process)
 
-  def local_batches(self, batch_size: int) -> Iterator[dict]:
-    """This process's rows of each global batch of `batch_size` windows, the last padded."""
-    rows = batch_size // self.process_count
-    padded = np.zeros((self.num_batches(batch_size) * rows, self.windows.shape[1]), np.int32)
+  def local_batches(self, rows_per_process: int) -> Iterator[dict]:
+    """This process's rows of each global batch, the last padded."""
+    padded = np.zeros((self.num_batches(rows_per_process) * rows_per_process,
+                       self.windows.shape[1]), np.int32)
     padded[:len(self.windows)] = self.windows
-    for start in range(0, len(padded), rows):
-      yield {"tokens": padded[start:start + rows]}
+    for start in range(0, len(padded), rows_per_process):
+      yield {"tokens": padded[start:start + rows_per_process]}
 
-  def scored(self, batch_size: int) -> np.ndarray:
-    """Which rows of the global batches, concatenated, hold a window of the set (the rest pad)."""
-    rows = batch_size // self.process_count
-    row = np.arange(self.num_batches(batch_size) * batch_size)
-    process, local = (row % batch_size) // rows, row // batch_size * rows + row % rows
-    return local < self._share_sizes()[process]
+  def scored(self, process_rows: list[np.ndarray]) -> np.ndarray:
+    """Which rows of the global batches, concatenated, hold a window of the set (the rest pad),
+    where process p's local rows land at rows process_rows[p] of each global batch."""
+    rows_per_process = len(process_rows[0])
+    batch_size = rows_per_process * self.process_count
+    scored = np.zeros(self.num_batches(rows_per_process) * batch_size, bool)
+    for share, rows in zip(self._share_sizes(), process_rows):
+      local = np.arange(len(scored) // self.process_count)  # This process's rows, in order.
+      batch, row = np.divmod(local, rows_per_process)
+      scored[batch * batch_size + rows[row]] = local < share
+    return scored
+
+
+def process_rows(sharding: jax.sharding.Sharding, batch_size: int,
+                 process_count: int) -> list[np.ndarray]:
+  """Which rows of a global batch each process's local rows become, in order, as
+  make_array_from_process_local_data places them: the mesh decides, not the process index."""
+  rows = [set() for _ in range(process_count)]
+  for device, index in sharding.devices_indices_map((batch_size, 1)).items():
+    rows[device.process_index].update(range(*index[0].indices(batch_size)))
+  return [np.array(sorted(r)) for r in rows]
 
 
 def num_windows(source: loader.Source, seq_len: int, eval_tokens: int | str) -> int:
-  """How many windows the eval set holds: eval_tokens' worth ("all": every window of the split).
-
-  A split without a whole window is refused; asking for more than it holds is all of it.
-  """
+  """How many windows the eval set holds: eval_tokens' worth, or all the split holds if that is
+  less ("all": every one). A split without a whole window is refused."""
   available = _stream_tokens(source) // seq_len
   if not available:
     raise UserError(f"the validation split of {source.directory} holds "
                     f"{_stream_tokens(source)} tokens (EOS included), less than one window of "
                     f"config.model.seq_len {seq_len}: nothing to evaluate; prepare it with a "
                     f"larger --validation_fraction")
-  if eval_tokens == "all":
-    return available
-  wanted = -(-eval_tokens // seq_len)
-  if wanted > available:
-    logging.warning("config.trainer.eval_tokens %d is more than the validation split of %s "
-                    "holds in %d-token windows (%d); evaluating on all of it", eval_tokens,
-                    source.directory, seq_len, available * seq_len)
-  return min(wanted, available)
+  return available if eval_tokens == "all" else min(-(-eval_tokens // seq_len), available)
 
 
 def build(source: loader.Source, *, seq_len: int, eval_tokens: int | str, vocab_size: int,
@@ -96,8 +102,12 @@ def build(source: loader.Source, *, seq_len: int, eval_tokens: int | str, vocab_
   The shards it reads are checked against the manifest: damage there stops the
   run, as an eval over other data would not compare with the evals before it.
   """
-  count = num_windows(source, seq_len, eval_tokens)
-  chosen = spread(_stream_tokens(source) // seq_len, count)
+  count, available = num_windows(source, seq_len, eval_tokens), _stream_tokens(source) // seq_len
+  if eval_tokens != "all" and count == available and count * seq_len < eval_tokens:
+    logging.warning("config.trainer.eval_tokens %d is more than the validation split of %s "
+                    "holds in %d-token windows (%d); evaluating on all of it", eval_tokens,
+                    source.directory, seq_len, available * seq_len)
+  chosen = spread(available, count)
   share = np.array_split(chosen, process_count)[process_index]
   windows = _read_windows(source, share, seq_len, _decoder(source))
   if len(windows):
@@ -129,9 +139,8 @@ def _read_windows(source: loader.Source, indices: np.ndarray, seq_len: int,
     for shard in shards:
       if shard not in decoded:
         decoded[shard] = decode(shard)
-    joined = np.concatenate([decoded[i] for i in shards])
-    offset = first - starts[shards[0]]
-    windows[row] = joined[offset:offset + seq_len]
+    windows[row] = np.concatenate([decoded[i][max(first - starts[i], 0):last - starts[i]]
+                                   for i in shards])
   return windows
 
 
@@ -164,9 +173,10 @@ def evaluate(eval_set: EvalSet, eval_step, params, batch_size: int,
   mean over tokens; windows are the units of the error, as their tokens are
   not independent.
   """
+  rows = process_rows(sharding, batch_size, eval_set.process_count)
   losses = [eval_step(params, batch) for batch, _ in loader.global_arrays(
-      ((batch, None) for batch in eval_set.local_batches(batch_size)), sharding)]
+      ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)]
   per_window = np.concatenate(jax.device_get(losses)).astype(np.float64)
-  per_window = per_window[eval_set.scored(batch_size)]
-  stderr = per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1 else 0.0
+  per_window = per_window[eval_set.scored(rows)]
+  stderr = per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1 else math.nan
   return float(per_window.mean()), float(stderr)

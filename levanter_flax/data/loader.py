@@ -171,6 +171,10 @@ class DataPosition:
   def in_datasets_of(self, sources: list[Source], restart_changed: bool) -> "DataPosition":
     """This position in `sources`: refused (UserError) if one of them is not the dataset it
     was counted in, unless `restart_changed`, which reads such a source from its start."""
+    if not self.datasets:
+      logging.warning("The checkpoint's data position predates dataset hashes: that %s are the "
+                      "datasets it counted in is not checked this once",
+                      ", ".join(str(s.directory) for s in sources))
     changed = [s for s in sources if self.datasets.get(s.name, s.manifest_sha256)
                != s.manifest_sha256]
     if changed and not restart_changed:

@@ -345,10 +345,10 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
   logging.info("Prepared %s: %s documents, %s train tokens", options.output_dir,
                f"{source['documents']:,}", f"{sum(s['num_tokens'] for s in train):,}")
   if empty := sum(not shard["num_documents"] for shard in train):
-    # The trainer's reader groups each read a fixed slice of the shards: one whose shards are
-    # all empty has no window to give, and the run stops.
+    # The trainer's reader groups each read a fixed slice of the shards: a group whose shards
+    # are all empty has no window to give, so fewer reader groups fit the data.
     logging.warning("Prepared %s: %d of its %d train shards are empty; --num_shards=%d or fewer "
-                    "would fill every one", options.output_dir, empty, len(train),
+                    "may fill every one", options.output_dir, empty, len(train),
                     len(train) - empty)
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "

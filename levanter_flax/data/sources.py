@@ -86,7 +86,7 @@ def resolve_files(spec: SourceSpec, output_dir: str) -> list[str]:
 def _is_in(path: str, directory: str) -> bool:
   if paths.is_remote(directory):
     return path.startswith(directory.rstrip("/") + "/")
-  return os.path.abspath(path).startswith(os.path.join(os.path.abspath(directory), ""))
+  return os.path.realpath(path).startswith(os.path.join(os.path.realpath(directory), ""))
 
 
 def _decode(raw: bytes, where: str, spec: SourceSpec, stats: SourceStats) -> str:
