@@ -212,13 +212,25 @@ def test_a_source_whose_every_shard_is_damaged_ends_the_run(datasets, tmp_path):
     next(skipping)
 
 
-def rewrite_as_int32(path: pathlib.Path) -> None:
-  """The same documents with 4-byte tokens, under a manifest that says uint16."""
+def read_an_epoch(directory: pathlib.Path) -> None:
+  """Every train shard at least once, stopping at the first damaged one (on_corrupt_record)."""
+  batches = train_batches(directory, "fail")
+  for _ in range(epoch_length(directory) // 4 + 1):
+    next(batches)
+
+
+def rewrite(path: pathlib.Path, dtype: str = "uint16", change=lambda tokens: tokens) -> None:
+  """The shard's uint16 documents written again, each `change`d, as `dtype` tokens."""
   documents = list(tfrecord.read_shard(str(path), "uint16"))
   path.unlink()
-  with tfrecord.ShardWriter(path, "int32") as writer:
+  with tfrecord.ShardWriter(path, dtype) as writer:
     for document in documents:
-      writer.write(document)
+      writer.write(change(document))
+
+
+def rewrite_as_int32(path: pathlib.Path) -> None:
+  """The same documents with 4-byte tokens, under a manifest that says uint16."""
+  rewrite(path, "int32")
 
 
 def test_shards_of_another_token_dtype_are_refused(datasets, tmp_path):
@@ -226,18 +238,12 @@ def test_shards_of_another_token_dtype_are_refused(datasets, tmp_path):
   with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: .*; were "
                                       f"its tokens written with another dtype than the "
                                       f"manifest's uint16"):
-    batches = train_batches(directory, "fail")
-    for _ in range(epoch_length(directory) // 4 + 1):
-      next(batches)
+    read_an_epoch(directory)
 
 
 def reverse_each_document(path: pathlib.Path) -> None:
   """Other tokens, the same counts: what a shard of another dataset looks like to them."""
-  documents = list(tfrecord.read_shard(str(path), "uint16"))
-  path.unlink()
-  with tfrecord.ShardWriter(path, "uint16") as writer:
-    for document in documents:
-      writer.write(document[::-1])
+  rewrite(path, change=lambda tokens: tokens[::-1])
 
 
 def test_a_shard_of_other_data_with_the_same_counts_is_refused(datasets, tmp_path):
@@ -245,9 +251,7 @@ def test_a_shard_of_other_data_with_the_same_counts_is_refused(datasets, tmp_pat
   with pytest.raises(UserError, match=f"train shard {directory / entry['file']} is not the one "
                                       f"its manifest lists: its tokens' CRC32C is \\d+, the "
                                       f"manifest's {entry['tokens_crc32c']}"):
-    batches = train_batches(directory, "fail")
-    for _ in range(epoch_length(directory) // 4 + 1):
-      next(batches)
+    read_an_epoch(directory)
   validation = prepare.load_manifest(directory)["splits"]["validation"][0]
   reverse_each_document(directory / validation["file"])
   with pytest.raises(UserError, match=f"validation shard {directory / validation['file']} is not "
@@ -293,9 +297,7 @@ def test_a_record_that_does_not_decode_is_damage_not_a_crash(datasets, tmp_path,
   directory, entry = damaged_copy(datasets[0], tmp_path / "bad_record", with_a_bad_record(record))
   with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: it "
                                       f"decodes to \\d+ records"):
-    batches = train_batches(directory, "fail")
-    for _ in range(epoch_length(directory) // 4 + 1):
-      next(batches)
+    read_an_epoch(directory)
 
 
 def test_token_ids_outside_the_vocabulary_are_named(datasets):
