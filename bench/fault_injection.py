@@ -45,8 +45,8 @@ def command(workdir: pathlib.Path, args, checkpoint_every: int, *extra: str) -> 
           "--config.model.hidden_dim=64", "--config.trainer.batch_size=8",
           f"--config.trainer.num_train_steps={args.num_steps}", "--config.trainer.log_every_steps=1",
           f"--config.trainer.eval_every_steps={args.num_steps}",
-          f"--config.trainer.checkpoint_every_steps={checkpoint_every}",
-          "--config.trainer.keep_checkpoints=3", f"--config.data.cache_dir={args.cache_dir}",
+          f"--config.checkpoint.every_steps={checkpoint_every}",
+          "--config.checkpoint.keep=3", f"--config.data.cache_dir={args.cache_dir}",
           *extra]
 
 
@@ -190,7 +190,7 @@ class Scenarios:
     run_until(cmd, workdir, self.rng.randrange(4, self.args.num_steps - 2))
     before = checkpoints_digest(workdir), (workdir / "config.json").read_bytes()
     changed = subprocess.run(command(workdir, self.args, 2, "--config.optimizer.name=lion",
-                                     "--config.trainer.start_fresh_if_unusable=True"),
+                                     "--config.checkpoint.start_fresh_if_unusable=True"),
                              cwd=REPO, capture_output=True, text=True)
     problem = refused(changed, "with a different model or optimizer: optimizer.name adamw -> lion")
     if (checkpoints_digest(workdir), (workdir / "config.json").read_bytes()) != before:

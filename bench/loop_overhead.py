@@ -43,7 +43,7 @@ def loop_step_seconds(config_file: str, num_steps: int, log_every: int, cache_di
          f"--workdir={workdir}", f"--config.trainer.num_train_steps={num_steps}",
          f"--config.trainer.log_every_steps={log_every}",
          f"--config.trainer.eval_every_steps={num_steps}",
-         f"--config.trainer.checkpoint_every_steps={num_steps}",
+         f"--config.checkpoint.every_steps={num_steps}",
          "--config.data.dataset=stdlib", f"--config.data.cache_dir={cache_dir}"],
         cwd=REPO, capture_output=True, text=True, check=True)
     lines = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]

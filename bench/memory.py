@@ -16,7 +16,7 @@ import dataclasses
 import jax
 
 from common import compile_train_step
-from levanter_flax.models.common import REMAT_POLICIES
+from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config
 
 
@@ -30,7 +30,7 @@ def main():
   base = GPT2Config(vocab_size=50257, seq_len=1024, num_layers=args.num_layers, num_heads=12,
                     hidden_dim=768)
   policies = [p for p in REMAT_POLICIES if p != "offload" or jax.default_backend() != "cpu"]
-  cases = [(f"remat={p}{' scan' if scan else ''}", dataclasses.replace(base, remat=p, scan_layers=scan), 1)
+  cases = [(f"remat={p}{' scan' if scan else ''}", with_compute(base, remat=p, scan_layers=scan), 1)
            for scan in (False, True) for p in policies]
   cases += [(f"accumulation={n}", base, n) for n in (1, 2, 4, 8) if args.batch_size % n == 0]
   print(f"{jax.devices()[0].device_kind}; {base}; batch {args.batch_size}")

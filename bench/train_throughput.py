@@ -1,6 +1,6 @@
 """Training throughput and MFU for any config and overrides, on synthetic batches.
 
-    python bench/train_throughput.py --config=configs/nanogpt_cpu.py [--config.model.remat=full ...]
+    python bench/train_throughput.py --config=configs/nanogpt_cpu.py [--config.model.compute.remat=full ...]
     python bench/train_throughput.py --config=configs/gpt2_small_fast.py   # on a GPU
 
 Prints tokens/s, compile time, model TFLOP/s per device and MFU, with model
@@ -38,12 +38,12 @@ def lm_head_seconds(run, params) -> float:
   model = run.model
   batch = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
   rng = np.random.default_rng(0)
-  hidden = jnp.asarray(rng.standard_normal((batch, model.seq_len, model.hidden_dim)), model.dtype)
+  hidden = jnp.asarray(rng.standard_normal((batch, model.seq_len, model.hidden_dim)), model.compute.dtype)
   labels = jnp.asarray(rng.integers(0, model.vocab_size, (batch, model.seq_len)))
   embedding = models.build(model).output_embedding(params)  # [vocab, hidden_dim]
 
   def loss(hidden, embedding):
-    logits = jnp.einsum("btd,vd->btv", hidden, embedding.astype(model.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", hidden, embedding.astype(model.compute.dtype)).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
   jax.block_until_ready(grad(hidden, embedding))

@@ -18,7 +18,7 @@ def get_config():
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 100
   config.trainer.eval_tokens = 131072
-  config.trainer.checkpoint_every_steps = 100
+  config.checkpoint.every_steps = 100
 
   config.optimizer.learning_rate = 3e-3
   config.optimizer.warmup_steps = 20

@@ -11,6 +11,6 @@ from levanter_flax.config import default_config
 def get_config():
   config = default_config()
   config.model.vocab_size = 50304
-  config.model.dtype = "bfloat16"
+  config.model.compute.dtype = "bfloat16"
   config.trainer.batch_size = 32
   return config

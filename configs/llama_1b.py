@@ -10,10 +10,10 @@ from levanter_flax.config import default_config, llama_model_config
 def get_config():
   config = default_config()
   config.model = llama_model_config()
-  config.model.dtype = "bfloat16"
-  config.model.scan_layers = True
-  config.model.remat = "full"
-  config.model.cross_entropy_block_size = 8192
+  config.model.compute.dtype = "bfloat16"
+  config.model.compute.scan_layers = True
+  config.model.compute.remat = "full"
+  config.model.compute.cross_entropy_block_size = 8192
 
   config.trainer.batch_size = 256  # 0.5M tokens at seq_len 2048.
   config.trainer.gradient_accumulation_steps = 4

@@ -16,10 +16,10 @@ def get_config():
   config.model.hidden_dim = 4096
   config.model.intermediate_dim = 11008
   config.model.seq_len = 4096
-  config.model.dtype = "bfloat16"
-  config.model.scan_layers = True
-  config.model.remat = "full"
-  config.model.cross_entropy_block_size = 8192
+  config.model.compute.dtype = "bfloat16"
+  config.model.compute.scan_layers = True
+  config.model.compute.remat = "full"
+  config.model.compute.cross_entropy_block_size = 8192
 
   config.trainer.device_mesh = mesh(data=-1, model=8)
   config.sharding.parameter_axis = "data"  # ZeRO-3.

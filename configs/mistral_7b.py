@@ -8,8 +8,9 @@ def get_config():
   config = default_config()
   config.model = model_config(
       "mistral", vocab_size=32000, seq_len=8192, num_layers=32, num_heads=32, num_kv_heads=8,
-      hidden_dim=4096, intermediate_dim=14336, sliding_window=4096, dtype="bfloat16",
-      remat="full", scan_layers=True, cross_entropy_block_size=8192)
+      hidden_dim=4096, intermediate_dim=14336, sliding_window=4096,
+      compute=dict(dtype="bfloat16", remat="full", scan_layers=True,
+                   cross_entropy_block_size=8192))
   config.trainer.device_mesh = mesh(data=-1, model=8)
   config.sharding.parameter_axis = "data"  # ZeRO-3.
   config.sharding.optimizer_axis = "data"

@@ -12,7 +12,8 @@ def get_config():
   config.model = model_config(
       "mixtral", vocab_size=32000, seq_len=4096, num_layers=32, num_heads=32, num_kv_heads=8,
       hidden_dim=4096, intermediate_dim=14336, num_experts=8, num_experts_per_token=2,
-      dtype="bfloat16", remat="full", scan_layers=True, cross_entropy_block_size=8192)
+      compute=dict(dtype="bfloat16", remat="full", scan_layers=True,
+                   cross_entropy_block_size=8192))
   # Each device of an 8-wide expert group holds one expert, and the attention is split 8 ways
   # over the same devices: the batch goes over "data".
   config.trainer.device_mesh = mesh(data=-1, expert=8)

@@ -11,8 +11,9 @@ def get_config():
   config = default_config()
   config.model = model_config(
       "qwen2", vocab_size=151936, seq_len=2048, num_layers=24, num_heads=14, num_kv_heads=2,
-      hidden_dim=896, intermediate_dim=4864, tie_word_embeddings=True, dtype="bfloat16",
-      remat="full", scan_layers=True, cross_entropy_block_size=8192)
+      hidden_dim=896, intermediate_dim=4864, tie_word_embeddings=True, 
+      compute=dict(dtype="bfloat16", remat="full", scan_layers=True,
+                   cross_entropy_block_size=8192))
   config.trainer.device_mesh = mesh(data=-1, model=1)
 
   config.trainer.batch_size = 32

@@ -29,7 +29,7 @@ def get_config():
   config.trainer.log_every_steps = 10
   config.trainer.eval_every_steps = 250  # nanoGPT's eval_interval.
   config.trainer.eval_tokens = 20 * 12 * 64  # nanoGPT's eval_iters x batch_size x block_size.
-  config.trainer.checkpoint_every_steps = 2000
+  config.checkpoint.every_steps = 2000
 
   config.optimizer.learning_rate = 1e-3
   config.optimizer.min_learning_rate_ratio = 0.1  # nanoGPT's min_lr 1e-4.

@@ -6,10 +6,10 @@ Each candidate is compiled exactly as it will run (on abstract arrays, so
 nothing is allocated): its global batch, its gradient_accumulation_steps,
 hence the accumulator and the stacked microbatches too. XLA's memory analysis
 gives the bytes it needs per device: arguments + outputs - donated buffers +
-temporaries. The budget is trainer.memory_fraction of the device's memory, or
-trainer.memory_budget_bytes where the backend reports none (CPU).
+temporaries. The budget is batch_search.memory_fraction of the device's memory, or
+batch_search.memory_budget_bytes where the backend reports none (CPU).
 
-Without trainer.target_batch_size, candidates are per-device microbatches with
+Without batch_search.target_batch_size, candidates are per-device microbatches with
 no accumulation: doubling finds a bound, bisection the largest that fits. With
 it, candidates are the splits of the target into k equal microbatches that the
 data-parallel devices share evenly, and bisection finds the smallest k that
@@ -24,23 +24,40 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from levanter_flax import cli, models, optim, partitioning, step
-from levanter_flax.config import RunConfig, TrainerConfig, define_config_flag, to_run_config
+from levanter_flax import checks, models, optim, partitioning, settings, step
 from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.schema import setting
 
 
-def memory_budget(trainer: TrainerConfig, device: jax.Device) -> int:
+@dataclasses.dataclass(frozen=True)
+class BatchSearchConfig:
+  """What trainer.batch_size="auto" searches for (config.batch_search)."""
+  target_batch_size: int = setting(0, "The global batch to reach by gradient accumulation (0: "
+                                   "what fits, no accumulation)")
+  memory_fraction: float = setting(0.85, "The share of each device's memory a step may use")
+  memory_budget_bytes: int = setting(0, "Bytes per device a step may use where the backend does "
+                                     "not report its memory (CPU); 0: the device's")
+
+  def __post_init__(self):
+    checks.ranges(self, "batch_search", {
+        "target_batch_size": checks.at_least(0, "0: batch_size"),
+        "memory_budget_bytes": checks.at_least(0, "0: the device's"),
+        "memory_fraction": checks.unit(low_open=True)})
+
+
+def memory_budget(search: BatchSearchConfig, device: jax.Device) -> int:
   """Bytes per device a step may use."""
   stats = device.memory_stats() or {}
   if "bytes_limit" in stats:
-    return int(stats["bytes_limit"] * trainer.memory_fraction)
-  if not trainer.memory_budget_bytes:
-    raise UserError(f"config.trainer.batch_size 'auto' needs config.trainer.memory_budget_bytes "
-                    f"on {device.platform}, which does not report its memory")
-  return trainer.memory_budget_bytes
+    return int(stats["bytes_limit"] * search.memory_fraction)
+  if not search.memory_budget_bytes:
+    raise UserError(f"config.trainer.batch_size 'auto' needs "
+                    f"config.batch_search.memory_budget_bytes on {device.platform}, which does "
+                    f"not report its memory")
+  return search.memory_budget_bytes
 
 
-def step_bytes(run: RunConfig, partitioner: partitioning.Partitioner, per_device: int,
+def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner, per_device: int,
                accumulation: int = 1) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
@@ -89,7 +106,7 @@ def microbatch_choices(target: int, data_parallel: int) -> list[int]:
   data_parallel | target / k: exactly the divisors of target / data_parallel.
   """
   if target % data_parallel:
-    raise UserError(f"config.trainer.target_batch_size ({target}) must be divisible by the "
+    raise UserError(f"config.batch_search.target_batch_size ({target}) must be divisible by the "
                     f"activation axis size ({data_parallel})")
   per_device_total = target // data_parallel
   return [n for n in range(1, per_device_total + 1) if not per_device_total % n]
@@ -111,10 +128,11 @@ def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
   return choices[best], accumulation(best)
 
 
-def resolve(run: RunConfig, partitioner: partitioning.Partitioner) -> TrainerConfig:
+def resolve(run: "settings.RunConfig",
+            partitioner: partitioning.Partitioner) -> "settings.TrainerConfig":
   """The trainer config with batch_size and gradient_accumulation_steps chosen to fit."""
-  trainer = run.trainer
-  budget = memory_budget(trainer, jax.devices()[0])
+  trainer, search = run.trainer, run.batch_search
+  budget = memory_budget(search, jax.devices()[0])
   data_parallel = partitioner.data_parallel_size
   needs = {}
 
@@ -126,8 +144,8 @@ def resolve(run: RunConfig, partitioner: partitioning.Partitioner) -> TrainerCon
                  per_device * data_parallel * accumulation, f"{budget:,}")
     return needs[per_device] <= budget
 
-  if trainer.target_batch_size:
-    per_device, accumulation = smallest_fitting_accumulation(fits, trainer.target_batch_size,
+  if search.target_batch_size:
+    per_device, accumulation = smallest_fitting_accumulation(fits, search.target_batch_size,
                                                              data_parallel)
   else:
     per_device, accumulation = largest_fitting(lambda n: fits(n, 1), 4096), 1
@@ -141,6 +159,7 @@ def resolve(run: RunConfig, partitioner: partitioning.Partitioner) -> TrainerCon
 
 def main(argv):
   del argv
+  from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top  # Imports this.
   try:
     run = to_run_config(flags.FLAGS.config)
     partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
@@ -154,6 +173,8 @@ def main(argv):
 
 if __name__ == "__main__":
   # Defined only when run as a program: train.py imports this module next to main.py's flag.
+  # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
+  from levanter_flax.config import define_config_flag, parse_flags
   define_config_flag("A config file in configs/.")
   flags.mark_flag_as_required("config")
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(main, flags_parser=parse_flags)

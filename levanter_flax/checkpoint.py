@@ -15,17 +15,43 @@ from jax.experimental import multihost_utils
 from absl import logging
 from etils import epath
 
-from levanter_flax import models, paths
+from levanter_flax import checks, models, paths
 from levanter_flax.errors import UserError
+from levanter_flax.schema import setting
 
 
 @dataclasses.dataclass(frozen=True)
-class Cadence:
-  """When checkpoints are written and which are kept (config.trainer's checkpoint keys)."""
-  every_steps: int
-  keep: int
-  every_minutes: float = 0.0  # 0: never by time. Such a checkpoint is temporary.
-  keep_period: int = 0  # Steps that are multiples of this are kept for good; 0: none.
+class CheckpointConfig:
+  """When checkpoints are written, which are kept, and where a run starts from (config.checkpoint)."""
+  every_steps: int = setting(500, "Save every this many steps (and at the last)")
+  keep: int = setting(3, "Keep the newest this many checkpoints, temporary ones included")
+  every_minutes: float = setting(
+      0.0, "Also save every this many minutes (0: never), at the next log step; process 0's "
+      "clock decides for every process. Such a checkpoint is temporary: deleted once a newer one "
+      "is written, even after a restart")
+  keep_every_steps: int = setting(0, "Keep every checkpoint whose step is a multiple of this for "
+                                  "good (0: none)")
+  load_path: str = setting(
+      "", "Start a new run from another run's checkpoint (<workdir>/checkpoints/<step>); ignored "
+      "once this run has checkpoints of its own")
+  load_items: str = setting(
+      "params", "What load_path gives: params only (step 0, fresh optimizer and data), or the "
+      "whole state (step, optimizer state and data position too)")
+  start_fresh_if_unusable: bool = setting(
+      False, "A damaged newest checkpoint is set aside as <step>.unreadable and the one before "
+      "it used; when all are damaged the run stops, unless this lets it start over")
+  resume_without_config: bool = setting(
+      False, "Resume checkpoints that lack the config.json they were written with, unchecked "
+      "(else refused: nothing can check this config fits them)")
+
+  def __post_init__(self):
+    checks.positive(self, "checkpoint", ("every_steps", "keep"))
+    checks.ranges(self, "checkpoint", {
+        "keep_every_steps": checks.at_least(0, "0: none"),
+        "every_minutes": checks.at_least(0, "0: never")})
+    if self.load_items not in ("params", "state"):
+      raise UserError(f"config.checkpoint.load_items must be 'params' or 'state'; "
+                      f"got {self.load_items!r}")
 
 
 class Checkpointer:
@@ -38,23 +64,23 @@ class Checkpointer:
   once a newer checkpoint is written, by this run or a later one.
   """
 
-  def __init__(self, directory: epath.Path, cadence: Cadence,
+  def __init__(self, directory: epath.Path, config: CheckpointConfig,
                before_save: Callable[[], None] = lambda: None):
     """`before_save` is called on every process before each save; it may raise to stop the run
     (locks.JobLock.check_all: the workdir's lock was lost)."""
     self.directory = paths.make_dirs(directory, "checkpoint directory")
     self._before_save = before_save
-    self._by_step = policies.FixedIntervalPolicy(cadence.every_steps)
+    self._by_step = policies.FixedIntervalPolicy(config.every_steps)
     # Decided on process 0 and shared through jax's key-value store: each process's own
     # clock could disagree about a save, and a save is collective.
     self._by_time = (policies.ContinuousCheckpointingPolicy(
-        minimum_interval_secs=60 * cadence.every_minutes) if cadence.every_minutes else None)
+        minimum_interval_secs=60 * config.every_minutes) if config.every_minutes else None)
     self._last_save = _SaveTime(0, _now())  # Time-based saves count from this run's start too.
     self._temporary: dict[int, bool] = {}
     self._manager = ocp.CheckpointManager(
         directory, item_handlers=_item_handlers(),
         options=ocp.CheckpointManagerOptions(
-            preservation_policy=_KeptCheckpoints(cadence.keep, cadence.keep_period,
+            preservation_policy=_KeptCheckpoints(config.keep, config.keep_every_steps,
                                                  self._is_temporary),
             create=True, cleanup_tmp_directories=True))
     # Orbax removes the half-written checkpoints of a killed run in a thread that only its
@@ -105,7 +131,7 @@ class Checkpointer:
       return restored.state, restored.data
     if damaged and not start_fresh_if_unusable:
       raise UserError(f"the checkpoints {damaged} in {self.directory} are all damaged; set "
-                      f"config.trainer.start_fresh_if_unusable=True to set them aside and start "
+                      f"config.checkpoint.start_fresh_if_unusable=True to set them aside and start "
                       f"from step 0")
     self._set_aside(damaged)
     return None
@@ -415,7 +441,7 @@ def _free_name(directory: epath.Path, name: str) -> epath.Path:
 def load_other_run(path: epath.Path, abstract_state: Any) -> tuple[Any, dict]:
   """(state, data position) from one checkpoint of another run: path is <workdir>/checkpoints/<step>."""
   if not (path / "state").is_dir():
-    raise UserError(f"config.trainer.load_checkpoint_path {path} is not a checkpoint "
+    raise UserError(f"config.checkpoint.load_path {path} is not a checkpoint "
                     f"(expected <workdir>/checkpoints/<step>, holding state/)")
   manager = ocp.CheckpointManager(path.parent, item_names=("state", "data"),
                                   options=ocp.CheckpointManagerOptions(read_only=True))
@@ -423,7 +449,7 @@ def load_other_run(path: epath.Path, abstract_state: Any) -> tuple[Any, dict]:
     restored = manager.restore(int(path.name), args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
   except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
-    raise UserError(f"cannot load config.trainer.load_checkpoint_path {path} into this model: "
+    raise UserError(f"cannot load config.checkpoint.load_path {path} into this model: "
                     f"{_first_line(e)}") from None
   finally:
     manager.close()
@@ -435,18 +461,20 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
 
   A damaged checkpoint is skipped with a warning, and left where it is.
   """
+  from levanter_flax import config  # pylint: disable=g-import-not-at-top  # It imports this module.
   try:
-    saved = json.loads((workdir / "config.json").read_text())
-  except OSError:
-    raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir") from None
+    saved = config.read_saved(workdir)
+  except OSError as e:
+    raise UserError(f"cannot read {workdir / 'config.json'}: {e}") from None
   except ValueError as e:
-    raise UserError(f"{workdir / 'config.json'} is not JSON: {e}") from None
+    raise UserError(f"{workdir / 'config.json'} is not a JSON object: {e}") from None
+  if saved is None:
+    raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir")
   try:
-    fields = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
-    model_cfg = models.FAMILIES[fields.get("architecture", "gpt2")].config(**fields)
-  except (AttributeError, KeyError, TypeError) as e:  # Not an object, a family or its fields.
+    model_cfg = config.model_from_saved(saved)
+  except UserError as e:
     raise UserError(f"{workdir / 'config.json'} does not describe a model this version can "
-                    f"build: {_first_line(e)}") from None
+                    f"build: {e}") from None
   steps = sorted((int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()),
                  reverse=True)
   if not steps:

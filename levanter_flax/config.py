@@ -1,14 +1,16 @@
-"""The config schema: defaults, validation, and conversion to plain typed objects.
+"""The config edge: a ConfigDict (a configs/ file and its --config.KEY=VALUE overrides) in,
+plain typed objects (settings.RunConfig) out.
 
-Config files in configs/ start from `default_config()` and change what they
-need. `to_run_config` is the edge: it checks every key and type and returns
-small frozen dataclasses, so no code below it touches a ConfigDict.
+Every setting is declared once, in its section's dataclass (schema.setting): default_config()
+is generated from those declarations, and so are --print_config, the checks of a resume
+(STATE settings), and what a run chooses at start (CHOSEN). Old key names keep working through
+ALIASES, with a one-line warning naming the new key.
 """
 import dataclasses
 import importlib.util
 import json
 import pathlib
-import re
+import sys
 import traceback
 import typing
 from typing import Any, Optional, Sequence
@@ -18,14 +20,9 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
-from levanter_flax import checks, models, optim
-from levanter_flax.data import DataConfig
-from levanter_flax.distributed import DistributedConfig
+from levanter_flax import models, optim, schema, settings
 from levanter_flax.errors import UserError
-from levanter_flax.models import common
-from levanter_flax.optim import OptimizerConfig
-from levanter_flax.partitioning import ShardingConfig
-from levanter_flax.settings import RunConfig, TrainerConfig
+from levanter_flax.settings import RunConfig, TrainerConfig  # pylint: disable=unused-import
 
 
 def mesh(**axes: int) -> ml_collections.ConfigDict:
@@ -33,212 +30,58 @@ def mesh(**axes: int) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(axes, sort_keys=False)
 
 
-def default_config() -> ml_collections.ConfigDict:
-  """GPT-2 small (124M) on the built-in corpus; configs/ files start from this."""
+def _as_config(declared: schema.Declared, value: Any) -> Any:
+  """A setting's value as a config file writes it: a mapping as an ordered ConfigDict, a
+  setting of several types ("auto" or an int) as a FieldReference that takes either."""
+  if isinstance(value, dict):
+    return mesh(**value)
+  if typing.get_origin(declared.field.type) in (typing.Union, __import__("types").UnionType):
+    return ml_collections.FieldReference(value, field_type=object)
+  return value
+
+
+def _section_config(section: type, values: dict[str, Any], caller: str) -> ml_collections.ConfigDict:
+  """A ConfigDict of `section`'s settings, nested sections nested: `values` where given (a
+  nested section's as a dict of its own), else the declared defaults. `caller` names what
+  needs a setting that has no default."""
   config = ml_collections.ConfigDict()
+  for field in dataclasses.fields(section):
+    declared = schema.Declared(field.name, field)
+    if schema.is_section(field):
+      config[field.name] = _section_config(type(field.default), dict(values.pop(field.name, {})),
+                                           caller)
+    elif field.name in values:
+      config[field.name] = values.pop(field.name)
+    elif field.default is not dataclasses.MISSING:
+      config[field.name] = _as_config(declared, declared.written)
+    else:
+      raise UserError(f"{caller} needs {field.name}")
+  if values:
+    raise UserError(f"{caller} got unknown settings: {', '.join(values)}")
+  return config
 
-  config.model = ml_collections.ConfigDict()
-  # Or another family of models.FAMILIES: config.model = model_config("llama", ...).
-  config.model.architecture = "gpt2"
-  config.model.vocab_size = 50257  # GPT-2's; must cover the tokenizer's vocabulary.
-  config.model.seq_len = 1024
-  config.model.num_layers = 12
-  config.model.num_heads = 12
-  config.model.hidden_dim = 768
-  # Gradient checkpointing per block: none, full (recompute the block),
-  # dots_saveable, dots_with_no_batch_dims_saveable, or offload (saved matmul
-  # outputs wait in host memory, where the backend supports it). True = full.
-  config.model.remat = "none"
-  config.model.dtype = "float32"  # Compute: float32, bfloat16 or float16.
-  config.model.param_dtype = "float32"  # Parameters and optimizer; the loss is always float32.
-  # xla, cudnn (flash attention on NVIDIA GPUs), or auto: cudnn there in 16-bit, else xla.
-  config.model.attention_impl = "auto"
-  # Run the blocks as one lax.scan over stacked parameters: compile time stays
-  # flat as depth grows. Partition rules apply to the trailing axes.
-  config.model.scan_layers = False
-  # > 0: the loss computes logits this many vocabulary entries at a time and
-  # never holds them all (32 x 1024 x 50304 float32 logits are 6.6 GB). 0: plain.
-  config.model.cross_entropy_block_size = 0
-  config.model.layer_norm_epsilon = 1e-5
-  config.model.initializer_range = 0.02
-  # The LM head is the token embedding (GPT-2's way). False: a separate lm_head matrix
-  # (vocab_size x hidden_dim more parameters), as in HF checkpoints with tie_word_embeddings=false.
-  config.model.tie_word_embeddings = True
 
-  config.trainer = ml_collections.ConfigDict()
-  # Global, in sequences; or "auto": the largest microbatch that fits in memory
-  # (see batch_search.py), with accumulation up to target_batch_size.
-  config.trainer.batch_size = ml_collections.FieldReference(32, field_type=object)
-  config.trainer.num_train_steps = 10_000
-  config.trainer.log_every_steps = 10
-  config.trainer.eval_every_steps = 500
-  # The eval set: this many tokens' worth of seq_len windows, spread evenly over the whole
-  # validation split (of each source), the same at every eval whatever the batch layout;
-  # "all": every window of the split (held in host memory). Its standard error is logged.
-  config.trainer.eval_tokens = ml_collections.FieldReference(1 << 20, field_type=object)
-  config.trainer.checkpoint_every_steps = 500
-  config.trainer.keep_checkpoints = 3  # The newest ones, temporary ones included.
-  # Also save every this many minutes (0: never), at the next log step;
-  # process 0's clock decides for every process. Such a checkpoint is
-  # temporary: deleted once a newer one is written, even after a restart.
-  config.trainer.checkpoint_every_minutes = 0.0
-  # Keep every checkpoint whose step is a multiple of this for good (0: none).
-  config.trainer.keep_checkpoint_every_steps = 0
-  # Start a new run from another run's checkpoint (<workdir>/checkpoints/<step>):
-  # "params" only (step 0, fresh optimizer and data), or the whole "state"
-  # (step, optimizer state and data position too). Ignored once this run has
-  # checkpoints of its own.
-  config.trainer.load_checkpoint_path = ""
-  config.trainer.load_checkpoint_items = "params"
-  # Or start from a Hugging Face GPT-2 or Llama directory (config.json +
-  # safetensors) whose shape matches config.model; fresh optimizer and data.
-  config.trainer.init_from_hf = ""
-  # A damaged newest checkpoint (missing, truncated or garbled files) is set
-  # aside as <step>.unreadable and the one before it used; when all are
-  # damaged the run stops, unless this lets it start over. A checkpoint of
-  # another model or optimizer, or one the storage fails to read, is never
-  # set aside: the run stops naming it.
-  config.trainer.start_fresh_if_unusable = False
-  # Checkpoints without the config.json they were written with cannot be checked against this
-  # config (model, optimizer, data order); they are refused unless this resumes them unchecked.
-  config.trainer.resume_without_config = False
-  config.trainer.seed = 0
-  # Axis name -> size; -1 takes all remaining devices.
-  config.trainer.device_mesh = mesh(data=-1, model=1)
-  # On a CPU backend, split each process's CPU into this many XLA devices (0:
-  # JAX's default, one). Small models run faster data-parallel, one device per
-  # core, than on one device whose ops are too small to split between cores.
-  config.trainer.cpu_devices = 0
-  # A step with a non-finite loss or gradient never updates the params; then
-  # "halt" stops the run naming the step, "skip" warns, counts it and goes on.
-  config.trainer.nan_policy = "halt"
-  # With "skip": this many skipped steps in a row mean the run has diverged; it halts.
-  config.trainer.max_consecutive_skipped_steps = 10
-  # Splits each batch into this many microbatches, summed inside one jitted step.
-  config.trainer.gradient_accumulation_steps = 1
-  # Compiled programs are kept here across runs (a shared path serves many
-  # nodes); "" uses $JAX_COMPILATION_CACHE_DIR if set, else no cache.
-  config.trainer.jax_compilation_cache_dir = ""
-  config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
-  # For train/mfu; 0 looks the device up in metrics.PEAK_FLOPS.
-  config.trainer.peak_flops_per_device = 0.0
-  # For batch_size="auto": the global batch to reach by accumulation (0: what
-  # fits, no accumulation), and the memory to fit in: memory_fraction of the
-  # device's, or memory_budget_bytes per device where the backend does not say (CPU).
-  config.trainer.target_batch_size = 0
-  config.trainer.memory_fraction = 0.85
-  config.trainer.memory_budget_bytes = 0
-  # Multi-process runs (launch/README.md). Set process 0's host:port, the
-  # process count and this process's id; or leave the address "" to detect a
-  # TPU pod slice, a SLURM job of several tasks or a Kubernetes indexed Job,
-  # and otherwise run as one process.
-  config.trainer.distributed = ml_collections.ConfigDict()
-  config.trainer.distributed.coordinator_address = ""
-  config.trainer.distributed.num_processes = 0
-  config.trainer.distributed.process_id = -1
-  config.trainer.distributed.local_device_ids = ""  # e.g. "0,1"; "" drives all of the host's.
-  config.trainer.distributed.initialization_timeout_seconds = 300
-  # Trace steps [profiler_start_step, +profiler_num_steps) into the workdir for
-  # TensorBoard's profile plugin; start after compilation and warm-up.
-  config.trainer.profiler = False
-  config.trainer.profiler_start_step = 5
-  config.trainer.profiler_num_steps = 5
-  # Log every thread's stack when no step finishes for this long (0: off).
-  config.trainer.hang_watchdog_seconds = 1800.0
-
-  config.optimizer = ml_collections.ConfigDict()
-  # A key of optim.OPTIMIZERS: adamw, lion, adafactor or sophia_h. A key below that the
-  # chosen one does not read must keep its default. configs/optim/ holds presets (load_preset).
-  config.optimizer.name = "adamw"
-  config.optimizer.learning_rate = 6e-4  # Peak, after linear warmup; cosine decay follows.
-  config.optimizer.warmup_steps = 200
-  config.optimizer.min_learning_rate_ratio = 0.1  # Final LR as a fraction of the peak.
-  config.optimizer.weight_decay = 0.1  # AdamW; never on biases or LayerNorm.
-  config.optimizer.max_grad_norm = 1.0  # Global-norm clipping; 0 turns it off.
-  config.optimizer.beta1 = 0.9
-  config.optimizer.beta2 = 0.95
-  config.optimizer.epsilon = 1e-8
-  # sophia_h: a Hutchinson estimate of the Hessian's diagonal every this many
-  # steps, and the Hessian's scale in the update's denominator (the paper's gamma).
-  config.optimizer.hessian_update_interval = 10
-  config.optimizer.sophia_gamma = 0.01
-
-  config.data = ml_collections.ConfigDict()
-  # A directory written by `python -m levanter_flax.prepare`, or "stdlib": the
-  # Python standard library's sources, tokenized into cache_dir on first use.
-  config.data.dataset = "stdlib"
-  # Named datasets with weights, replacing `dataset` when set, e.g.
-  # mixture.code = dict(dataset="/data/code", weight=0.7).
-  config.data.mixture = ml_collections.ConfigDict()
-  # Must be what the data was tokenized with: "byte" (256 bytes + EOS, nothing
-  # to download), a tokenizer.json or a SentencePiece .model file.
-  config.data.tokenizer = "byte"
-  config.data.cache_dir = ""  # For "stdlib"; "" is ~/.cache/levanter_flax.
-  config.data.validation_fraction = 0.02  # For "stdlib": documents held out for eval.
-  config.data.num_train_shards = 8  # For "stdlib".
-  # A train shard that decodes to other counts than its manifest lists (truncated,
-  # corrupt, another token dtype): "fail" stops naming it; "skip" leaves it out, counted.
-  config.data.on_corrupt_record = "fail"
-  # The train and validation shards are dealt to this many reader groups, each
-  # supplying a fixed slice of every batch; each process reads its groups'
-  # shards only. The batches depend on this count alone, not on the number of
-  # processes, so a run resumes exactly on any process count that divides it.
-  # 0: chosen when the run first starts (up to 8, dividing the batch size and
-  # at most the shard count; see loader.default_reader_groups). Either way it
-  # is fixed then, saved with the run, and a different value is refused.
-  config.data.reader_groups = 0
-  # Windows pack several documents, EOS after each. On: a token attends only to
-  # its own document (EOS opens a document, as a BOS) and positions restart at
-  # each, so a window's loss is the sum of its documents' alone, as the model
-  # will see them at inference. Off: attention crosses documents (GPT-2's and
-  # nanoGPT's recipe), a little faster.
-  config.data.document_masking = True
-  # A checkpoint's data position counts in the datasets it was read from (their manifests'
-  # hashes). A dataset prepared again or replaced under the same path is refused on resume;
-  # True reads such a dataset from its start instead.
-  config.data.restart_changed_datasets = False
-
-  config.sharding = ml_collections.ConfigDict()
-  # (regex, axes) rules tried before the model family's own (models/<family>.py's
-  # PARTITION_RULES, in logical axes), which are always there: only to override them.
-  config.sharding.rules = ()
-  # Mesh axes as a name or comma-separated names ("data,model"); "" is none.
-  config.sharding.activation_axis = "data"  # Splits the batch: data parallelism.
-  config.sharding.parameter_axis = ""  # ZeRO-3: also shard every parameter.
-  config.sharding.optimizer_axis = ""  # ZeRO-1: also shard optimizer state.
-  # Where the logical heads, kv_heads, MLP and vocab dimensions go, of parameters (as the
-  # rules name them) and activations alike.
-  config.sharding.tensor_axis = "model"
-  # Where a mixture of experts' experts go (logical axis "experts"): expert parallelism.
-  config.sharding.expert_axis = ""
-  config.sharding.strict = False  # Refuse parameters that no rule matches.
+def default_config() -> ml_collections.ConfigDict:
+  """Every setting at its declared default: GPT-2 small (124M) on the built-in corpus.
+  configs/ files start from this; --print_config lists it with each key's description."""
+  config = ml_collections.ConfigDict()
+  for name, section in settings.sections("gpt2").items():
+    config[name] = _section_config(section, {}, "default_config()")
   return config
 
 
 def model_config(architecture: str, **values) -> ml_collections.ConfigDict:
-  """The model section of a family: its config dataclass's fields, defaults unless in `values`.
+  """The model section of a family: its config dataclass's settings, defaults unless in `values`.
 
-  A config file does config.model = model_config("qwen2", vocab_size=..., ...)
-  and gets the family's partition rules with it. The compute keys
-  (remat, dtype, param_dtype, attention_impl, scan_layers,
-  cross_entropy_block_size) mean what they mean for GPT-2; the family's module
-  documents the rest.
+  A config file does config.model = model_config("qwen2", vocab_size=..., ...) and gets the
+  family's partition rules with it. config.model.compute (remat, dtypes, attention, scan) is
+  the same for every family; the family's module documents the rest.
   """
   if architecture not in models.FAMILIES:
     raise UserError(f"unknown model architecture {architecture!r}; known: "
                     f"{', '.join(models.FAMILIES)}")
-  model = ml_collections.ConfigDict()
-  model.architecture = architecture
-  for field in dataclasses.fields(models.FAMILIES[architecture].config):
-    if field.name == "architecture":
-      continue
-    if field.name in values:
-      model[field.name] = values[field.name]
-    elif field.default is not dataclasses.MISSING:
-      model[field.name] = field.default
-    else:
-      raise UserError(f"model_config({architecture!r}) needs {field.name}")
-  return model
+  return _section_config(models.FAMILIES[architecture].config,
+                         dict(values, architecture=architecture), f"model_config({architecture!r})")
 
 
 def llama_model_config() -> ml_collections.ConfigDict:
@@ -263,7 +106,27 @@ def load_config_file(argument: str) -> ml_collections.ConfigDict:
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"get_config() of config file {path} returned a {type(config).__name__}, not "
                     f"an ml_collections.ConfigDict (did it forget to return the config?)")
+  _move_renamed(config)
   return config
+
+
+def _move_renamed(config: ml_collections.ConfigDict) -> None:
+  """Moves each old key a config file set to its new place (ALIASES), warned, before the
+  command line's overrides apply to the new one."""
+  for old in ALIASES:
+    *parents, name = old.split(".")
+    section = _section_at(config, parents)
+    if section is not None and name in section:
+      value = section[name]
+      del section[name]
+      *parents, name = modern_key(old, f"config.{old}").split(".")
+      _section_at(config, parents)[name] = value
+
+
+def _section_at(config: ml_collections.ConfigDict, path: list[str]):
+  for name in path:
+    config = config.get(name) if isinstance(config, ml_collections.ConfigDict) else None
+  return config if isinstance(config, ml_collections.ConfigDict) else None
 
 
 def define_config_flag(help_string: str, flag_values: flags.FlagValues = flags.FLAGS,
@@ -343,122 +206,6 @@ def _check_scalar(key: str, value: Any, tp) -> Any:
   return value
 
 
-def _axes(key: str, value: Any):
-  if value is None or value == "":
-    return None
-  if isinstance(value, str):
-    names = tuple(name.strip() for name in value.split(","))
-    return names[0] if len(names) == 1 else names
-  if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
-    return tuple(value)
-  raise UserError(f"config key {key} must be a mesh axis name, names, or None; got {value!r}")
-
-
-def _device_mesh(key: str, value: Any) -> tuple[tuple[str, int], ...]:
-  items = list(value.items()) if hasattr(value, "items") else None
-  if not items or not all(isinstance(n, str) and isinstance(s, int) for n, s in items):
-    raise UserError(f"config key {key} must map axis names to sizes, e.g. data=-1, model=1; got {value!r}")
-  return tuple(items)
-
-
-def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
-  entries = []
-  for name, entry in (value.items() if hasattr(value, "items") else [(None, value)]):
-    if (not hasattr(entry, "keys") or set(entry.keys()) != {"dataset", "weight"}
-        or not isinstance(entry["dataset"], str)
-        or not isinstance(entry["weight"], (int, float)) or entry["weight"] <= 0):
-      raise UserError(f"config key {key}.{name} must be dict(dataset=<directory>, weight=<positive "
-                      f"number>); got {entry!r}")
-    entries.append((name, entry["dataset"], float(entry["weight"])))
-  return tuple(entries)
-
-
-def _int_or(word: str):
-  """A converter for keys that take a positive int or `word`."""
-  def convert(key: str, value: Any) -> int | str:
-    if value == word or (isinstance(value, int) and not isinstance(value, bool)):
-      return value
-    raise UserError(f"config key {key} must be a positive int or {word!r}; got {value!r}")
-  return convert
-
-
-def _remat(key: str, value: Any) -> str:
-  if isinstance(value, bool) or str(value).lower() in ("true", "false"):
-    return "full" if str(value).lower() == "true" else "none"
-  if value not in common.REMAT_POLICIES:
-    raise UserError(f"config key {key} must be True, False or one of "
-                    f"{', '.join(common.REMAT_POLICIES)}; got {value!r}")
-  return value
-
-
-def _rules(key: str, value: Any):
-  try:
-    rules = tuple((pattern, tuple(spec)) for pattern, spec in value)
-  except (TypeError, ValueError):
-    raise UserError(f"config key {key} must be a sequence of (regex, spec) pairs; got {value!r}") from None
-  for pattern, spec in rules:
-    if not isinstance(pattern, str):
-      raise UserError(f"config key {key}: regex {pattern!r} is not a string")
-    for entry in spec:
-      _axes(f"{key}[{pattern!r}]", entry)
-  return tuple((pattern, tuple(_axes(key, e) for e in spec)) for pattern, spec in rules)
-
-
-def _distributed(key: str, value: Any) -> DistributedConfig:
-  if not isinstance(value, ml_collections.ConfigDict):
-    names = ", ".join(f.name for f in dataclasses.fields(DistributedConfig))
-    raise UserError(f"config key {key} must be a ConfigDict of {names}; got {value!r}")
-  return _fields(DistributedConfig, value, key[len("config."):])
-
-
-def _device_ids(key: str, value: Any) -> tuple[int, ...]:
-  """"" (all), "0,1", 3 or [0, 1] -> a tuple of device ids."""
-  try:
-    if isinstance(value, str):
-      return tuple(int(v) for v in value.split(",") if v.strip())
-    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-  except (TypeError, ValueError):
-    raise UserError(f"config key {key} must be device ids like \"0,1\" (\"\" for all); got {value!r}") from None
-
-
-_CONVERTERS = {
-    "trainer.batch_size": _int_or("auto"),
-    "trainer.eval_tokens": _int_or("all"),
-    "trainer.distributed": _distributed,
-    "trainer.distributed.local_device_ids": _device_ids,
-    "model.remat": _remat,
-    "trainer.device_mesh": _device_mesh,
-    "data.mixture": _mixture,
-    "sharding.rules": _rules,
-    "sharding.activation_axis": _axes,
-    "sharding.parameter_axis": _axes,
-    "sharding.optimizer_axis": _axes,
-    "sharding.tensor_axis": _axes,
-    "sharding.expert_axis": _axes,
-}
-
-
-def _section(cls, config: ml_collections.ConfigDict, name: str):
-  section = config.get(name)
-  if not isinstance(section, ml_collections.ConfigDict):
-    raise UserError(f"config section config.{name} is missing")
-  return _fields(cls, section, name)
-
-
-def _model_section(config: ml_collections.ConfigDict):
-  """The family's config dataclass, as config.model.architecture says."""
-  section = config.get("model")
-  if not isinstance(section, ml_collections.ConfigDict):
-    raise UserError("config section config.model is missing")
-  architecture = section.get("architecture", "gpt2")
-  if architecture not in models.FAMILIES:
-    raise UserError(f"config.model.architecture must be one of {', '.join(models.FAMILIES)}; "
-                    f"got {architecture!r}")
-  return _fields(models.FAMILIES[architecture].config, section, "model")
-
-
-# Keys that were replaced: what to set instead.
-# Keys that were replaced: old key -> (its replacement, what that one means).
 REPLACED_KEYS = {"trainer.eval_batches": ("trainer.eval_tokens", "the eval set's size in tokens "
                                           "(or 'all'), whatever the batch size")}
 
@@ -469,49 +216,195 @@ def replacement(key: str, shown: str) -> str:
   return f"config key {shown} was replaced: set config.{new}, {meaning}"
 
 
-def _fields(cls, section: ml_collections.ConfigDict, path: str):
-  """`cls` from the keys of `section`, each checked; `path` names it in errors ("trainer")."""
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  for key in section.keys():
-    if f"{path}.{key}" in REPLACED_KEYS:
-      raise UserError(replacement(f"{path}.{key}", f"config.{path}.{key}"))
-    if key not in fields:
-      raise UserError(f"unknown config key config.{path}.{key}")
-  hints = typing.get_type_hints(cls)
+
+# Keys that were renamed: old key -> its new key. An old key in a config file, a flag or a
+# config.json still works; the first two warn, naming the new key.
+ALIASES = {
+    **{f"model.{k}": f"model.compute.{k}" for k in (
+        "remat", "dtype", "param_dtype", "attention_impl", "scan_layers",
+        "cross_entropy_block_size")},
+    "trainer.checkpoint_every_steps": "checkpoint.every_steps",
+    "trainer.keep_checkpoints": "checkpoint.keep",
+    "trainer.checkpoint_every_minutes": "checkpoint.every_minutes",
+    "trainer.keep_checkpoint_every_steps": "checkpoint.keep_every_steps",
+    "trainer.load_checkpoint_path": "checkpoint.load_path",
+    "trainer.load_checkpoint_items": "checkpoint.load_items",
+    "trainer.start_fresh_if_unusable": "checkpoint.start_fresh_if_unusable",
+    "trainer.resume_without_config": "checkpoint.resume_without_config",
+    **{f"trainer.{k}": f"monitoring.{k}" for k in (
+        "profiler", "profiler_start_step", "profiler_num_steps", "hang_watchdog_seconds")},
+    **{f"trainer.{k}": f"batch_search.{k}" for k in (
+        "target_batch_size", "memory_fraction", "memory_budget_bytes")},
+}
+
+
+def modern_key(key: str, shown: str) -> str:
+  """`key` ("trainer.keep_checkpoints"), renamed if it is an old name, with a warning naming the
+  new one; `shown` is how the user wrote it."""
+  if key not in ALIASES:
+    return key
+  # Printed, not logged: flags are parsed before absl's logging is set up.
+  print(f"warning: config key {shown} is deprecated: use config.{ALIASES[key]}", file=sys.stderr)
+  return ALIASES[key]
+
+
+def modern_argv(argv: list[str]) -> list[str]:
+  """`argv` with each --config.<old key> override renamed to its new key (ALIASES), warned.
+
+  Also rewrites sys.argv: config_flags finds the override flags there.
+  """
+  renamed = []
+  for arg in argv:
+    name, sep, value = arg.partition("=")
+    if name.startswith("--config."):
+      arg = f"--config.{modern_key(name.removeprefix('--config.'), name)}{sep}{value}"
+    renamed.append(arg)
+  if sys.argv[1:] == argv[1:]:
+    sys.argv[:] = renamed
+  return renamed
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """For app.run of a command with define_config_flag: cli.parse_flags on modern_argv."""
+  from levanter_flax import cli  # pylint: disable=g-import-not-at-top
+  return cli.parse_flags(modern_argv(argv))
+
+
+def _values(config: ml_collections.ConfigDict, sections: dict[str, type]) -> dict[str, Any]:
+  """{"trainer.batch_size": 32, ...}: every setting `config` sets, old names renamed (warned)."""
   values = {}
-  for field in fields.values():
-    key = f"config.{path}.{field.name}"
-    if field.name not in section:
-      if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-        raise UserError(f"config key {key} is missing")
-      continue
-    convert = _CONVERTERS.get(f"{path}.{field.name}")
-    value = section[field.name]
-    values[field.name] = convert(key, value) if convert else _check_scalar(key, value, hints[field.name])
-  return cls(**values)
+  for name in config.keys():
+    if name not in sections:
+      raise UserError(f"unknown config section config.{name}")
+    _read_section(config[name], sections[name], name, values)
+  return values
 
 
-def _check_rules(rules) -> None:
-  for pattern, _ in rules:
-    try:
-      re.compile(pattern)
-    except re.error as e:
-      raise UserError(f"config.sharding.rules: {pattern!r} is not a valid regex: {e}") from None
+def _read_section(section: Any, cls: type, path: str, values: dict[str, Any]) -> None:
+  if not isinstance(section, ml_collections.ConfigDict):
+    names = ", ".join(f.name for f in dataclasses.fields(cls))
+    raise UserError(f"config key config.{path} must be a ConfigDict of {names}; got {section!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  for name in section.keys():
+    key = f"{path}.{name}"
+    if name in fields and schema.is_section(fields[name]):
+      _read_section(section[name], type(fields[name].default), key, values)
+    elif name in fields:
+      values.setdefault(key, section[name])
+    elif key in REPLACED_KEYS:
+      raise UserError(replacement(key, f"config.{key}"))
+    elif key in ALIASES:  # Over the new key's default, which the file kept.
+      values[modern_key(key, f"config.{key}")] = section[name]
+    else:
+      raise UserError(f"unknown config key config.{key}")
 
 
-# What a checkpoint's arrays and their meaning depend on: a resume that changes one is refused
-# before anything is restored. Anything else may change on resume, and is logged.
-STATE_KEYS = ("model.architecture", "model.vocab_size", "model.seq_len", "model.num_layers",
-              "model.num_heads", "model.num_kv_heads", "model.hidden_dim", "model.intermediate_dim",
-              "model.scan_layers", "model.param_dtype", "model.tie_word_embeddings", "model.qkv_bias",
-              "model.num_experts", "optimizer.name")
+def _build(cls: type, path: str, values: dict[str, Any]):
+  """`cls` from the settings under `path` in `values`, each converted or type-checked."""
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for field in dataclasses.fields(cls):
+    key = f"{path}.{field.name}"
+    if schema.is_section(field):
+      kwargs[field.name] = _build(type(field.default), key, values)
+    elif key in values:
+      convert = field.metadata.get("convert")
+      value = values[key]
+      kwargs[field.name] = (convert(f"config.{key}", value) if convert
+                            else _check_scalar(f"config.{key}", value, hints[field.name]))
+    elif field.default is dataclasses.MISSING:
+      raise UserError(f"config key config.{key} is missing")
+  return cls(**kwargs)
+
+
+def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
+  """Validates `config` and returns it as plain typed objects."""
+  model = config.get("model")
+  architecture = model.get("architecture", "gpt2") if isinstance(model, ml_collections.ConfigDict) else "gpt2"
+  if architecture not in models.FAMILIES:
+    raise UserError(f"config.model.architecture must be one of {', '.join(models.FAMILIES)}; "
+                    f"got {architecture!r}")
+  sections = settings.sections(architecture)
+  values = _values(config, sections)
+  run = RunConfig(**{name: _build(cls, name, values) for name, cls in sections.items()})
+  run = dataclasses.replace(run, sharding=dataclasses.replace(
+      run.sharding, rules=run.sharding.rules + models.family(run.model).partition_rules))
+  _check_across_sections(run)
+  return run
+
+
+def _check_across_sections(run: RunConfig) -> None:
+  """What no one section can check of itself."""
+  if run.trainer.init_from_hf and run.checkpoint.load_path:
+    raise UserError("set config.trainer.init_from_hf or config.checkpoint.load_path, not both")
+  if run.monitoring.profiler and run.monitoring.profiler_start_step > run.trainer.num_train_steps:
+    raise UserError(f"config.monitoring.profiler_start_step ({run.monitoring.profiler_start_step}) "
+                    f"is after the last step, config.trainer.num_train_steps "
+                    f"({run.trainer.num_train_steps})")
+  if (run.trainer.batch_size != "auto"
+      and run.trainer.batch_size % run.trainer.gradient_accumulation_steps):
+    raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
+                    f"config.trainer.gradient_accumulation_steps "
+                    f"({run.trainer.gradient_accumulation_steps})")
+  if run.trainer.nan_policy not in ("halt", "skip"):
+    raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; "
+                    f"got {run.trainer.nan_policy!r}")
+  _check_optimizer(run.optimizer)
 
 
 def flat_dict(run: RunConfig) -> dict[str, Any]:
-  """{'model.num_layers': 12, ...}, JSON-ready: what a workdir's config.json holds."""
-  return json.loads(json.dumps({f"{section}.{key}": value
-                                for section, fields in dataclasses.asdict(run).items()
-                                for key, value in fields.items()}))
+  """{'model.num_layers': 12, ...}, every setting, JSON-ready: what a workdir's config.json
+  holds."""
+  def leaves(value: Any, prefix: str):
+    if dataclasses.is_dataclass(value):
+      for field in dataclasses.fields(value):
+        yield from leaves(getattr(value, field.name), f"{prefix}.{field.name}" if prefix else field.name)
+    else:
+      yield prefix, value
+  return json.loads(json.dumps(dict(leaves(run, ""))))
+
+
+def model_from_saved(saved: dict[str, Any]) -> Any:
+  """The model config that a config.json (read_saved) describes."""
+  return _build(models.FAMILIES[_architecture(saved)].config, "model", saved)
+
+
+def describe_config(config: ml_collections.ConfigDict) -> str:
+  """Every key of `config` (after its overrides) with its value, its default where the two
+  differ, and its description: what --print_config prints, section by section."""
+  architecture = config.model.get("architecture", "gpt2")
+  sections = settings.sections(architecture)
+  values = _values(config, sections)
+  lines = []
+  docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(RunConfig)}
+  for name, section in sections.items():
+    lines.append(f"# config.{name}: {docs[name]}")
+    for declared in schema.declared(section, name):
+      shown = _shown(values.get(declared.key, declared.written))
+      line = f"config.{declared.key} = {shown}"
+      if declared.default is dataclasses.MISSING or _shown(declared.written) != shown:
+        line += ("  (no default)" if declared.default is dataclasses.MISSING
+                 else f"  (default {_shown(declared.written)})")
+      lines += [line, f"    {declared.doc} [{declared.kind}]"]
+  return "\n".join(lines)
+
+
+def _shown(value: Any) -> str:
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
+  return repr(value)
+
+
+def modern_saved(saved: dict[str, Any]) -> dict[str, Any]:
+  """A config.json's keys as today's: old names renamed (ALIASES), and a nested section that an
+  older version saved as one object (trainer.distributed) spread into its settings."""
+  flat = {}
+  for key, value in saved.items():
+    if isinstance(value, dict):
+      flat |= modern_saved({f"{key}.{k}": v for k, v in value.items()})
+    else:
+      flat[ALIASES.get(key, key)] = value
+  return flat
 
 
 def read_saved(workdir: epath.Path) -> Optional[dict[str, Any]]:
@@ -525,8 +418,10 @@ def read_saved(workdir: epath.Path) -> Optional[dict[str, Any]]:
     return None
   if not isinstance(saved, dict):
     raise ValueError("not a JSON object")
-  return saved
+  return modern_saved(saved)
 
+
+# What a run from before a key existed did, where that is not the key's default.
 
 # What a run from before a key existed did, where that is not the key's default.
 _BEFORE_THE_KEY = {"data.document_masking": False}
@@ -535,23 +430,20 @@ _BEFORE_THE_KEY = {"data.document_masking": False}
 def defaults(architecture: str) -> dict[str, Any]:
   """Every key that has a default, with the value a config.json without it means: the
   default, which its run did, or what it did before the key existed (_BEFORE_THE_KEY)."""
-  sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-  sections["model"] = models.FAMILIES[architecture].config
-  found = {}
-  for section, cls in sections.items():
-    for field in dataclasses.fields(cls):
-      if field.default is not dataclasses.MISSING:
-        found[f"{section}.{field.name}"] = field.default
-  return json.loads(json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                                for k, v in found.items()} | _BEFORE_THE_KEY))
+  found = {d.key: d.default for d in settings.declared(architecture)
+           if d.default is not dataclasses.MISSING}
+  return json.loads(json.dumps(found | _BEFORE_THE_KEY))
+
+
+def _architecture(saved: dict[str, Any]) -> str:
+  architecture = saved.get("model.architecture", "gpt2")  # The only family before there was a key.
+  return architecture if architecture in models.FAMILIES else "gpt2"
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any],
             keys: Optional[Sequence[str]] = None) -> list[str]:
   """'model.num_layers 12 -> 24' for each key (of `keys`, or any) whose value differs."""
-  architecture = saved.get("model.architecture", "gpt2")  # The only family before there was a key.
-  missing = defaults(architecture if architecture in models.FAMILIES else "gpt2")
-  saved = {**{k: v for k, v in missing.items() if k in now}, **saved}
+  saved = {**{k: v for k, v in defaults(_architecture(saved)).items() if k in now}, **saved}
   for old, (new, _) in REPLACED_KEYS.items():  # Written before `new`: nothing to compare it with.
     if old in saved and new not in saved:
       saved = {**{k: v for k, v in saved.items() if k != old}, new: now.get(new)}
@@ -560,8 +452,25 @@ def changes(saved: dict[str, Any], now: dict[str, Any],
 
 
 def state_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-  """The changes that make a checkpoint written under `saved` unusable under `now`."""
-  return changes(saved, now, [k for k in STATE_KEYS if k in now or k in saved])
+  """The changes that make a checkpoint written under `saved` unusable under `now`: of the
+  settings that shape either run's state (schema.STATE)."""
+  keys = {k for flat in (saved, now) for k in settings.keys_of_kind(schema.STATE, _architecture(flat))}
+  return changes(saved, now, sorted(k for k in keys if k in now or k in saved))
+
+
+def chosen_at_start(flat: dict[str, Any]) -> tuple[str, ...]:
+  """The settings of a run (flat_dict form) that its start chooses (schema.CHOSEN): those whose
+  chosen_when holds, e.g. trainer.batch_size while it is "auto"."""
+  return tuple(d.key for d in settings.declared(_architecture(flat))
+               if d.kind == schema.CHOSEN and flat.get(d.chosen_when[0]) == d.chosen_when[1])
+
+
+def keep_chosen(wanted: dict[str, Any], saved: Optional[dict[str, Any]]) -> dict[str, Any]:
+  """`wanted` with what its run chose when it first started, as `saved` (its config.json)
+  holds it; unchanged for a run that has not started."""
+  if not saved:
+    return wanted
+  return {**wanted, **{k: saved[k] for k in chosen_at_start(wanted) if k in saved}}
 
 
 def _check_optimizer(chosen: optim.OptimizerConfig) -> None:
@@ -569,46 +478,12 @@ def _check_optimizer(chosen: optim.OptimizerConfig) -> None:
   if chosen.name not in optim.OPTIMIZERS:
     raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
                     f"got {chosen.name!r}")
-  default = default_config().optimizer
+  default = optim.OptimizerConfig()
   for key in optim.ignored_keys(chosen.name):
-    if getattr(chosen, key) != default[key]:
+    if getattr(chosen, key) != getattr(default, key):
       reads = ", ".join(optim.OPTIMIZERS[chosen.name].keys)
       raise UserError(f"config.optimizer.{key} ({getattr(chosen, key)}) does not apply to "
                       f"{chosen.name}, which reads only {reads} besides the schedule: set it "
-                      f"back to its default ({default[key]}) or choose another optimizer")
+                      f"back to its default ({getattr(default, key)}) or choose another optimizer")
 
 
-def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
-  """Validates `config` and returns it as plain typed objects."""
-  sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-  for key in config.keys():
-    if key not in sections:
-      raise UserError(f"unknown config section config.{key}")
-  run = RunConfig(**{name: _model_section(config) if name == "model" else _section(cls, config, name)
-                     for name, cls in sections.items()})
-  _check_rules(run.sharding.rules)
-  run = dataclasses.replace(run, sharding=dataclasses.replace(
-      run.sharding, rules=run.sharding.rules + models.family(run.model).partition_rules))
-  if run.trainer.load_checkpoint_items not in ("params", "state"):
-    raise UserError(f"config.trainer.load_checkpoint_items must be 'params' or 'state'; "
-                    f"got {run.trainer.load_checkpoint_items!r}")
-  if run.trainer.init_from_hf and run.trainer.load_checkpoint_path:
-    raise UserError("set config.trainer.init_from_hf or config.trainer.load_checkpoint_path, "
-                    "not both")
-  if run.trainer.profiler and run.trainer.profiler_start_step > run.trainer.num_train_steps:
-    raise UserError(f"config.trainer.profiler_start_step ({run.trainer.profiler_start_step}) is "
-                    f"after the last step, config.trainer.num_train_steps "
-                    f"({run.trainer.num_train_steps})")
-  if run.trainer.batch_size != "auto" and run.trainer.batch_size % run.trainer.gradient_accumulation_steps:
-    raise UserError(f"config.trainer.batch_size ({run.trainer.batch_size}) must be divisible by "
-                    f"config.trainer.gradient_accumulation_steps "
-                    f"({run.trainer.gradient_accumulation_steps})")
-  _check_optimizer(run.optimizer)
-  if run.trainer.nan_policy not in ("halt", "skip"):
-    raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; got {run.trainer.nan_policy!r}")
-  if run.data.on_corrupt_record not in ("fail", "skip"):
-    raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
-                    f"got {run.data.on_corrupt_record!r}")
-  if run.data.mixture and run.data.dataset != "stdlib":
-    raise UserError("set config.data.dataset or config.data.mixture, not both")
-  return run

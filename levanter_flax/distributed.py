@@ -21,16 +21,34 @@ from absl import logging
 
 from levanter_flax import checks
 from levanter_flax.errors import UserError
+from levanter_flax.schema import setting
+
+
+def _device_ids(key: str, value) -> tuple[int, ...]:
+  """"" (all), "0,1", 3 or [0, 1] -> a tuple of device ids."""
+  try:
+    if isinstance(value, str):
+      return tuple(int(v) for v in value.split(",") if v.strip())
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+  except (TypeError, ValueError):
+    raise UserError(f"config key {key} must be device ids like \"0,1\" (\"\" for all); "
+                    f"got {value!r}") from None
 
 T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  coordinator_address: str = ""  # host:port of process 0; "" = detect a cluster, else run alone.
-  num_processes: int = 0
-  process_id: int = -1
-  local_device_ids: tuple[int, ...] = ()  # () = all of this host's devices.
-  initialization_timeout_seconds: int = 300
+  """Set process 0's host:port, the process count and this process's id; or leave the address
+  "" to detect a TPU pod slice, a SLURM job of several tasks or a Kubernetes indexed Job, and
+  otherwise run as one process (config.trainer.distributed)."""
+  coordinator_address: str = setting("", "host:port of process 0; \"\": detect a cluster, else "
+                                     "run alone")
+  num_processes: int = setting(0, "Processes in the run; 0: detect")
+  process_id: int = setting(-1, "This process's id; -1: detect")
+  local_device_ids: tuple[int, ...] = setting(
+      (), "The local devices this process drives, e.g. \"0,1\"; \"\": all of the host's",
+      convert=_device_ids, written="")
+  initialization_timeout_seconds: int = setting(300, "How long to wait for every process")
 
   def __post_init__(self):
     checks.ranges(self, "trainer.distributed", {

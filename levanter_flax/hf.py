@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from levanter_flax import models, paths
+from levanter_flax import models, paths, schema
 from levanter_flax.errors import UserError
+from levanter_flax.models import common
 
 # HF architecture name -> our family.
 SUPPORTED = {family.hf.architecture: family for family in models.FAMILIES.values()}
@@ -89,7 +90,7 @@ def load(directory: epath.Path, scan_layers: bool = False) -> tuple[Any, dict]:
     params = _params(cfg, directory, local)
   if not scan_layers:
     return cfg, params
-  cfg = dataclasses.replace(cfg, scan_layers=True)
+  cfg = common.with_compute(cfg, scan_layers=True)
   return cfg, models.stack_layers(cfg, params)
 
 
@@ -133,7 +134,7 @@ def save(cfg: Any, params: dict, directory: epath.Path) -> None:
   in cfg's layout, scanned or not."""
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  if cfg.scan_layers:
+  if cfg.compute.scan_layers:
     params = models.unstack_layers(cfg, params)
   paths.make_dirs(directory, "output directory")
   tensors = {}
@@ -157,7 +158,7 @@ def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
   """Our path -> shape in the unrolled layout, the one tensor_names names."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  unrolled = dataclasses.replace(cfg, scan_layers=False)
+  unrolled = common.with_compute(cfg, scan_layers=False)
   shapes = jax.eval_shape(models.build(unrolled).init, jax.random.key(0),
                           jnp.zeros((1, 2), jnp.int32))["params"]
   return {"/".join(k.key for k in path): x.shape
@@ -177,18 +178,12 @@ def _get(tree: dict, path: str):
   return tree
 
 
-# What a config may change about a checkpoint's weights without changing what they compute.
-_FREE_FIELDS = ("seq_len", "initializer_range", "remat", "dtype", "param_dtype", "attention_impl",
-                "scan_layers", "cross_entropy_block_size",
-                "router_aux_loss_coef")  # Weighs a training loss only.
-
-
 def differences(hf_cfg: Any, run_cfg: Any) -> list[str]:
-  """'model.num_layers 12 (checkpoint) != 24 (config)' for each field that shapes the weights or
-  changes what they compute."""
-  fields = [f.name for f in dataclasses.fields(hf_cfg) if f.name not in _FREE_FIELDS]
-  fields += [f.name for f in dataclasses.fields(run_cfg)
-             if f.name not in _FREE_FIELDS and f.name not in fields]
+  """'model.num_layers 12 (checkpoint) != 24 (config)' for each setting that shapes the weights
+  or changes what they compute (schema.STATE or MODEL). The compute section is the run's own:
+  the weights are laid out and cast for it."""
+  fields = list(dict.fromkeys(f.name for cfg in (hf_cfg, run_cfg) for f in dataclasses.fields(cfg)
+                              if f.metadata.get("kind") in (schema.STATE, schema.MODEL)))
   return [f"model.{f} {getattr(hf_cfg, f, None)} (checkpoint) != "
           f"{getattr(run_cfg, f, None)} (config)" for f in fields
           if getattr(hf_cfg, f, None) != getattr(run_cfg, f, None)]

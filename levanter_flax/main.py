@@ -11,11 +11,15 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import REPLACED_KEYS, define_config_flag, replacement, to_run_config
+from levanter_flax.config import (REPLACED_KEYS, define_config_flag, describe_config, modern_argv,
+                                  replacement, to_run_config)
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print every config key with its value, its default where the two "
+    "differ, and its description; then exit without touching the workdir.")
 flags.mark_flag_as_required("config")
 
 
@@ -47,7 +51,7 @@ def _describe_flag_error(error: Exception, argv: list[str]) -> str:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
-    return cli.parse_flags(argv)
+    return cli.parse_flags(modern_argv(argv))
   except Exception as e:  # pylint: disable=broad-except  # What config_flags lets through raw.
     exit_with_error(_describe_flag_error(e, argv))
 
@@ -67,6 +71,10 @@ def main(argv: list[str]) -> None:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   try:
+    if _PRINT_CONFIG.value:
+      run = to_run_config(_CONFIG.value)  # Checked first: a bad value is its usual one line.
+      print(describe_config(_CONFIG.value))
+      return
     workdir = paths.resolve(_WORKDIR.value or f"runs/{pathlib.Path(config_file).stem}",
                             "--workdir")
     run = to_run_config(_CONFIG.value)

@@ -1,5 +1,6 @@
 """Watching a run: a profiler window, memory figures and a hang watchdog."""
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import resource
@@ -13,7 +14,23 @@ import jax
 from absl import logging
 from etils import epath
 
-from levanter_flax import paths
+from levanter_flax import checks, paths
+from levanter_flax.schema import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitoringConfig:
+  """The profiler window and the hang watchdog (config.monitoring)."""
+  profiler: bool = setting(False, "Trace steps [profiler_start_step, +profiler_num_steps) into the "
+                           "workdir for TensorBoard's profile plugin")
+  profiler_start_step: int = setting(5, "The first traced step: after compilation and warm-up")
+  profiler_num_steps: int = setting(5, "Steps traced")
+  hang_watchdog_seconds: float = setting(1800.0, "Log every thread's stack when no step finishes "
+                                         "for this long (0: off)")
+
+  def __post_init__(self):
+    checks.positive(self, "monitoring", ("profiler_start_step", "profiler_num_steps"))
+    checks.ranges(self, "monitoring", {"hang_watchdog_seconds": checks.at_least(0, "0: off")})
 
 
 class ProfileWindow:
@@ -128,7 +145,7 @@ class HangWatchdog:
       waited = time.monotonic() - self._last_time
       if waited >= self._timeout:
         logging.warning("Hang watchdog: no step finished for %.0f s since step %d "
-                        "(config.trainer.hang_watchdog_seconds=%g). Stacks of all threads:\n%s",
+                        "(config.monitoring.hang_watchdog_seconds=%g). Stacks of all threads:\n%s",
                         waited, self._last_step, self._timeout, all_thread_stacks())
         self._last_time = time.monotonic()
 

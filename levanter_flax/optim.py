@@ -7,21 +7,28 @@ import jax.numpy as jnp
 import optax
 
 from levanter_flax import checks
+from levanter_flax.schema import STATE, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  learning_rate: float
-  warmup_steps: int
-  weight_decay: float
-  max_grad_norm: float
-  beta1: float
-  beta2: float
-  epsilon: float
-  min_learning_rate_ratio: float
-  name: str = "adamw"  # A key of OPTIMIZERS.
-  hessian_update_interval: int = 10  # sophia_h: steps between Hessian estimates (the paper's k).
-  sophia_gamma: float = 0.01  # sophia_h: the Hessian's scale in the update's denominator.
+  """The optimizer and its schedule (config.optimizer). A setting the chosen optimizer does not
+  read must keep its default. configs/optim/ holds presets (config.load_preset)."""
+  learning_rate: float = setting(6e-4, "Peak, after linear warmup; cosine decay follows")
+  warmup_steps: int = setting(200, "Steps of linear warmup from 0")
+  weight_decay: float = setting(0.1, "Decoupled; never on biases or norms")
+  max_grad_norm: float = setting(1.0, "Global-norm clipping; 0 turns it off")
+  beta1: float = setting(0.9, "First-moment decay")
+  beta2: float = setting(0.95, "Second-moment decay")
+  epsilon: float = setting(1e-8, "Added to the update's denominator")
+  min_learning_rate_ratio: float = setting(0.1, "The final learning rate as a fraction of the "
+                                           "peak")
+  name: str = setting("adamw", "A key of optim.OPTIMIZERS: adamw, lion, adafactor or sophia_h",
+                      STATE)
+  hessian_update_interval: int = setting(10, "sophia_h: steps between Hessian estimates (the "
+                                         "paper's k)")
+  sophia_gamma: float = setting(0.01, "sophia_h: the Hessian's scale in the update's "
+                                "denominator (the paper's gamma)")
 
   def __post_init__(self):
     checks.ranges(self, "optimizer", {

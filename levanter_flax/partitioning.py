@@ -25,6 +25,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_flax.errors import UserError
+from levanter_flax.schema import setting
 
 AxisNames = Union[None, str, tuple[str, ...]]
 
@@ -33,15 +34,58 @@ LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "mlp", "vocab",
                 "experts")
 
 
+def axes_value(key: str, value: Any) -> AxisNames:
+  """A config's mesh axes: a name, comma-separated names ("data,model") or a sequence of them;
+  "" or None is none."""
+  if value is None or value == "":
+    return None
+  if isinstance(value, str):
+    names = tuple(name.strip() for name in value.split(","))
+    return names[0] if len(names) == 1 else names
+  if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+    return tuple(value)
+  raise UserError(f"config key {key} must be a mesh axis name, names, or None; got {value!r}")
+
+
+def rules_value(key: str, value: Any) -> tuple[tuple[str, tuple[AxisNames, ...]], ...]:
+  """A config's (regex, spec) partition rules, each regex compiled to check it."""
+  try:
+    rules = tuple((pattern, tuple(spec)) for pattern, spec in value)
+  except (TypeError, ValueError):
+    raise UserError(f"config key {key} must be a sequence of (regex, spec) pairs; "
+                    f"got {value!r}") from None
+  for pattern, _ in rules:
+    if not isinstance(pattern, str):
+      raise UserError(f"config key {key}: regex {pattern!r} is not a string")
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise UserError(f"{key}: {pattern!r} is not a valid regex: {e}") from None
+  return tuple((pattern, tuple(axes_value(f"{key}[{pattern!r}]", e) for e in spec))
+               for pattern, spec in rules)
+
+
+def _axes_setting(default: AxisNames, doc: str) -> Any:
+  return setting(default, doc, convert=axes_value, written=default or "")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:
-  rules: tuple[tuple[str, tuple[AxisNames, ...]], ...]
-  activation_axis: AxisNames
-  parameter_axis: AxisNames
-  optimizer_axis: AxisNames
-  tensor_axis: AxisNames  # Where activations' heads, MLP and vocab dimensions go.
-  strict: bool
-  expert_axis: AxisNames  # Where a mixture's experts go: expert parallelism.
+  """How parameters, optimizer state and activations are laid out on the mesh (config.sharding).
+  Mesh axes are a name or comma-separated names ("data,model"); "" is none."""
+  rules: tuple[tuple[str, tuple[AxisNames, ...]], ...] = setting(
+      (), "(regex, axes) rules tried before the model family's own (PARTITION_RULES of "
+      "models/<family>.py, in logical axes), which are always there: only to override them",
+      convert=rules_value)
+  activation_axis: AxisNames = _axes_setting("data", "Splits the batch: data parallelism")
+  parameter_axis: AxisNames = _axes_setting(None, "ZeRO-3: also shard every parameter")
+  optimizer_axis: AxisNames = _axes_setting(None, "ZeRO-1: also shard optimizer state")
+  tensor_axis: AxisNames = _axes_setting(
+      "model", "Where the logical heads, kv_heads, MLP and vocab dimensions go, of parameters "
+      "and activations alike: tensor parallelism")
+  strict: bool = setting(False, "Refuse parameters that no rule matches")
+  expert_axis: AxisNames = _axes_setting(
+      None, "Where a mixture of experts' experts go (logical axis experts): expert parallelism")
 
 
 def split_cpu(num_devices: int) -> None:

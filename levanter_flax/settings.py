@@ -1,66 +1,84 @@
-"""The run's settings as plain typed objects: each section's dataclass, and the whole run.
+"""The run's settings as plain typed objects: the trainer's section, and the whole run.
 
+Each section is declared by the module that reads it (schema.setting); RunConfig gathers them.
 Free of ml_collections: what runs on an accelerator machine (bench/, the step) builds these
 directly; config.py turns a ConfigDict into them.
 """
 import dataclasses
 from typing import Any
 
-from levanter_flax import checks
+from levanter_flax import checks, schema
+from levanter_flax.batch_search import BatchSearchConfig
+from levanter_flax.checkpoint import CheckpointConfig
 from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
+from levanter_flax.errors import UserError
+from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax.monitoring import MonitoringConfig
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
+from levanter_flax.schema import CHOSEN, setting
+
+_AUTO_BATCH = ("trainer.batch_size", "auto")
+
+
+def _device_mesh(key: str, value: Any) -> tuple[tuple[str, int], ...]:
+  items = list(value.items()) if hasattr(value, "items") else None
+  if not items or not all(isinstance(n, str) and isinstance(s, int) for n, s in items):
+    raise UserError(f"config key {key} must map axis names to sizes, e.g. data=-1, model=1; "
+                    f"got {value!r}")
+  return tuple(items)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  batch_size: int | str  # Sequences per step, or "auto" until batch_search resolves it.
-  num_train_steps: int
-  log_every_steps: int
-  eval_every_steps: int
-  eval_tokens: int | str  # Or "all".
-  checkpoint_every_steps: int
-  keep_checkpoints: int
-  seed: int
-  device_mesh: tuple[tuple[str, int], ...]
-  cpu_devices: int = 0
-  gradient_accumulation_steps: int = 1
-  nan_policy: str = "halt"
-  max_consecutive_skipped_steps: int = 10
-  start_fresh_if_unusable: bool = False
-  resume_without_config: bool = False
-  checkpoint_every_minutes: float = 0.0
-  keep_checkpoint_every_steps: int = 0
-  load_checkpoint_path: str = ""
-  load_checkpoint_items: str = "params"
-  init_from_hf: str = ""
-  jax_compilation_cache_dir: str = ""
-  jax_persistent_cache_min_compile_time_secs: float = 1.0
-  peak_flops_per_device: float = 0.0
-  target_batch_size: int = 0
-  memory_fraction: float = 0.85
-  memory_budget_bytes: int = 0
-  distributed: DistributedConfig = DistributedConfig()
-  profiler: bool = False
-  profiler_start_step: int = 5
-  profiler_num_steps: int = 5
-  hang_watchdog_seconds: float = 1800.0
+  """The loop: steps, batches, logging, evals, the mesh and the start (config.trainer)."""
+  batch_size: int | str = setting(
+      32, "Sequences per step, global; or auto: the largest microbatch that fits in memory "
+      "(config.batch_search), with accumulation up to its target_batch_size", CHOSEN,
+      convert=schema.int_or("auto"), chosen_when=_AUTO_BATCH)
+  num_train_steps: int = setting(10_000, "Steps to train; a larger value extends a finished run")
+  log_every_steps: int = setting(10, "Log the mean of the train metrics every this many steps")
+  eval_every_steps: int = setting(500, "Evaluate every this many steps (and at the last)")
+  eval_tokens: int | str = setting(
+      1 << 20, "The eval set: this many tokens' worth of seq_len windows spread evenly over the "
+      "whole validation split (of each source), the same at every eval; all: every window",
+      convert=schema.int_or("all"))
+  seed: int = setting(0, "Initialisation and the order of the data")
+  device_mesh: tuple[tuple[str, int], ...] = setting(
+      (("data", -1), ("model", 1)), "Mesh axis name -> size; -1 takes all remaining devices",
+      convert=_device_mesh, written={"data": -1, "model": 1})
+  cpu_devices: int = setting(
+      0, "On a CPU backend, split each process's CPU into this many XLA devices (0: JAX's "
+      "default, one): small models run faster data-parallel, one device per core")
+  gradient_accumulation_steps: int = setting(
+      1, "Microbatches per step, summed inside one jitted step; chosen with batch_size=auto",
+      CHOSEN, chosen_when=_AUTO_BATCH)
+  nan_policy: str = setting(
+      "halt", "A step with a non-finite loss or gradient never updates the params; then halt "
+      "stops the run naming the step, skip warns, counts it and goes on")
+  max_consecutive_skipped_steps: int = setting(
+      10, "With nan_policy=skip: this many skipped steps in a row mean divergence; the run halts")
+  init_from_hf: str = setting(
+      "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) whose "
+      "shape matches config.model; fresh optimizer and data")
+  jax_compilation_cache_dir: str = setting(
+      "", "Keep compiled programs here across runs (a shared path serves many nodes); \"\" uses "
+      "$JAX_COMPILATION_CACHE_DIR if set, else no cache")
+  jax_persistent_cache_min_compile_time_secs: float = setting(
+      1.0, "Cache only programs that took at least this long to compile")
+  peak_flops_per_device: float = setting(
+      0.0, "For train/mfu; 0 looks the device up in flops.PEAK_FLOPS")
+  distributed: DistributedConfig = setting(
+      DistributedConfig(), "Multi-process runs (launch/README.md)")
 
   def __post_init__(self):
     checks.positive(self, "trainer", (
         "batch_size", "num_train_steps", "log_every_steps", "eval_every_steps", "eval_tokens",
-        "checkpoint_every_steps", "keep_checkpoints", "gradient_accumulation_steps",
-        "max_consecutive_skipped_steps", "profiler_start_step", "profiler_num_steps"))
+        "gradient_accumulation_steps", "max_consecutive_skipped_steps"))
     checks.ranges(self, "trainer", {
         "seed": checks.at_least(0),
         "cpu_devices": checks.at_least(0, "0: JAX's default"),
-        "target_batch_size": checks.at_least(0, "0: batch_size"),
-        "memory_budget_bytes": checks.at_least(0, "0: the device's"),
-        "keep_checkpoint_every_steps": checks.at_least(0, "0: none"),
-        "checkpoint_every_minutes": checks.at_least(0, "0: never"),
-        "hang_watchdog_seconds": checks.at_least(0, "0: off"),
-        "memory_fraction": checks.unit(low_open=True),
         "peak_flops_per_device": checks.at_least(0, "0: look it up"),
         "jax_persistent_cache_min_compile_time_secs": checks.at_least(0),
     })
@@ -68,8 +86,33 @@ class TrainerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  model: Any  # The config dataclass of one of models.FAMILIES.
-  trainer: TrainerConfig
-  optimizer: OptimizerConfig
-  data: DataConfig
-  sharding: ShardingConfig
+  """Every section of a run. `model` is the config dataclass of one of models.FAMILIES."""
+  model: Any = setting(GPT2Config(), "The model: its family (architecture), shape and compute")
+  trainer: TrainerConfig = setting(TrainerConfig(), "The loop: steps, batches, logging, evals, the "
+                                   "mesh and the start")
+  optimizer: OptimizerConfig = setting(OptimizerConfig(), "The optimizer and its schedule")
+  data: DataConfig = setting(DataConfig(), "The datasets and how they are read")
+  sharding: ShardingConfig = setting(ShardingConfig(), "How parameters, optimizer state and "
+                                     "activations are laid out on the mesh")
+  checkpoint: CheckpointConfig = setting(CheckpointConfig(), "When checkpoints are written, which "
+                                         "are kept, and where a run starts from")
+  monitoring: MonitoringConfig = setting(MonitoringConfig(), "The profiler window and the hang "
+                                         "watchdog")
+  batch_search: BatchSearchConfig = setting(BatchSearchConfig(), "What trainer.batch_size=auto "
+                                            "searches for")
+
+
+def sections(architecture: str) -> dict[str, type]:
+  """Section name -> its dataclass, the model's being `architecture`'s."""
+  from levanter_flax import models  # pylint: disable=g-import-not-at-top  # Imports the families.
+  return {f.name: models.FAMILIES[architecture].config if f.name == "model" else type(f.default)
+          for f in dataclasses.fields(RunConfig)}
+
+
+def declared(architecture: str) -> list[schema.Declared]:
+  """Every setting of a run whose model is `architecture`'s, nested sections flattened."""
+  return [d for name, cls in sections(architecture).items() for d in schema.declared(cls, name)]
+
+
+def keys_of_kind(kind: str, architecture: str) -> tuple[str, ...]:
+  return tuple(d.key for d in declared(architecture) if d.kind == kind)

@@ -101,7 +101,7 @@ def _token_losses(model: nn.Module, params, tokens: jax.Array,
                   eos_id: int | None) -> tuple[jax.Array, Any]:
   """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
   what the model sowed)."""
-  block_size = model.config.cross_entropy_block_size
+  block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
                             mutable=["losses"])

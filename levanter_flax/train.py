@@ -16,8 +16,8 @@ from jax.experimental import multihost_utils
 
 from levanter_flax import (batch_search, config, distributed, flops, hf, locks, metrics, models,
                            monitoring, optim, partitioning, paths, preemption, report, step)
-from levanter_flax.checkpoint import Cadence, Checkpointer, abstract_like, load_other_run
-from levanter_flax.config import RunConfig
+from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
+from levanter_flax.settings import RunConfig
 from levanter_flax.data import eval_set, loader
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
@@ -36,10 +36,10 @@ def _check_batch_size(trainer, partitioner: partitioning.Partitioner) -> None:
 def _check_backend(model) -> None:
   backend = jax.default_backend()
   if common.attention_implementation(model) == "cudnn" and backend != "gpu":
-    raise UserError(f"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; "
+    raise UserError(f"config.model.compute.attention_impl 'cudnn' needs an NVIDIA GPU; "
                     f"this run's backend is {backend}")
-  if model.remat == "offload" and backend == "cpu":
-    raise UserError("config.model.remat 'offload' moves activations to host memory, "
+  if model.compute.remat == "offload" and backend == "cpu":
+    raise UserError("config.model.compute.remat 'offload' moves activations to host memory, "
                     "which needs a GPU or TPU; this run's backend is cpu")
 
 
@@ -72,10 +72,10 @@ def _saved_config(workdir: epath.Path, checkpointer: Checkpointer,
     raise UserError(f"{checkpointer.directory} holds checkpoints (the newest at step "
                     f"{checkpointer.latest_step}) but {path}, the config they were written with, "
                     f"is missing: nothing can check that this config fits them; restore it, or "
-                    f"set config.trainer.resume_without_config=True to resume them unchecked")
+                    f"set config.checkpoint.resume_without_config=True to resume them unchecked")
   if saved is None:
     logging.warning("Resuming the checkpoints in %s without the config they were written with "
-                    "(config.trainer.resume_without_config)", checkpointer.directory)
+                    "(config.checkpoint.resume_without_config)", checkpointer.directory)
   return saved
 
 
@@ -139,12 +139,6 @@ def _save_config(run: RunConfig, workdir: epath.Path) -> None:
     paths.write_atomically(path, json.dumps(config.flat_dict(run), indent=2))
   except OSError as e:
     raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _cadence(trainer) -> Cadence:
-  return Cadence(every_steps=trainer.checkpoint_every_steps, keep=trainer.keep_checkpoints,
-                 every_minutes=trainer.checkpoint_every_minutes,
-                 keep_period=trainer.keep_checkpoint_every_steps)
 
 
 def _check_vocab(source: loader.Source, vocab_size: int) -> None:
@@ -218,9 +212,9 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
 
   # The signal handlers stay until the last save is written: a second SIGTERM then waits too.
   with partitioner.activation_context(), preemption.StopSignal() as stop, \
-      contextlib.closing(Checkpointer(workdir / "checkpoints", _cadence(trainer),
+      contextlib.closing(Checkpointer(workdir / "checkpoints", run.checkpoint,
                                       before_save=lock.check_all)) as checkpointer:
-    saved = _saved_config(workdir, checkpointer, trainer.resume_without_config)
+    saved = _saved_config(workdir, checkpointer, run.checkpoint.resume_without_config)
     run = _fix_reader_groups(run, saved, sources, workdir)
     config_changes = _check_resumed_config(run, saved, workdir)
     # Compiled while the state is restored or created and the input starts; not for a run
@@ -299,7 +293,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   trainer = run.trainer
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
   restored = checkpointer.restore_newest_usable(abstract, Progress.from_json,
-                                                trainer.start_fresh_if_unusable, config_changes)
+                                                run.checkpoint.start_fresh_if_unusable, config_changes)
   if restored:
     state, progress = restored
     logging.info("Resuming from checkpoint at step %d; %s", int(state.step), progress)
@@ -310,18 +304,18 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   if trainer.init_from_hf:
     logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
     return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, run.model, steps)), fresh[1]
-  if not trainer.load_checkpoint_path:
+  load = run.checkpoint
+  if not load.load_path:
     return fresh
-  state, data = load_other_run(paths.resolve(trainer.load_checkpoint_path,
-                                             "config.trainer.load_checkpoint_path"), abstract)
-  logging.info("Starting from %s of %s", trainer.load_checkpoint_items, trainer.load_checkpoint_path)
-  if trainer.load_checkpoint_items == "state":
+  state, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
+                               abstract)
+  logging.info("Starting from %s of %s", load.load_items, load.load_path)
+  if load.load_items == "state":
     try:
       return state, Progress.from_json(data)
     except ValueError as e:
-      raise UserError(f"config.trainer.load_checkpoint_path {trainer.load_checkpoint_path}: its "
-                      f"data item is malformed ({e}); load only its params "
-                      f"(load_checkpoint_items='params')") from None
+      raise UserError(f"config.checkpoint.load_path {load.load_path}: its data item is malformed "
+                      f"({e}); load only its params (config.checkpoint.load_items='params')") from None
   return fresh[0].replace(params=state.params), fresh[1]
 
 
@@ -380,7 +374,7 @@ def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str,
 def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
   """An HF checkpoint's weights, checked against this model and laid out on the mesh."""
   hf_cfg, params = hf.load(paths.resolve(path, "config.trainer.init_from_hf"),
-                           model_cfg.scan_layers)
+                           model_cfg.compute.scan_layers)
   differences = hf.differences(hf_cfg, model_cfg)
   expected = steps.abstract_state.params
   if not differences and jax.tree.structure(params) == jax.tree.structure(expected):
@@ -511,8 +505,9 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
                               checkpointer, progress)
   position = progress.position
-  profile = monitoring.ProfileWindow(workdir, trainer.profiler_start_step,
-                                     trainer.profiler_num_steps if trainer.profiler else 0)
+  watching = run.monitoring
+  profile = monitoring.ProfileWindow(workdir, watching.profiler_start_step,
+                                     watching.profiler_num_steps if watching.profiler else 0)
   history, data_wait, steps_running, last_metrics = [], 0.0, 0, {}
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(loader.TrainBatches(
@@ -520,7 +515,7 @@ def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
       vocab_size=run.model.vocab_size, groups=_reader_groups(run))) as train_batches, \
       contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer, \
-      monitoring.HangWatchdog(trainer.hang_watchdog_seconds) as watchdog:
+      monitoring.HangWatchdog(watching.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
     if _eval_missed(run, workdir, sources, checkpointer, start_step):
       last_metrics = _evaluate_missed_step(evaluate, state, writer)

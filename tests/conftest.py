@@ -66,7 +66,7 @@ def tiny_config(data_cache):
   config.trainer.log_every_steps = 1
   config.trainer.eval_every_steps = 5
   config.trainer.eval_tokens = 1024
-  config.trainer.checkpoint_every_steps = 5
+  config.checkpoint.every_steps = 5
   config.optimizer.warmup_steps = 2
   config.data.cache_dir = str(data_cache)
   # One reader group: each of the default 8 builds and traces its own pipeline and decodes its

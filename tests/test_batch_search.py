@@ -57,7 +57,7 @@ def test_accumulation_search_tries_only_real_splits_and_is_exact():
       assert len(tried) <= 1 + math.ceil(math.log2(len(choices)))
       best = max((n for n in choices if n <= threshold), default=0)
       assert found == ((best, target // (8 * best)) if best else (0, 0)), (target, threshold)
-  with pytest.raises(UserError, match=r"^config.trainer.target_batch_size \(12\) must be divisible "
+  with pytest.raises(UserError, match=r"^config.batch_search.target_batch_size \(12\) must be divisible "
                                       r"by the activation axis size \(8\)$"):
     batch_search.smallest_fitting_accumulation(lambda n, k: True, 12, 8)
 
@@ -98,7 +98,7 @@ def test_target_search_counts_the_accumulation_the_step_will_run(run_and_partiti
 def test_budget_errors_are_named(run_and_partitioner):
   run, partitioner = run_and_partitioner
   trainer = dataclasses.replace(run.trainer, batch_size="auto")
-  with pytest.raises(UserError, match="needs config.trainer.memory_budget_bytes on cpu"):
+  with pytest.raises(UserError, match="needs config.batch_search.memory_budget_bytes on cpu"):
     batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
   trainer = dataclasses.replace(trainer, memory_budget_bytes=1000)
   with pytest.raises(UserError, match="not even 1 sequence per device fits the memory budget of "
@@ -109,8 +109,8 @@ def test_budget_errors_are_named(run_and_partitioner):
 def test_command_line_prints_candidates_and_the_choice():
   result = subprocess.run(
       [sys.executable, "-m", "levanter_flax.batch_search", f"--config={NANO}", *TINY[:3],
-       "--config.trainer.batch_size=auto", "--config.trainer.memory_budget_bytes=30000000",
-       "--config.trainer.target_batch_size=64"],
+       "--config.trainer.batch_size=auto", "--config.batch_search.memory_budget_bytes=30000000",
+       "--config.batch_search.target_batch_size=64"],
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "batch search: microbatch 1 per device (8 global) needs" in result.stderr
@@ -118,4 +118,4 @@ def test_command_line_prints_candidates_and_the_choice():
   assert_one_line_error(subprocess.run(
       [sys.executable, "-m", "levanter_flax.batch_search", f"--config={NANO}",
        "--config.trainer.batch_size=auto"], cwd=REPO, capture_output=True, text=True, timeout=300),
-      "needs config.trainer.memory_budget_bytes")
+      "needs config.batch_search.memory_budget_bytes")

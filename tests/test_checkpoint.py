@@ -16,7 +16,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_flax import checkpoint
-from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
+from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
 from levanter_flax.errors import UserError
 
 # A failed orbax restore leaves its read coroutines unawaited; Python reports each one.
@@ -43,7 +43,7 @@ def saved(tmp_path_factory) -> pathlib.Path:
   """Checkpoints 1 and 2, sharded over the 8 devices, as a run writes them."""
   directory = tmp_path_factory.mktemp("checkpoints")
   sharded = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state(), abstract_state())
-  with contextlib.closing(Checkpointer(epath.Path(directory), Cadence(every_steps=1, keep=5))) as c:
+  with contextlib.closing(Checkpointer(epath.Path(directory), CheckpointConfig(every_steps=1, keep=5))) as c:
     for step in (1, 2):
       c.save(step, sharded, {"windows": step})
   return directory
@@ -62,7 +62,7 @@ def checkpoints(saved) -> pathlib.Path:
 
 def restore(directory: pathlib.Path) -> dict:
   """The data position of the checkpoint restored."""
-  with contextlib.closing(Checkpointer(epath.Path(directory), Cadence(every_steps=1,
+  with contextlib.closing(Checkpointer(epath.Path(directory), CheckpointConfig(every_steps=1,
                                                                       keep=5))) as c:
     _, data = c.restore_newest_usable(abstract_state(), lambda data: data)
   return data
@@ -256,6 +256,6 @@ def test_a_killed_saves_leftovers_are_gone_once_the_checkpointer_is_made(tmp_pat
   leftover.mkdir(parents=True)
   for i in range(3000):
     (leftover / f"chunk{i}").write_bytes(b"x")
-  checkpointer = Checkpointer(epath.Path(tmp_path), Cadence(every_steps=1, keep=1))
+  checkpointer = Checkpointer(epath.Path(tmp_path), CheckpointConfig(every_steps=1, keep=1))
   assert not leftover.parent.exists()
   checkpointer.close()

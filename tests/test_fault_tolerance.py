@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
 from levanter_flax import preemption, report
-from levanter_flax.checkpoint import Cadence, Checkpointer, run_params
+from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.prepare import load_manifest
@@ -60,7 +60,7 @@ def test_skip_halts_after_too_many_skipped_steps_in_a_row(tiny_config, tmp_path)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_path, signum):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
-          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=1000",
+          "--config.trainer.num_train_steps=100000", "--config.checkpoint.every_steps=1000",
           f"--config.data.cache_dir={data_cache}"]
   process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -126,7 +126,7 @@ def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(tin
   tiny_config.model.hidden_dim = 64
   # Not damage: even with start_fresh_if_unusable, nothing is set aside or overwritten.
   tiny_config.optimizer.name = "lion"
-  tiny_config.trainer.start_fresh_if_unusable = True
+  tiny_config.checkpoint.start_fresh_if_unusable = True
   with pytest.raises(UserError, match=r"with a different model or optimizer: optimizer.name "
                                       r"adamw -> lion; use a new --workdir"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -145,7 +145,7 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
   tiny_config.optimizer.name = "adafactor"
   tiny_config.optimizer.weight_decay = 0.0
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.start_fresh_if_unusable = True
+  tiny_config.checkpoint.start_fresh_if_unusable = True
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   checkpoints = checkpoint_files(tmp_path)
   tiny_config.optimizer.weight_decay = 0.1
@@ -158,9 +158,9 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
   assert checkpoint_files(tmp_path) == checkpoints
   # Without config.json to compare with, the checkpoint itself refuses another dtype.
   (tmp_path / "config.json").unlink()
-  tiny_config.trainer.resume_without_config = True
+  tiny_config.checkpoint.resume_without_config = True
   tiny_config.optimizer.weight_decay = 0.0
-  tiny_config.model.param_dtype = "bfloat16"
+  tiny_config.model.compute.param_dtype = "bfloat16"
   with pytest.raises(UserError, match=r"holds another state than this run builds \(opt_state/"
                                       r"[^:]*: float32 \([\d, ]*\) in the checkpoint, bfloat16 "):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -176,7 +176,7 @@ def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, 
     raise OSError(errno.EIO, "Input/output error")
   monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", unavailable)
   tiny_config.trainer.num_train_steps = 3
-  tiny_config.trainer.start_fresh_if_unusable = True
+  tiny_config.checkpoint.start_fresh_if_unusable = True
   with pytest.raises(UserError, match=r"cannot read checkpoint .*/checkpoints/2: Input/output "
                                       r"error; it was left as it is"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -196,7 +196,7 @@ def corrupt(checkpoint: pathlib.Path) -> None:
 @ignore_abandoned_reads
 def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, tmp_path):
   tiny_config.optimizer.min_learning_rate_ratio = 1.0  # Constant LR: a resumed run is the straight one.
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
   run = tmp_path / "run"
   tiny_config.trainer.num_train_steps = 6
@@ -215,15 +215,15 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, 
 @ignore_abandoned_reads
 def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 1
-  tiny_config.trainer.keep_checkpoints = 2
+  tiny_config.checkpoint.every_steps = 1
+  tiny_config.checkpoint.keep = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   for step in ("1", "2"):
     corrupt(tmp_path / "checkpoints" / step)
   with pytest.raises(UserError, match=r"the checkpoints \[2, 1\] in .* are all damaged; set "
-                                      r"config.trainer.start_fresh_if_unusable=True"):
+                                      r"config.checkpoint.start_fresh_if_unusable=True"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  tiny_config.trainer.start_fresh_if_unusable = True
+  tiny_config.checkpoint.start_fresh_if_unusable = True
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == {"1.unreadable", "2.unreadable", "1", "2"}
   # The same steps damaged again: set aside under new names, and the run makes progress.
@@ -236,10 +236,10 @@ def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_
 
 
 def test_time_based_checkpoints_replace_each_other_and_periodic_ones_stay(tiny_config, tmp_path):
-  tiny_config.trainer.checkpoint_every_steps = 4
-  tiny_config.trainer.checkpoint_every_minutes = 1e-9  # Due after every step.
-  tiny_config.trainer.keep_checkpoints = 2
-  tiny_config.trainer.keep_checkpoint_every_steps = 4
+  tiny_config.checkpoint.every_steps = 4
+  tiny_config.checkpoint.every_minutes = 1e-9  # Due after every step.
+  tiny_config.checkpoint.keep = 2
+  tiny_config.checkpoint.keep_every_steps = 4
   tiny_config.trainer.num_train_steps = 11
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   # 4 and 8 are kept for good; 11 is the last; the time-based ones (1-3, 5-7, 9-10) are gone.
@@ -247,7 +247,7 @@ def test_time_based_checkpoints_replace_each_other_and_periodic_ones_stay(tiny_c
 
 
 def test_a_temporary_checkpoint_is_known_as_one_after_a_restart(tmp_path):
-  cadence = Cadence(every_steps=10, keep=3)
+  cadence = CheckpointConfig(every_steps=10, keep=3)
   state = {"w": np.arange(4.0)}
   with contextlib.closing(Checkpointer(tmp_path, cadence)) as checkpointer:
     checkpointer.save(10, state, {}, "step")
@@ -264,8 +264,8 @@ def test_a_new_run_starts_from_another_runs_checkpoint(tiny_config, tmp_path, it
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "a")  # 10 steps.
   tiny_config.trainer.num_train_steps = 5
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "b")
-  tiny_config.trainer.load_checkpoint_path = str(tmp_path / "b" / "checkpoints" / "5")
-  tiny_config.trainer.load_checkpoint_items = items
+  tiny_config.checkpoint.load_path = str(tmp_path / "b" / "checkpoints" / "5")
+  tiny_config.checkpoint.load_items = items
   tiny_config.trainer.num_train_steps = 10
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "c")
   a, c = train_losses(tmp_path / "a"), train_losses(tmp_path / "c")
@@ -279,8 +279,8 @@ def test_a_new_run_starts_from_another_runs_checkpoint(tiny_config, tmp_path, it
 
 
 def test_a_missing_checkpoint_to_load_is_named(tiny_config, tmp_path):
-  tiny_config.trainer.load_checkpoint_path = str(tmp_path / "nowhere" / "7")
-  with pytest.raises(UserError, match="config.trainer.load_checkpoint_path .*nowhere/7 is not a checkpoint"):
+  tiny_config.checkpoint.load_path = str(tmp_path / "nowhere" / "7")
+  with pytest.raises(UserError, match="config.checkpoint.load_path .*nowhere/7 is not a checkpoint"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
 
 
@@ -308,7 +308,7 @@ def test_unwritable_checkpoint_directory_is_named(tiny_config, tmp_path):
 def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp_path):
   """The disk fills mid-run: a file size limit set on the running trainer makes its writes fail."""
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
-          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=2",
+          "--config.trainer.num_train_steps=100000", "--config.checkpoint.every_steps=2",
           f"--config.data.cache_dir={data_cache}"]
   # An ignored SIGXFSZ (inherited: restore_signals=False) turns writes past the limit into
   # EFBIG errors, as ENOSPC would be.
@@ -387,7 +387,7 @@ def wait_for_steps(workdir: pathlib.Path, count: int, process: subprocess.Popen)
 
 def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache, tmp_path):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
-          "--config.trainer.num_train_steps=100000", "--config.trainer.checkpoint_every_steps=2",
+          "--config.trainer.num_train_steps=100000", "--config.checkpoint.every_steps=2",
           f"--config.data.cache_dir={data_cache}"]
   first = start_main(*args)
   wait_for_steps(tmp_path, 3, first)
@@ -443,7 +443,7 @@ def test_a_failing_eval_does_not_cost_the_steps_checkpoint(tiny_config, tmp_path
   monkeypatch.setattr(eval_set, "evaluate", failing_eval)
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.eval_every_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   with pytest.raises(UserError, match="eval failed"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["2"]
@@ -491,7 +491,7 @@ def test_an_unwritable_metrics_file_is_one_line(tiny_config, tmp_path):
 
 def test_a_malformed_data_position_is_damage(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 1
+  tiny_config.checkpoint.every_steps = 1
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
   for position in ('{}', '{"windows": -40, "per_source": {"train": -40}}'):
     workdir = tmp_path / f"copy{len(position)}"

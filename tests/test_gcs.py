@@ -17,7 +17,7 @@ from test_main import NANO, TINY, assert_one_line_error
 DENIED = "denied-bucket"
 TRAIN = [f"--config={NANO}", *TINY, "--config.trainer.batch_size=8",
          "--config.trainer.num_train_steps=6", "--config.trainer.eval_every_steps=3",
-         "--config.trainer.checkpoint_every_steps=2", "--config.data.reader_groups=2"]
+         "--config.checkpoint.every_steps=2", "--config.data.reader_groups=2"]
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +130,8 @@ def gcs_run(gcs_dataset, tmp_path_factory):
   checkpoint, which is then cut short, and resumed; and the same run into a local workdir,
   uninterrupted."""
   args = [*TRAIN, "--config.data.dataset=gs://bkt/data"]
-  profiled = ["--config.trainer.profiler=True", "--config.trainer.profiler_start_step=2",
-              "--config.trainer.profiler_num_steps=1",
+  profiled = ["--config.monitoring.profiler=True", "--config.monitoring.profiler_start_step=2",
+              "--config.monitoring.profiler_num_steps=1",
               "--config.trainer.jax_compilation_cache_dir=gs://bkt/jax-cache",
               "--config.trainer.jax_persistent_cache_min_compile_time_secs=0"]
   killed = subprocess.run([sys.executable, "-c", _TRAIN_THEN_DIE, "--workdir=gs://bkt/run", *args,
@@ -337,7 +337,7 @@ def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cac
   from levanter_flax import locks, paths
   monkeypatch.setattr(locks._ObjectLease, "LEASE_SECONDS", 2)  # For this process's takers.
   flags = [f"--config={NANO}", "--workdir=gs://bkt/taken", *TINY, "--config.trainer.batch_size=8",
-           "--config.trainer.num_train_steps=4", "--config.trainer.checkpoint_every_steps=2",
+           "--config.trainer.num_train_steps=4", "--config.checkpoint.every_steps=2",
            "--config.data.reader_groups=1", f"--config.data.cache_dir={data_cache}"]
   log = tmp_path / "stderr.txt"
   with open(log, "w", encoding="utf-8") as stderr:
@@ -402,7 +402,7 @@ def test_a_job_of_two_processes_whose_gcs_lock_is_taken_stops_on_both(gcs, data_
   from test_multihost import start_two
   processes = start_two("gs://bkt/taken2", f"--config.data.cache_dir={data_cache}",
                         "--config.trainer.num_train_steps=6",
-                        "--config.trainer.checkpoint_every_steps=2",
+                        "--config.checkpoint.every_steps=2",
                         "--config.data.reader_groups=2", module="paused_main",
                         env=paused(tmp_path))
   try:

@@ -20,6 +20,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.llama import rope_frequencies
 from levanter_flax.train import train_and_evaluate
+from levanter_flax.models.common import with_compute
 
 def _llama(**changes):
   return transformers.LlamaConfig(**{
@@ -102,7 +103,7 @@ def our_config(name: str, scan_layers: bool = False):
   """Our model config for HF_CONFIGS[name]."""
   config = HF_CONFIGS[name]()
   cfg = models.FAMILIES[config.model_type].hf.config_from_hf(config.to_dict())
-  return dataclasses.replace(cfg, scan_layers=scan_layers)
+  return with_compute(cfg, scan_layers=scan_layers)
 
 
 @pytest.mark.parametrize("name, scan_layers", LAYOUTS)
@@ -309,7 +310,7 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_la
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(source).save_pretrained(tmp_path / "hf")
   tiny_llama.trainer.init_from_hf = str(tmp_path / "hf")
-  tiny_llama.model.scan_layers = scan_layers
+  tiny_llama.model.compute.scan_layers = scan_layers
   # One step this small (0 is refused) leaves float32 weights exactly as loaded.
   tiny_llama.optimizer.learning_rate = 1e-30
   train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")

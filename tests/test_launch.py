@@ -32,15 +32,15 @@ def test_product_and_zipit_combine_sweeps():
 
 def test_work_units_carry_shared_and_swept_overrides_as_flags():
   experiment = Experiment("e", NANO, sweep("optimizer.learning_rate", [0.001]),
-                          overrides={"trainer.num_train_steps": 5, "model.remat": "full"})
+                          overrides={"trainer.num_train_steps": 5, "model.compute.remat": "full"})
   [unit] = work_units(experiment)
   assert unit.name == "000_learning_rate=0.001"
   assert unit.flags(NANO) == [f"--config={NANO}", "--config.trainer.num_train_steps=5",
-                              "--config.model.remat=full", "--config.optimizer.learning_rate=0.001"]
+                              "--config.model.compute.remat=full", "--config.optimizer.learning_rate=0.001"]
   # What its trainer will save as config.json: the config file with these overrides applied.
-  assert {k: unit.resolved[k] for k in ("trainer.num_train_steps", "model.remat",
+  assert {k: unit.resolved[k] for k in ("trainer.num_train_steps", "model.compute.remat",
                                         "optimizer.learning_rate", "model.num_layers")} == {
-      "trainer.num_train_steps": 5, "model.remat": "full", "optimizer.learning_rate": 0.001,
+      "trainer.num_train_steps": 5, "model.compute.remat": "full", "optimizer.learning_rate": 0.001,
       "model.num_layers": 4}
 
 
@@ -56,8 +56,8 @@ def test_a_bad_override_value_is_named_with_its_unit_before_anything_runs():
                                       r"--config.trainer.seed=one: invalid literal for int\(\)"):
     work_units(Experiment("e", NANO, [{"trainer.seed": 1}, {"trainer.seed": "one"}]))
   with pytest.raises(UserError, match=r"^work unit 0 \(no overrides\) of experiment e: config key "
-                                      r"config.model.remat must be True, False or one of"):
-    work_units(Experiment("e", NANO, [], overrides={"model.remat": "sometimes"}))
+                                      r"config.model.compute.remat must be True, False or one of"):
+    work_units(Experiment("e", NANO, [], overrides={"model.compute.remat": "sometimes"}))
 
 
 def save_config(workdir, config) -> None:
@@ -74,7 +74,7 @@ def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path
   save_config(workdir, wanted)
   assert is_done(workdir, wanted)
   # Saved before the key existed: that run did what its default does.
-  save_config(workdir, {k: v for k, v in wanted.items() if k != "trainer.hang_watchdog_seconds"})
+  save_config(workdir, {k: v for k, v in wanted.items() if k != "monitoring.hang_watchdog_seconds"})
   assert is_done(workdir, wanted)
   save_config(workdir, {**wanted, "data.reader_groups": 8})  # What the trainer chose for 0.
   assert is_done(workdir, wanted)
@@ -100,7 +100,7 @@ def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path
 
 def test_an_auto_batch_size_unit_is_done_with_the_size_its_run_chose(tmp_path):
   plain, targeted = work_units(Experiment(
-      "e", NANO, [{}, {"trainer.target_batch_size": 32}],
+      "e", NANO, [{}, {"batch_search.target_batch_size": 32}],
       overrides={"trainer.batch_size": "auto", "trainer.num_train_steps": 5}))
   (tmp_path / "checkpoints" / "5").mkdir(parents=True)
   chose = lambda unit, size, steps: save_config(tmp_path, {
@@ -214,7 +214,7 @@ def start_until_it_trains(experiment_file, root, workdir_glob: str, after_step: 
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="Linux only: PR_SET_PDEATHSIG, and the processes are found in /proc")
 def test_a_hangup_or_a_killed_launch_stops_its_units_with_a_checkpoint(data_cache, tmp_path):
-  endless = {"trainer.num_train_steps": 100000, "trainer.checkpoint_every_steps": 100000,
+  endless = {"trainer.num_train_steps": 100000, "checkpoint.every_steps": 100000,
              "data.cache_dir": str(data_cache), "trainer.batch_size": 8}
   experiment = write_experiment(tmp_path / "exp.py", [endless])
   runs, units = tmp_path / "runs", []

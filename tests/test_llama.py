@@ -10,9 +10,11 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.llama import LlamaConfig, rope_frequencies, rotary_embedding
 from levanter_flax.train import train_and_evaluate
+from levanter_flax.models.common import ComputeConfig, with_compute
 
 SMALL = LlamaConfig(vocab_size=61, seq_len=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                    hidden_dim=32, intermediate_dim=48, rope_theta=500.0, attention_impl="xla")
+                    hidden_dim=32, intermediate_dim=48, rope_theta=500.0,
+                    compute=ComputeConfig(attention_impl="xla"))
 
 
 def reference_logits(params, tokens, cfg: LlamaConfig) -> np.ndarray:
@@ -72,7 +74,7 @@ def test_logits_match_a_numpy_llama():
 
 
 def test_scanned_layers_give_the_same_logits():
-  model, scanned = models.build(SMALL), models.build(dataclasses_replace(SMALL, scan_layers=True))
+  model, scanned = models.build(SMALL), models.build(with_compute(SMALL, scan_layers=True))
   params = random_params(model, SMALL)
   stacked = {k: v for k, v in params.items() if not k.startswith("layers_")}
   stacked["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs),
@@ -109,7 +111,7 @@ def test_an_unknown_rope_type_in_the_config_is_refused():
 
 def test_blockwise_cross_entropy_uses_the_untied_head():
   model = models.build(SMALL)
-  blockwise = models.build(dataclasses_replace(SMALL, cross_entropy_block_size=16))
+  blockwise = models.build(with_compute(SMALL, cross_entropy_block_size=16))
   params = random_params(model, SMALL)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, SMALL.vocab_size, (2, SMALL.seq_len)))
   assert float(step.next_token_loss(blockwise, params, tokens)) == pytest.approx(

@@ -11,6 +11,7 @@ from conftest import load_config_file
 from levanter_flax import models, step
 from levanter_flax.config import to_run_config
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.common import ComputeConfig, with_compute
 
 
 def _num_params(config_name: str) -> int:
@@ -67,9 +68,9 @@ def _reference_gpt2(params, tokens, cfg: GPT2Config) -> np.ndarray:
         jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")),
 ])
 def test_logits_match_numpy_reference(remat, attention_impl):
-  cfg = GPT2Config(vocab_size=97, seq_len=16, num_layers=2, num_heads=4, hidden_dim=32, remat=remat,
-                   attention_impl=attention_impl,
-                   dtype="bfloat16" if attention_impl == "cudnn" else "float32")
+  cfg = GPT2Config(vocab_size=97, seq_len=16, num_layers=2, num_heads=4, hidden_dim=32,
+                   compute=ComputeConfig(remat=remat, attention_impl=attention_impl,
+                                         dtype="bfloat16" if attention_impl == "cudnn" else "float32"))
   model = GPT2LMHeadModel(cfg)
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
   params = model.init(jax.random.key(0), tokens)["params"]
@@ -80,7 +81,7 @@ def test_logits_match_numpy_reference(remat, attention_impl):
                                         for x, k in zip(leaves, keys)])
   logits = model.apply({"params": params}, tokens)
   expected = _reference_gpt2(params, np.asarray(tokens), cfg)
-  tolerance = 1e-4 if cfg.dtype == "float32" else 5e-2
+  tolerance = 1e-4 if cfg.compute.dtype == "float32" else 5e-2
   np.testing.assert_allclose(np.asarray(logits, np.float64), expected, rtol=tolerance, atol=tolerance)
 
 
@@ -101,7 +102,7 @@ def test_scanned_layers_equal_the_unrolled_model():
   stacked = {k: v for k, v in params.items() if not k.startswith("h_")}
   stacked["h"] = jax.tree.map(lambda *layers: jnp.stack(layers),
                               *[params[f"h_{i}"] for i in range(cfg.num_layers)])
-  scanned = GPT2LMHeadModel(dataclasses.replace(cfg, scan_layers=True))
+  scanned = GPT2LMHeadModel(with_compute(cfg, scan_layers=True))
   assert jax.tree.structure(scanned.init(jax.random.key(0), tokens)["params"]) == jax.tree.structure(stacked)
   np.testing.assert_allclose(scanned.apply({"params": stacked}, tokens),
                              GPT2LMHeadModel(cfg).apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
@@ -118,7 +119,7 @@ def test_an_untied_head_is_its_own_matrix_in_logits_loss_and_flops():
   np.testing.assert_allclose(np.asarray(model.apply({"params": params}, tokens), np.float64),
                              _reference_gpt2(params, np.asarray(tokens), cfg), rtol=1e-4, atol=1e-4)
   np.testing.assert_array_equal(model.output_embedding(params), params["lm_head"]["kernel"].T)
-  blockwise = GPT2LMHeadModel(dataclasses.replace(cfg, cross_entropy_block_size=16))
+  blockwise = GPT2LMHeadModel(with_compute(cfg, cross_entropy_block_size=16))
   assert float(step.next_token_loss(blockwise, params, tokens)) == pytest.approx(
       float(step.next_token_loss(model, params, tokens)), rel=1e-5)
   # The token embedding becomes a lookup and the head a matmul: the same FLOPs as tied.

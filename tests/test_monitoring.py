@@ -30,9 +30,9 @@ def trace_event_names(workdir) -> set[str]:
 
 def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 6
-  tiny_config.trainer.profiler = True
-  tiny_config.trainer.profiler_start_step = 4
-  tiny_config.trainer.profiler_num_steps = 2  # Steps 4 and 5; step 5 evaluates and checkpoints.
+  tiny_config.monitoring.profiler = True
+  tiny_config.monitoring.profiler_start_step = 4
+  tiny_config.monitoring.profiler_num_steps = 2  # Steps 4 and 5; step 5 evaluates and checkpoints.
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "on")
   assert {"train", "data_wait", "eval", "checkpoint"} <= trace_event_names(tmp_path / "on")
   summary = report.profile_summary(tmp_path / "on")
@@ -42,7 +42,7 @@ def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_pat
     share = re.search(rf"{phase} +([\d.]+) ms +([\d.]+)% of the window", summary)
     assert share and float(share.group(1)) > 0 and float(share.group(2)) < 100, summary
   assert "XLA " in summary
-  tiny_config.trainer.profiler = False
+  tiny_config.monitoring.profiler = False
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "off")
   assert not (tmp_path / "off" / "plugins").exists()
 
@@ -71,7 +71,7 @@ def test_watchdog_dumps_the_stacks_when_a_step_hangs(tiny_config, tmp_path, monk
 
   monkeypatch.setattr(loader.TrainBatches, "__next__", stalled_input_pipeline)
   tiny_config.trainer.num_train_steps = 4
-  tiny_config.trainer.hang_watchdog_seconds = 1.0
+  tiny_config.monitoring.hang_watchdog_seconds = 1.0
   with caplog.at_level(logging.WARNING):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   dumps = [r.getMessage() for r in caplog.records if "Hang watchdog" in r.getMessage()]
@@ -136,9 +136,9 @@ def test_report_names_a_directory_without_metrics(tmp_path):
 
 
 def test_profiler_window_after_the_last_step_is_refused(tiny_config):
-  tiny_config.trainer.profiler = True
-  tiny_config.trainer.profiler_start_step = 11
-  with pytest.raises(UserError, match=r"config.trainer.profiler_start_step \(11\) is after the last "
+  tiny_config.monitoring.profiler = True
+  tiny_config.monitoring.profiler_start_step = 11
+  with pytest.raises(UserError, match=r"config.monitoring.profiler_start_step \(11\) is after the last "
                                       r"step, config.trainer.num_train_steps \(10\)"):
     to_run_config(tiny_config)
 

@@ -13,7 +13,7 @@ from conftest import REPO, read_metrics, train_losses, xla_flags
 from test_main import NANO, TINY
 
 STEPS = ["--config.trainer.batch_size=8", "--config.trainer.num_train_steps=5",
-         "--config.trainer.eval_every_steps=5", "--config.trainer.checkpoint_every_steps=5"]
+         "--config.trainer.eval_every_steps=5", "--config.checkpoint.every_steps=5"]
 
 
 def free_address() -> str:
@@ -60,7 +60,7 @@ def eval_losses(workdir) -> dict[int, float]:
 def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, tmp_path):
   """1 x 4 devices -> 2 x 2 and back, with the default reader groups: one uninterrupted stream."""
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
-           "--config.trainer.checkpoint_every_steps=3", "--config.trainer.eval_every_steps=3",
+           "--config.checkpoint.every_steps=3", "--config.trainer.eval_every_steps=3",
            "--config.trainer.num_train_steps=6"]
   one_process(tmp_path / "straight", *flags)
   one_process(tmp_path / "one_then_two", *flags, "--config.trainer.num_train_steps=3")
@@ -94,7 +94,7 @@ def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:
 def test_zero3_on_two_processes_trains_like_one_and_both_agree_on_a_damaged_checkpoint(
     data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
-           "--config.sharding.parameter_axis=data", "--config.trainer.checkpoint_every_steps=2",
+           "--config.sharding.parameter_axis=data", "--config.checkpoint.every_steps=2",
            "--config.trainer.num_train_steps=4"]
   two_processes(tmp_path / "two", *flags)
   one_process(tmp_path / "one", *flags)
@@ -145,7 +145,7 @@ def test_a_process_id_beyond_the_process_count_is_refused(tmp_path):
 
 # Process 1 is slower by this much per step, and the runs are long enough for a signal to land.
 SKEWED = dict(module="skewed_main", env={"SKEW_SECONDS": "0.1", "PYTHONPATH": str(REPO / "tests")})
-SKEWED_FLAGS = ["--config.trainer.num_train_steps=40", "--config.trainer.checkpoint_every_steps=1000",
+SKEWED_FLAGS = ["--config.trainer.num_train_steps=40", "--config.checkpoint.every_steps=1000",
                 "--config.trainer.eval_every_steps=1000"]
 
 
@@ -160,7 +160,7 @@ def uninterrupted_skewed_run(data_cache, tmp_path_factory) -> pathlib.Path:
   workdir = tmp_path_factory.mktemp("uninterrupted")
   env = {**SKEWED["env"], "SAVES_DIR": str(workdir)}
   finish(*start_two(workdir, f"--config.data.cache_dir={data_cache}", *SKEWED_FLAGS,
-                    "--config.trainer.checkpoint_every_minutes=0.0017", module=SKEWED["module"],
+                    "--config.checkpoint.every_minutes=0.0017", module=SKEWED["module"],
                     env=env))
   return workdir
 

@@ -60,7 +60,7 @@ def test_each_optimizer_reduces_the_nano_loss(tiny_config, tmp_path, name, learn
   tiny_config.optimizer.learning_rate = learning_rate
   tiny_config.trainer.num_train_steps = 20
   tiny_config.trainer.eval_every_steps = 20
-  tiny_config.trainer.checkpoint_every_steps = 20
+  tiny_config.checkpoint.every_steps = 20
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   losses = train_losses(tmp_path)
   assert np.mean([losses[s] for s in (18, 19, 20)]) < losses[1] - 0.5, losses

@@ -13,6 +13,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
+from levanter_flax.models.common import ComputeConfig, with_compute
 from test_main import NANO, assert_one_line_error, run_main
 
 MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
@@ -126,7 +127,7 @@ def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
 def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
   """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
   family = models.FAMILIES["mixtral"]
-  model = tiny("mixtral", scan_layers=scan_layers, router_aux_loss_coef=0.02)
+  model = tiny("mixtral", compute=ComputeConfig(scan_layers=scan_layers), router_aux_loss_coef=0.02)
   one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
   config = sharding_config(rules=family.partition_rules, expert_axis="expert", strict=True)
   eight, state = train((("data", 2), ("expert", 4)), config, model=model)
@@ -193,7 +194,7 @@ def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
 
 
 def test_scanned_layers_keep_the_rules_and_the_losses():
-  scanned = dataclasses.replace(MODEL, scan_layers=True)
+  scanned = with_compute(MODEL, scan_layers=True)
   single, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=scanned)
   losses, state = train(*LAYOUTS["data2_model4_zero3"], model=scanned)
   np.testing.assert_allclose(losses, single, rtol=1e-5)
@@ -316,7 +317,7 @@ def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(nam
   shardings = partitioner.param_shardings(params)  # Raises for a parameter with no rule.
   model_axes = set(sizes) - {"data"}
   split = [s for s in jax.tree.leaves(shardings) if model_axes & set(jax.tree.leaves(tuple(s.spec)))]
-  blocks = 1 if run.model.scan_layers else run.model.num_layers  # Scanned: stacked leaves.
+  blocks = 1 if run.model.compute.scan_layers else run.model.num_layers  # Scanned: stacked leaves.
   assert len(split) >= 3 * blocks  # Attention in and out, MLP or experts in and out.
   assert partitioning.per_device_bytes(params, shardings) < sum(
       x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1.5

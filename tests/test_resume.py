@@ -25,7 +25,7 @@ def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_star
   directory = write_dataset(tmp_path / "data", HARD, HARD[:20])
   tiny_config.data.dataset = str(directory)
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
   shutil.rmtree(directory)
   write_dataset(directory, HARD[::-1], HARD[:20])  # Prepared again from other documents.
@@ -47,7 +47,7 @@ def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_star
 
 def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, tmp_path, caplog):
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   (tmp_path / "config.json").unlink()
   tiny_config.trainer.num_train_steps = 3
@@ -55,9 +55,9 @@ def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, t
   with pytest.raises(UserError, match=rf"^{tmp_path / 'checkpoints'} holds checkpoints \(the "
                                       rf"newest at step 2\) but {tmp_path / 'config.json'}, the "
                                       rf"config they were written with, is missing: .* set "
-                                      rf"config.trainer.resume_without_config=True"):
+                                      rf"config.checkpoint.resume_without_config=True"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  tiny_config.trainer.resume_without_config = True
+  tiny_config.checkpoint.resume_without_config = True
   with caplog.at_level(logging.WARNING):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert "without the config they were written with" in caplog.text
@@ -67,7 +67,7 @@ def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, t
 def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_config, tmp_path,
                                                                         caplog):
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   shutil.rmtree(tmp_path / "checkpoints")
   with caplog.at_level(logging.WARNING):
@@ -83,7 +83,7 @@ def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
   tiny_config.trainer.nan_policy = "skip"
   tiny_config.trainer.max_consecutive_skipped_steps = 4
   tiny_config.trainer.num_train_steps = 4
-  tiny_config.trainer.checkpoint_every_steps = 4
+  tiny_config.checkpoint.every_steps = 4
   tiny_config.trainer.eval_every_steps = 100
   first = train_and_evaluate(to_run_config(tiny_config), tmp_path)["train/skipped_steps"]
   assert 2 <= first <= 3
@@ -107,7 +107,7 @@ def run_killed_after_checkpoint(workdir, step, *flags):
 def test_an_eval_lost_to_a_kill_after_its_checkpoint_runs_on_resume(data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
            "--config.trainer.num_train_steps=4", "--config.trainer.eval_every_steps=2",
-           "--config.trainer.checkpoint_every_steps=2", "--config.data.reader_groups=1"]
+           "--config.checkpoint.every_steps=2", "--config.data.reader_groups=1"]
   killed = run_killed_after_checkpoint(tmp_path, 2, *flags)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
   assert not [m for m in read_metrics(tmp_path) if "eval/loss" in m]

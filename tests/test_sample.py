@@ -13,6 +13,7 @@ from levanter_flax import models
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
+from levanter_flax.models.common import ComputeConfig
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
@@ -26,7 +27,7 @@ MODELS = {
                          hidden_dim=16, intermediate_dim=24),
     "llama_scanned": LlamaConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
                                  num_kv_heads=2, hidden_dim=16, intermediate_dim=24,
-                                 scan_layers=True),
+                                 compute=ComputeConfig(scan_layers=True)),
     # A window shorter than the prompts: the cache must forget as training does.
     "mistral": MistralConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
                              num_kv_heads=2, hidden_dim=16, intermediate_dim=24, sliding_window=3),
@@ -141,7 +142,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
 def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog,
                                                                 damage):
   tiny_config.trainer.num_train_steps = 4
-  tiny_config.trainer.checkpoint_every_steps = 2
+  tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   _, params_2, _ = run_params_of_step(tmp_path, 2)
   newest = tmp_path / "checkpoints" / "4"

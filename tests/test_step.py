@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from levanter_flax import flops, metrics, models, optim, partitioning, step
-from levanter_flax.models.common import REMAT_POLICIES
+from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
@@ -43,7 +43,7 @@ SAME_RESULT = ([({}, n) for n in (2, 4, 8)]
 @pytest.mark.parametrize("change, num_microbatches", SAME_RESULT, ids=str)
 def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   loss, grads = loss_and_grads(TINY)
-  new_loss, new_grads = loss_and_grads(dataclasses.replace(TINY, **change), num_microbatches)
+  new_loss, new_grads = loss_and_grads(with_compute(TINY, **change), num_microbatches)
   assert float(new_loss) == pytest.approx(float(loss), rel=1e-6)
   assert_trees_close(new_grads, grads, 1e-5)
 
@@ -60,7 +60,7 @@ def tiny(family: str, **sizes):
 def test_scanning_the_layers_leaves_the_run_unchanged(family):
   """The same seed gives the same parameters, loss and gradients with scan_layers on or off."""
   cfg = tiny(family)
-  scanned_cfg = dataclasses.replace(cfg, scan_layers=True)
+  scanned_cfg = with_compute(cfg, scan_layers=True)
   tokens = jax.random.randint(jax.random.key(1), (4, cfg.seq_len), 0, cfg.vocab_size)
   results = []
   for c in (cfg, scanned_cfg):
@@ -88,7 +88,7 @@ def test_accumulation_lowers_peak_memory():
 
 
 def test_bfloat16_compute_keeps_parameters_and_loss_in_float32():
-  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  cfg = with_compute(TINY, dtype="bfloat16")
   params, tokens = params_and_tokens(cfg)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
   logits = GPT2LMHeadModel(cfg).apply({"params": params}, tokens)
@@ -120,7 +120,7 @@ def test_a_packed_windows_loss_is_the_sum_of_its_documents_losses(family):
 
 
 def test_bfloat16_parameters_are_stored_as_asked():
-  params, _ = params_and_tokens(dataclasses.replace(TINY, param_dtype="bfloat16"))
+  params, _ = params_and_tokens(with_compute(TINY, param_dtype="bfloat16"))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
 
 
@@ -188,7 +188,7 @@ def test_throughput_reports_mfu_against_the_peak():
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_weight_decay_skips_biases_and_layer_norms(scan_layers):
-  params, _ = params_and_tokens(dataclasses.replace(TINY, scan_layers=scan_layers))
+  params, _ = params_and_tokens(with_compute(TINY, scan_layers=scan_layers))
   decayed = {partitioning.path_name(p) for p, d in jax.tree_util.tree_leaves_with_path(
       optim.decay_mask(params)) if d}
   assert decayed == {partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
@@ -202,7 +202,7 @@ def test_blockwise_cross_entropy_never_holds_all_logits():
   all_logits = 8 * 128 * 65536 * 4
   temp_bytes = {}
   for block_size in (0, 1024):
-    model = GPT2LMHeadModel(dataclasses.replace(cfg, cross_entropy_block_size=block_size))
+    model = GPT2LMHeadModel(with_compute(cfg, cross_entropy_block_size=block_size))
     grad = jax.jit(jax.grad(lambda p: step.next_token_loss(model, p, tokens)))
     temp_bytes[block_size] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
   assert temp_bytes[0] > all_logits

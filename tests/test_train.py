@@ -84,8 +84,8 @@ def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture)
 
 
 def test_keeps_the_newest_checkpoints(tiny_config, tmp_path):
-  tiny_config.trainer.checkpoint_every_steps = 2
-  tiny_config.trainer.keep_checkpoints = 2
+  tiny_config.checkpoint.every_steps = 2
+  tiny_config.checkpoint.keep = 2
   tiny_config.trainer.num_train_steps = 7
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [6, 7]
@@ -102,8 +102,8 @@ def test_two_dimensional_mesh_trains(tiny_config, tmp_path):
     ("trainer", "batch_size", 12, r"config.trainer.batch_size \(12\) / gradient_accumulation_steps \(1\) must be divisible by the activation axis size \(8\)"),
     ("model", "vocab_size", 200, r"config.model.vocab_size \(200\) is smaller than the vocabulary of the tokenizer \(257\)"),
     ("trainer", "device_mesh", mesh(data=3, model=-1), r"8 devices are not divisible by the fixed axes' product 3"),
-    ("model", "attention_impl", "cudnn", r"config.model.attention_impl 'cudnn' needs an NVIDIA GPU; this run's backend is cpu"),
-    ("model", "remat", "offload", r"config.model.remat 'offload' moves activations to host memory"),
+    ("model", "attention_impl", "cudnn", r"config.model.compute.attention_impl 'cudnn' needs an NVIDIA GPU; this run's backend is cpu"),
+    ("model", "remat", "offload", r"config.model.compute.remat 'offload' moves activations to host memory"),
 ])
 def test_bad_settings_are_named(tiny_config, tmp_path, section, key, value, message):
   tiny_config[section][key] = value

@@ -4,31 +4,66 @@ TensorFlow is imported only inside this package, and only for the CPU.
 """
 import dataclasses
 import functools
+from typing import Any
 
 from levanter_flax import checks
+from levanter_flax.errors import UserError
+from levanter_flax.schema import CHOSEN, setting
+
+
+def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
+  """{name: dict(dataset=..., weight=...)} -> ((name, dataset, weight), ...)."""
+  entries = []
+  for name, entry in (value.items() if hasattr(value, "items") else [(None, value)]):
+    if (not hasattr(entry, "keys") or set(entry.keys()) != {"dataset", "weight"}
+        or not isinstance(entry["dataset"], str)
+        or not isinstance(entry["weight"], (int, float)) or entry["weight"] <= 0):
+      raise UserError(f"config key {key}.{name} must be dict(dataset=<directory>, weight=<positive "
+                      f"number>); got {entry!r}")
+    entries.append((name, entry["dataset"], float(entry["weight"])))
+  return tuple(entries)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  dataset: str  # A prepared dataset directory, or "stdlib".
-  mixture: tuple[tuple[str, str, float], ...]  # (name, dataset, weight); replaces `dataset`.
-  tokenizer: str
-  cache_dir: str
-  validation_fraction: float  # The built-in dataset's.
-  num_train_shards: int  # The built-in dataset's.
-  on_corrupt_record: str  # fail | skip
-  reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
-  # Attention within each packed document, positions restarting at each (step.objective).
-  document_masking: bool = True
-  # A dataset whose manifest differs from the one a checkpoint's position counts in: read it
-  # from its start rather than refuse the resume (loader.DataPosition.in_datasets_of).
-  restart_changed_datasets: bool = False
+  """The datasets and how they are read (config.data)."""
+  dataset: str = setting(
+      "stdlib", "A directory written by python -m levanter_flax.prepare, or stdlib: the Python "
+      "standard library's sources, tokenized into cache_dir on first use")
+  mixture: tuple[tuple[str, str, float], ...] = setting(
+      (), "Named datasets with weights, replacing dataset when set, e.g. "
+      "mixture.code = dict(dataset=\"/data/code\", weight=0.7)", convert=_mixture, written={})
+  tokenizer: str = setting(
+      "byte", "What the data was tokenized with: byte (256 bytes + EOS, nothing to download), "
+      "a tokenizer.json or a SentencePiece .model file")
+  cache_dir: str = setting("", "For stdlib; \"\" is ~/.cache/levanter_flax")
+  validation_fraction: float = setting(0.02, "For stdlib: documents held out for eval")
+  num_train_shards: int = setting(8, "For stdlib: train shards written")
+  on_corrupt_record: str = setting(
+      "fail", "A train shard that decodes to other counts than its manifest lists: fail stops "
+      "naming it; skip leaves it out, counted")
+  reader_groups: int = setting(
+      0, "Shards are dealt to this many reader groups, each supplying a fixed slice of every "
+      "batch; the batches depend on it alone, so a run resumes exactly on any process count "
+      "that divides it. 0: chosen when the run first starts (data.position.default_reader_groups)",
+      CHOSEN, chosen_when=("data.reader_groups", 0))
+  document_masking: bool = setting(
+      True, "A token attends only to its own packed document and positions restart at each; "
+      "off: attention crosses documents (GPT-2's and nanoGPT's recipe), a little faster")
+  restart_changed_datasets: bool = setting(
+      False, "A dataset prepared again or replaced under the same path is refused on resume; "
+      "True reads it from its start instead")
 
   def __post_init__(self):
     checks.ranges(self, "data", {
         "validation_fraction": checks.unit(low_open=True, high_open=True),
         "num_train_shards": checks.at_least(1),
         "reader_groups": checks.at_least(0, "0: chosen when the run first starts")})
+    if self.on_corrupt_record not in ("fail", "skip"):
+      raise UserError(f"config.data.on_corrupt_record must be 'fail' or 'skip'; "
+                      f"got {self.on_corrupt_record!r}")
+    if self.mixture and self.dataset != "stdlib":
+      raise UserError("set config.data.dataset or config.data.mixture, not both")
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import ml_collections
 from absl import flags
 
 from levanter_flax.config import (call_from_file, define_config_flag, flat_dict, load_config_file,
-                                  to_run_config)
+                                  modern_key, to_run_config)
 from levanter_flax.errors import UserError
 
 Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
@@ -81,7 +81,8 @@ def work_units(experiment: Experiment) -> list[WorkUnit]:
   config = load_config_file(experiment.config)
   units = []
   for index, swept in enumerate(experiment.work_units or [{}]):
-    overrides = {**experiment.overrides, **swept}
+    overrides = {modern_key(k, f"config.{k}"): v
+                 for k, v in {**experiment.overrides, **swept}.items()}
     where = f"work unit {index} ({_describe(swept)}) of experiment {experiment.name}"
     for key in overrides:
       if not _has_key(config, key):

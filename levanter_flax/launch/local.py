@@ -25,11 +25,6 @@ from levanter_flax import config, lifetime, paths, preemption
 from levanter_flax.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
 
-# batch_size="auto" is resolved by the trainer before it saves config.json (batch_search.py):
-# these keys hold what it chose, not what the unit asked for.
-_CHOSEN_BY_AUTO = ("trainer.batch_size", "trainer.gradient_accumulation_steps")
-
-
 @dataclasses.dataclass
 class Outcome:
   unit: WorkUnit
@@ -55,7 +50,7 @@ def is_done(workdir: epath.Path, wanted: dict[str, Any]) -> bool:
                     f"there unchecked, or use a new --root or experiment name") from None
   if saved is None:  # Nothing trained yet, or no restore succeeded; the trainer checks the rest.
     return False
-  wanted = _as_the_trainer_saves(saved, wanted)
+  wanted = config.keep_chosen(wanted, saved)  # As the trainer saves it: what its start chose.
   steps = "trainer.num_train_steps"
   changed = config.changes(saved, wanted)
   if not changed:
@@ -66,19 +61,6 @@ def is_done(workdir: epath.Path, wanted: dict[str, Any]) -> bool:
   raise UserError(f"{workdir} holds a run of another config ({', '.join(changed)}); only a "
                   f"larger {steps} can continue it: use a new --root or experiment name for "
                   f"this one")
-
-
-def _as_the_trainer_saves(saved: dict[str, Any], wanted: dict[str, Any]) -> dict[str, Any]:
-  """`wanted` with what the trainer chose when the run first started, as `saved` holds it: the
-  reader groups for 0, and the batch size for "auto" if auto could pick it."""
-  if not wanted.get("data.reader_groups") and isinstance(saved.get("data.reader_groups"), int):
-    wanted = {**wanted, "data.reader_groups": saved["data.reader_groups"]}
-  chosen = saved.get("trainer.batch_size")
-  target = wanted.get("trainer.target_batch_size")
-  if (wanted.get("trainer.batch_size") != "auto" or not isinstance(chosen, int)
-      or (target and chosen != target)):  # With a target, auto reaches exactly it.
-    return wanted
-  return {**wanted, **{k: saved.get(k) for k in _CHOSEN_BY_AUTO}}
 
 
 def run(experiment: Experiment, units: list[WorkUnit], root: epath.Path, max_parallel: int,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax import flops
-from levanter_flax.models import gpt2, llama, mistral, mixtral, qwen2
+from levanter_flax.models import common, gpt2, llama, mistral, mixtral, qwen2
 from levanter_flax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -29,16 +29,16 @@ def build(cfg, decode: bool = False) -> nn.Module:
 
 
 def init_params(cfg, rng: jax.Array) -> dict:
-  """Fresh parameters, the same values whether cfg.scan_layers is on or off.
+  """Fresh parameters, the same values whether cfg.compute.scan_layers is on or off.
 
   Flax draws a scanned stack's blocks from one key split per layer, and
   unrolled blocks from keys folded with their names, so a speed knob would
   change the run. Both are drawn as the scanned model draws them; unrolled,
   the stack is then cut into its blocks.
   """
-  scanned = dataclasses.replace(cfg, scan_layers=True)
+  scanned = common.with_compute(cfg, scan_layers=True)
   params = build(scanned).init(rng, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-  return params if cfg.scan_layers else unstack_layers(cfg, params)
+  return params if cfg.compute.scan_layers else unstack_layers(cfg, params)
 
 
 def unstack_layers(cfg, tree: dict) -> dict:

@@ -1,9 +1,13 @@
-"""What both model families share: remat policies, the attention backend, layout
-constraints, and the stack of layers (unrolled or scanned)."""
+"""What every model family shares: the compute settings (remat, dtypes, the attention backend,
+scan), layout constraints, and the stack of layers (unrolled or scanned)."""
+import dataclasses
+from typing import Any
+
 import flax.linen as nn
 import jax
 
 from levanter_flax.errors import UserError
+from levanter_flax.schema import FREE, STATE, setting
 
 
 # What each transformer block keeps for the backward pass; the rest is recomputed.
@@ -21,33 +25,76 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _remat(key: str, value: Any) -> str:
+  """A policy name; True and False (or their strings) are "full" and "none"."""
+  if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+    return "full" if str(value).lower() == "true" else "none"
+  if value not in REMAT_POLICIES:
+    raise UserError(f"config key {key} must be True, False or one of "
+                    f"{', '.join(REMAT_POLICIES)}; got {value!r}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+  """How a model computes, the same for every family (config.model.compute)."""
+  remat: str = setting(
+      "none", "Gradient checkpointing per block: none, full (recompute the block), "
+      "dots_saveable, dots_with_no_batch_dims_saveable, or offload (saved matmul outputs wait "
+      "in host memory, where the backend supports it); True is full", convert=_remat)
+  dtype: str = setting("float32", "Compute: float32, bfloat16 or float16")
+  param_dtype: str = setting("float32", "Parameters and optimizer state; the loss is always "
+                             "float32", STATE)
+  attention_impl: str = setting("auto", "xla, cudnn (flash attention on NVIDIA GPUs), or auto: "
+                                "cudnn there in 16-bit compute, else xla")
+  scan_layers: bool = setting(False, "Run the blocks as one lax.scan over stacked parameters: "
+                              "compile time stays flat as depth grows", STATE)
+  cross_entropy_block_size: int = setting(
+      0, "> 0: the loss computes logits this many vocabulary entries at a time and never holds "
+      "them all; 0: plain")
+
+  def __post_init__(self):
+    for key in ("dtype", "param_dtype"):
+      if getattr(self, key) not in DTYPES:
+        raise UserError(f"config.model.compute.{key} must be {', '.join(DTYPES[:-1])} or "
+                        f"{DTYPES[-1]}; got {getattr(self, key)!r}")
+    if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+      raise UserError(f"config.model.compute.attention_impl must be one of "
+                      f"{', '.join(ATTENTION_IMPLEMENTATIONS)}; got {self.attention_impl!r}")
+    if self.cross_entropy_block_size < 0:
+      raise UserError(f"config.model.compute.cross_entropy_block_size must be >= 0 (0: off); "
+                      f"got {self.cross_entropy_block_size}")
+
+
+def compute_section() -> Any:
+  """The `compute` field every family's config declares, keyword-only so that it may follow
+  the family's required fields."""
+  return setting(ComputeConfig(), "How the model computes: remat, dtypes, attention, scan",
+                 kw_only=True)
+
+
+def with_compute(cfg, **changes):
+  """A model config with some of its compute settings changed."""
+  return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **changes))
+
+
 def check_config(cfg, sizes: tuple[str, ...]) -> None:
   """What every family's config dataclass checks of itself, in __post_init__: its `sizes`
-  positive, the heads dividing the width, the compute keys known."""
+  positive, the heads dividing the width."""
   for name in sizes:
     if getattr(cfg, name) <= 0:
       raise UserError(f"config key config.model.{name} must be positive, got {getattr(cfg, name)}")
   if cfg.hidden_dim % cfg.num_heads:
     raise UserError(f"config.model.hidden_dim ({cfg.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({cfg.num_heads})")
-  for key in ("dtype", "param_dtype"):
-    if getattr(cfg, key) not in DTYPES:
-      raise UserError(f"config.model.{key} must be {', '.join(DTYPES[:-1])} or {DTYPES[-1]}; "
-                      f"got {getattr(cfg, key)!r}")
-  if cfg.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-    raise UserError(f"config.model.attention_impl must be one of "
-                    f"{', '.join(ATTENTION_IMPLEMENTATIONS)}; got {cfg.attention_impl!r}")
-  if cfg.cross_entropy_block_size < 0:
-    raise UserError(f"config.model.cross_entropy_block_size must be >= 0 (0: off); "
-                    f"got {cfg.cross_entropy_block_size}")
 
 
 def attention_implementation(cfg) -> str:
   """'auto' is cuDNN's flash attention on NVIDIA GPUs in 16-bit compute, XLA's elsewhere."""
-  if cfg.attention_impl != "auto":
-    return cfg.attention_impl
+  if cfg.compute.attention_impl != "auto":
+    return cfg.compute.attention_impl
   on_gpu = jax.default_backend() == "gpu"
-  return "cudnn" if on_gpu and cfg.dtype in ("bfloat16", "float16") else "xla"
+  return "cudnn" if on_gpu and cfg.compute.dtype in ("bfloat16", "float16") else "xla"
 
 
 def constrain(x: jax.Array, *logical_axes) -> jax.Array:
@@ -61,12 +108,13 @@ def constrain(x: jax.Array, *logical_axes) -> jax.Array:
 
 
 def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared) -> jax.Array:
-  """cfg.num_layers layers, each rematerialised per cfg.remat, unrolled (<name>_<i>) or as
+  """cfg.num_layers layers, each rematerialised per cfg.compute.remat, unrolled (<name>_<i>) or as
   one nn.scan over parameters stacked on a leading layer axis (<name>), e.g. h/attn/c_attn/kernel
   of shape [L, D, 3D]; in decode mode the KV caches are stacked the same way. Every layer is
   called as layer(x, shared): `shared` (the token mask, positions) is the same for all."""
-  layer = layer_cls if cfg.remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[cfg.remat])
-  if cfg.scan_layers:
+  remat = cfg.compute.remat
+  layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat])
+  if cfg.compute.scan_layers:
     layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
                      variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True},
                      in_axes=nn.broadcast, length=cfg.num_layers)

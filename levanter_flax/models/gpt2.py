@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention, document_positions
-from levanter_flax.models.common import (attention_implementation, check_config, constrain,
-                                         stack_layers)
+from levanter_flax.models.common import (ComputeConfig, attention_implementation, check_config,
+                                         compute_section, constrain, stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
+from levanter_flax.schema import MODEL, STATE, setting
 
 
 # Megatron-style tensor parallelism, in logical axes (sharding.tensor_axis takes heads,
@@ -46,22 +47,21 @@ PARTITION_RULES = (
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
-  vocab_size: int
-  seq_len: int
-  num_layers: int
-  num_heads: int
-  hidden_dim: int
-  architecture: str = "gpt2"
-  remat: str = "none"  # A key of REMAT_POLICIES.
-  dtype: str = "float32"  # Compute.
-  param_dtype: str = "float32"  # Storage, and what the optimizer updates.
-  attention_impl: str = "auto"  # One of ATTENTION_IMPLEMENTATIONS.
-  scan_layers: bool = False  # One block's program, looped: compile time flat in depth.
-  cross_entropy_block_size: int = 0  # > 0: the loss never holds all logits; see step.py.
-  layer_norm_epsilon: float = 1e-5
-  initializer_range: float = 0.02
-  # False: the LM head is its own [hidden_dim, vocab] matrix, `lm_head`, not the token embedding.
-  tie_word_embeddings: bool = True
+  """GPT-2 small (124M) by default: the default config's model."""
+  vocab_size: int = setting(50257, "Must cover the tokenizer's vocabulary (GPT-2's: 50257)", STATE)
+  # The position table has seq_len rows: a longer context is another state.
+  seq_len: int = setting(1024, "Tokens per training window", STATE)
+  num_layers: int = setting(12, "Transformer blocks", STATE)
+  num_heads: int = setting(12, "Attention heads; they divide hidden_dim", STATE)
+  hidden_dim: int = setting(768, "Width of the residual stream", STATE)
+  architecture: str = setting("gpt2", "The model family, a key of models.FAMILIES; "
+                              "config.model = model_config(<family>, ...) sets the rest", STATE)
+  layer_norm_epsilon: float = setting(1e-5, "LayerNorm's epsilon", MODEL)
+  initializer_range: float = setting(0.02, "Standard deviation of the initial weights")
+  tie_word_embeddings: bool = setting(
+      True, "The LM head is the token embedding (GPT-2's way); False: a separate lm_head matrix, "
+      "as in HF checkpoints with tie_word_embeddings=false", STATE)
+  compute: ComputeConfig = compute_section()
 
   def __post_init__(self):
     check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_dim"))
@@ -72,14 +72,14 @@ class GPT2Config:
 
 
 def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> nn.Dense:
-  return nn.Dense(features, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+  return nn.Dense(features, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                   kernel_init=nn.initializers.normal(std), bias_init=nn.initializers.zeros,
                   name=name)
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
-                      param_dtype=cfg.param_dtype, name=name)
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute.dtype,
+                      param_dtype=cfg.compute.param_dtype, name=name)
 
 
 def _residual_std(cfg: GPT2Config) -> float:
@@ -151,9 +151,9 @@ class GPT2LMHeadModel(nn.Module):
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
-                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wte")
+                   dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype, name="wte")
     wpe = nn.Embed(cfg.seq_len, cfg.hidden_dim, embedding_init=embed_init,
-                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="wpe")
+                   dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype, name="wpe")
     if positions is None:
       positions = (jnp.arange(tokens.shape[1])[None] if segment_ids is None
                    else document_positions(segment_ids))
@@ -165,8 +165,8 @@ class GPT2LMHeadModel(nn.Module):
     if cfg.tie_word_embeddings:
       logits = wte.attend(x)
     else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-                        param_dtype=cfg.param_dtype, kernel_init=embed_init, name="lm_head")(x)
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute.dtype,
+                        param_dtype=cfg.compute.param_dtype, kernel_init=embed_init, name="lm_head")(x)
     return constrain(logits, "batch", "length", "vocab")
 
   @staticmethod

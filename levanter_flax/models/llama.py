@@ -22,7 +22,9 @@ from levanter_flax.models import hf_keys
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
+from levanter_flax.models import common
 from levanter_flax.models.family import HFLayout, ModelFamily
+from levanter_flax.schema import MODEL, STATE, overridden, setting
 
 # Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
 # and vocab): Q/K/V, gate and up split by output column, o_proj and down_proj by input
@@ -45,35 +47,38 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  vocab_size: int
-  seq_len: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  hidden_dim: int
-  intermediate_dim: int
-  architecture: str = "llama"
-  rope_theta: float = 10000.0
-  # RoPE frequency scaling, as HF's rope_parameters: "default" (none), "linear" (every frequency
-  # / rope_factor) or "llama3" (Llama 3.1's: wavelengths longer than rope_original_seq_len /
-  # rope_low_freq_factor / rope_factor, shorter than rope_original_seq_len / rope_high_freq_factor
-  # kept, a smooth ramp between). The rope_* fields below are read only by those types.
-  rope_type: str = "default"
-  rope_factor: float = 1.0
-  rope_low_freq_factor: float = 1.0
-  rope_high_freq_factor: float = 4.0
-  rope_original_seq_len: int = 8192  # HF's original_max_position_embeddings: the pretraining one.
-  rms_norm_epsilon: float = 1e-5
-  initializer_range: float = 0.02
-  tie_word_embeddings: bool = False  # True: the token embedding is the LM head (Llama 3.2 1B).
-  qkv_bias: bool = False  # Biases on the query, key and value projections: Qwen2's, not Llama's.
-  sliding_window: int = 0  # > 0: each token attends to itself and this many - 1 before (Mistral).
-  remat: str = "none"
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  attention_impl: str = "auto"
-  scan_layers: bool = False
-  cross_entropy_block_size: int = 0
+  vocab_size: int = setting(doc="Must cover the tokenizer's vocabulary", kind=STATE)
+  # RoPE has no table: the same weights train at any context length.
+  seq_len: int = setting(doc="Tokens per training window")
+  num_layers: int = setting(doc="Transformer blocks", kind=STATE)
+  num_heads: int = setting(doc="Query heads; they divide hidden_dim", kind=STATE)
+  num_kv_heads: int = setting(doc="Key/value heads, each shared by num_heads / num_kv_heads query "
+                              "heads (grouped-query attention)", kind=STATE)
+  hidden_dim: int = setting(doc="Width of the residual stream", kind=STATE)
+  intermediate_dim: int = setting(doc="Width of the SwiGLU MLP", kind=STATE)
+  architecture: str = setting("llama", "The model family, a key of models.FAMILIES", STATE)
+  rope_theta: float = setting(10000.0, "RoPE's base", MODEL)
+  rope_type: str = setting(
+      "default", "RoPE frequency scaling, as HF's rope_parameters: default (none), linear (every "
+      "frequency / rope_factor) or llama3 (Llama 3.1's, from the rope_* settings below)", MODEL)
+  rope_factor: float = setting(1.0, "linear and llama3: the scaling factor", MODEL)
+  rope_low_freq_factor: float = setting(
+      1.0, "llama3: wavelengths longer than rope_original_seq_len / this are divided by "
+      "rope_factor", MODEL)
+  rope_high_freq_factor: float = setting(
+      4.0, "llama3: wavelengths shorter than rope_original_seq_len / this are kept; a smooth "
+      "ramp between", MODEL)
+  rope_original_seq_len: int = setting(
+      8192, "llama3: HF's original_max_position_embeddings, the pretraining context", MODEL)
+  rms_norm_epsilon: float = setting(1e-5, "RMSNorm's epsilon", MODEL)
+  initializer_range: float = setting(0.02, "Standard deviation of the initial weights")
+  tie_word_embeddings: bool = setting(
+      False, "The token embedding is the LM head (Llama 3.2 1B)", STATE)
+  qkv_bias: bool = setting(False, "Biases on the query, key and value projections: Qwen2's, "
+                           "not Llama's", STATE)
+  sliding_window: int = setting(
+      0, "> 0: each token attends to itself and this many - 1 before (Mistral)", MODEL)
+  compute: common.ComputeConfig = common.compute_section()
   has_sliding_window: ClassVar[bool] = False  # Whether the family may set sliding_window.
 
   def __post_init__(self):
@@ -143,13 +148,13 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray
 
 
 def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -> nn.Dense:
-  return nn.Dense(features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+  return nn.Dense(features, use_bias=use_bias, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                   kernel_init=nn.initializers.normal(cfg.initializer_range),
                   bias_init=nn.initializers.zeros, name=name)
 
 
 def _rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
-  return nn.RMSNorm(epsilon=cfg.rms_norm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+  return nn.RMSNorm(epsilon=cfg.rms_norm_epsilon, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                     name=name)
 
 
@@ -224,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
                token_mask: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
-    embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                      embedding_init=nn.initializers.normal(cfg.initializer_range),
                      name="embed_tokens")
     x = constrain(embed(tokens), "batch", "length", "embed")

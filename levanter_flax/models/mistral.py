@@ -9,14 +9,15 @@ import dataclasses
 
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
+from levanter_flax.schema import overridden
 
 PARTITION_RULES = llama.PARTITION_RULES
 
 
 @dataclasses.dataclass(frozen=True)
 class MistralConfig(llama.LlamaConfig):
-  architecture: str = "mistral"
-  sliding_window: int = 4096
+  architecture: str = overridden(llama.LlamaConfig, "architecture", "mistral")
+  sliding_window: int = overridden(llama.LlamaConfig, "sliding_window", 4096)
   has_sliding_window = True
 
 

@@ -36,6 +36,7 @@ from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys, llama, mistral
 from levanter_flax.models.common import constrain
 from levanter_flax.models.family import HFLayout, ModelFamily
+from levanter_flax.schema import MODEL, STATE, overridden, setting
 
 # Each expert stack's logical axes: its partition rule, and its layout inside the layer.
 EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),
@@ -49,13 +50,14 @@ PARTITION_RULES = (
 
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(mistral.MistralConfig):
-  architecture: str = "mixtral"
-  sliding_window: int = 0  # Mixtral 8x7B and 8x22B have none.
-  rope_theta: float = 1_000_000.0
-  num_experts: int = 8  # HF's num_local_experts.
-  num_experts_per_token: int = 2  # HF's num_experts_per_tok.
-  # The load-balancing loss's weight in the training loss (HF's key and default).
-  router_aux_loss_coef: float = 0.001
+  architecture: str = overridden(llama.LlamaConfig, "architecture", "mixtral")
+  sliding_window: int = overridden(llama.LlamaConfig, "sliding_window", 0)  # 8x7B, 8x22B: none.
+  rope_theta: float = overridden(llama.LlamaConfig, "rope_theta", 1_000_000.0)
+  num_experts: int = setting(8, "Experts per layer (HF's num_local_experts)", STATE)
+  num_experts_per_token: int = setting(2, "Experts each token is routed to (HF's "
+                                       "num_experts_per_tok)", MODEL)
+  router_aux_loss_coef: float = setting(0.001, "The load-balancing loss's weight in the "
+                                        "training loss (HF's key and default)")
 
   def __post_init__(self):
     super().__post_init__()
@@ -91,10 +93,10 @@ class Experts(nn.Module):
     # Each weight as its rule lays it out, less any ZeRO-3 split: XLA would otherwise keep the
     # weight split and gather the batch's rows instead, every group's, to every device.
     shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
-    gate, up, down = (constrain(self.param(name, init, shape, cfg.param_dtype), *EXPERT_AXES[name])
+    gate, up, down = (constrain(self.param(name, init, shape, cfg.compute.param_dtype), *EXPERT_AXES[name])
                       for name, shape in shapes.items())
     matmul = lambda x, w: jax.lax.ragged_dot_general(
-        x, w.astype(cfg.dtype), group_sizes, _GROUPED_BY_SEQUENCE)
+        x, w.astype(cfg.compute.dtype), group_sizes, _GROUPED_BY_SEQUENCE)
     return matmul(nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
 
 
@@ -110,7 +112,7 @@ class SparseMoeBlock(nn.Module):
     # lax.top_k's partitioner gathers the whole batch to every device; a sort keeps it split.
     experts = jnp.argsort(-probabilities, axis=-1, stable=True)[..., :k]  # [batch, length, k]
     top = jnp.take_along_axis(probabilities, experts, axis=-1)
-    weights = (top / top.sum(axis=-1, keepdims=True)).astype(cfg.dtype)
+    weights = (top / top.sum(axis=-1, keepdims=True)).astype(cfg.compute.dtype)
     self.sow("losses", "router_aux_loss", load_balancing_loss(probabilities, experts))
     # Each sequence's length * k token copies, grouped by expert; `order` lists copies
     # (position * k + slot).

@@ -11,16 +11,17 @@ import dataclasses
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
+from levanter_flax.schema import overridden
 
 PARTITION_RULES = llama.PARTITION_RULES  # Its q/k/v bias rules included.
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config(llama.LlamaConfig):
-  architecture: str = "qwen2"
-  rope_theta: float = 1_000_000.0
-  rms_norm_epsilon: float = 1e-6
-  qkv_bias: bool = True
+  architecture: str = overridden(llama.LlamaConfig, "architecture", "qwen2")
+  rope_theta: float = overridden(llama.LlamaConfig, "rope_theta", 1_000_000.0)
+  rms_norm_epsilon: float = overridden(llama.LlamaConfig, "rms_norm_epsilon", 1e-6)
+  qkv_bias: bool = overridden(llama.LlamaConfig, "qkv_bias", True)
 
   def __post_init__(self):
     super().__post_init__()
