@@ -184,7 +184,7 @@ def default_config() -> ml_collections.ConfigDict:
   # shards only. The batches depend on this count alone, not on the number of
   # processes, so a run resumes exactly on any process count that divides it.
   # 0: chosen when the run first starts (up to 8, dividing the batch size and
-  # at most the shard count; see loader.default_reader_groups). Either way it
+  # at most the shard count; see position.default_reader_groups). Either way it
   # is fixed then, saved with the run, and a different value is refused.
   config.data.reader_groups = 0
   # Windows pack several documents, EOS after each. On: a token attends only to

@@ -17,11 +17,11 @@ class DataConfig:
   validation_fraction: float  # The built-in dataset's.
   num_train_shards: int  # The built-in dataset's.
   on_corrupt_record: str  # fail | skip
-  reader_groups: int = 0  # 0: chosen when the run first starts. See loader.ReaderGroups.
+  reader_groups: int = 0  # 0: chosen when the run first starts. See position.ReaderGroups.
   # Attention within each packed document, positions restarting at each (step.objective).
   document_masking: bool = True
   # A dataset whose manifest differs from the one a checkpoint's position counts in: read it
-  # from its start rather than refuse the resume (loader.DataPosition.in_datasets_of).
+  # from its start rather than refuse the resume (position.DataPosition.in_datasets_of).
   restart_changed_datasets: bool = False
 
   def __post_init__(self):
