@@ -20,6 +20,8 @@ import jax
 
 from common import compile_train_step
 from levanter_flax.data import DataConfig, loader
+from levanter_flax.data.manifest import PreparedDataset
+from levanter_flax.data.position import DEFAULT_READER_GROUPS, DataPosition, ReaderGroups
 from levanter_flax.models.gpt2 import GPT2Config
 
 GPT2_SMALL = GPT2Config(vocab_size=50257, seq_len=1024, num_layers=12, num_heads=12, hidden_dim=768)
@@ -38,7 +40,7 @@ def tokens_per_second(batches, num_batches: int, warmup: int = 5) -> float:
   return tokens / (time.perf_counter() - start)
 
 
-def seconds_to_first_batch(sources, position: loader.DataPosition, args) -> float:
+def seconds_to_first_batch(sources, position: DataPosition, args) -> float:
   start = time.perf_counter()
   next(loader.train_dataset(sources, seq_len=args.seq_len, local_batch_size=args.batch_size,
                             seed=0, position=position).as_numpy_iterator())
@@ -63,11 +65,11 @@ def main():
 
   cfg = DataConfig(dataset=args.dataset, mixture=(), tokenizer=args.tokenizer, cache_dir="",
                    validation_fraction=0.02, num_train_shards=8, on_corrupt_record="fail")
-  sources = loader.load_sources(cfg)
-  mixture = [loader.Source("a", sources[0].directory, sources[0].manifest, 0.7),
-             loader.Source("b", sources[0].directory, sources[0].manifest, 0.3)]
+  sources = loader.load_datasets(cfg)
+  mixture = [PreparedDataset("a", sources[0].directory, sources[0].manifest, 0.7),
+             PreparedDataset("b", sources[0].directory, sources[0].manifest, 0.3)]
   cores = len(os.sched_getaffinity(0))
-  start = loader.DataPosition.start(sources, 1)
+  start = DataPosition.start(sources, 1)
   print(f"{sources[0].directory}: seq_len {args.seq_len}, {args.batch_size} sequences per batch, "
         f"{cores} host cores, {jax.devices()[0].platform}")
 
@@ -76,7 +78,7 @@ def main():
   numpy_rate = tokens_per_second(dataset.as_numpy_iterator(), args.num_batches)
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   # What one process of a new run reads by default: all 8 reader groups.
-  groups = loader.ReaderGroups(loader.DEFAULT_READER_GROUPS, range(loader.DEFAULT_READER_GROUPS))
+  groups = ReaderGroups(DEFAULT_READER_GROUPS, range(DEFAULT_READER_GROUPS))
   arrays = loader.TrainBatches(sources, cfg, seq_len=args.seq_len, local_batch_size=args.batch_size,
                                seed=0, position=start, sharding=sharding,
                                vocab_size=sources[0].manifest["tokenizer"]["vocab_size"],
@@ -84,7 +86,7 @@ def main():
   array_rate = tokens_per_second((batch for batch, _ in arrays), args.num_batches)
   arrays.close()
   mixed = loader.train_dataset(mixture, seq_len=args.seq_len, local_batch_size=args.batch_size,
-                               seed=0, position=loader.DataPosition(0, {}))
+                               seed=0, position=DataPosition(0, {}))
   mixture_rate = tokens_per_second(mixed.as_numpy_iterator(), args.num_batches)
   grouped = loader.train_dataset(sources, seq_len=args.seq_len, local_batch_size=args.batch_size,
                                  seed=0, position=start, groups=groups)
@@ -99,7 +101,7 @@ def main():
   far = 10**9
   print(f"first batch at window 0: {seconds_to_first_batch(sources, start, args):.2f} s; "
         f"at window {far:,} (step {far // args.batch_size:,}): "
-        f"{seconds_to_first_batch(sources, loader.DataPosition(far, {'train': far}), args):.2f} s")
+        f"{seconds_to_first_batch(sources, DataPosition(far, {'train': far}), args):.2f} s")
 
   for name, model_cfg, batch_size in (("gpt2_small", GPT2_SMALL, args.train_batch_size),
                                       ("gpt2_nano", GPT2_NANO, 16)):

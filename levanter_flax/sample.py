@@ -139,7 +139,7 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
 
   A file replaced since would encode prompts into ids the model did not learn.
   """
-  from levanter_flax.data import prepare, tokenizers  # pylint: disable=g-import-not-at-top
+  from levanter_flax.data import manifest, tokenizers  # pylint: disable=g-import-not-at-top
   spec = saved.get("data.tokenizer")
   if not isinstance(spec, str):
     raise UserError(f"{workdir}/config.json names no data.tokenizer to encode prompts with")
@@ -149,7 +149,7 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
   for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
     try:
       directory = _directory(saved, dataset)
-      trained = prepare.manifest_tokenizer(prepare.load_manifest(directory))
+      trained = manifest.manifest_tokenizer(manifest.load_manifest(directory))
     except UserError as e:  # Moved or deleted since: the check is left undone, not the sample.
       logging.warning("Cannot check tokenizer %s against the run's dataset %s: %s", spec, dataset,
                       e)

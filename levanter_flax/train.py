@@ -19,6 +19,8 @@ from levanter_flax import (batch_search, config, distributed, flops, hf, locks, 
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.settings import RunConfig
 from levanter_flax.data import eval_set, loader
+from levanter_flax.data.manifest import PreparedDataset
+from levanter_flax.data.position import DataPosition, ReaderGroups, default_reader_groups
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
 
@@ -103,7 +105,7 @@ def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.
   return changed
 
 
-def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[loader.Source],
+def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[PreparedDataset],
                        workdir: epath.Path) -> RunConfig:
   """`run` with data.reader_groups as the run first started with it: the batches depend on it.
 
@@ -120,9 +122,8 @@ def _fix_reader_groups(run: RunConfig, saved: Optional[dict], sources: list[load
     logging.warning("The run in %s saved no reader-group count (an older version read one per "
                     "process); resuming with %d, the same stream only if it ran on %d processes",
                     workdir, started, started)
-  count = started or asked or loader.default_reader_groups(run.trainer.batch_size,
-                                                           jax.process_count(), sources,
-                                                           run.model.seq_len)
+  count = started or asked or default_reader_groups(run.trainer.batch_size, jax.process_count(),
+                                                    sources, run.model.seq_len)
   run = dataclasses.replace(run, data=dataclasses.replace(run.data, reader_groups=count))
   # This process count and batch size must fit it: say so before anything is restored.
   _reader_groups(run).rows_per_group(run.trainer.batch_size // jax.process_count(),
@@ -141,7 +142,7 @@ def _save_config(run: RunConfig, workdir: epath.Path) -> None:
     raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _check_vocab(source: loader.Source, vocab_size: int) -> None:
+def _check_vocab(source: PreparedDataset, vocab_size: int) -> None:
   needed = source.manifest["tokenizer"]["vocab_size"]
   if vocab_size < needed:
     raise UserError(f"config.model.vocab_size ({vocab_size}) is smaller than the vocabulary of "
@@ -194,7 +195,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     logging.info("batch_size 'auto': %d sequences per step in %d microbatches",
                  trainer.batch_size, trainer.gradient_accumulation_steps)
   _check_batch_size(trainer, partitioner)
-  sources = loader.load_sources(run.data)
+  sources = loader.load_datasets(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
   for source in sources:  # A split too small to evaluate: said now, not after the first steps.
     if source.has_validation:
@@ -251,7 +252,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
 class Progress:
   """The checkpoint's `data` item: where the input stream is, and the skipped-step counts
   (trainer.nan_policy='skip'), which a restart must not reset."""
-  position: loader.DataPosition
+  position: DataPosition
   skipped_steps: int = 0
   consecutive_skipped_steps: int = 0
 
@@ -262,7 +263,7 @@ class Progress:
   @classmethod
   def from_json(cls, value: dict) -> "Progress":
     """Raises ValueError for anything but what to_json writes (the counts: 0 if absent)."""
-    position = loader.DataPosition.from_json(value)
+    position = DataPosition.from_json(value)
     counts = [value.get(key, 0) for key in ("skipped_steps", "consecutive_skipped_steps")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
       raise ValueError(f"not a count of skipped steps: {counts}")
@@ -270,7 +271,7 @@ class Progress:
 
 
 def _initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
-                   checkpointer: Checkpointer, sources: list[loader.Source],
+                   checkpointer: Checkpointer, sources: list[PreparedDataset],
                    config_changes: list[str]) -> tuple[step.TrainState, Progress]:
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
   (init_from_hf) or another run's (load_checkpoint_path); else init."""
@@ -288,7 +289,7 @@ def _initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps
 
 
 def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
-                               checkpointer: Checkpointer, sources: list[loader.Source],
+                               checkpointer: Checkpointer, sources: list[PreparedDataset],
                                config_changes: list[str]) -> tuple[step.TrainState, Progress]:
   trainer = run.trainer
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
@@ -300,7 +301,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
     return state, progress
   _warn_if_logged_before(workdir, checkpointer)
   fresh = (steps.init(jax.random.key(trainer.seed)),
-           Progress(loader.DataPosition.start(sources, run.data.reader_groups)))
+           Progress(DataPosition.start(sources, run.data.reader_groups)))
   if trainer.init_from_hf:
     logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
     return fresh[0].replace(params=_params_from_hf(trainer.init_from_hf, run.model, steps)), fresh[1]
@@ -345,7 +346,7 @@ def _warn_if_logged_before(workdir: epath.Path, checkpointer: Checkpointer) -> N
                     workdir / "metrics.jsonl", logged, checkpointer.directory)
 
 
-def _eval_missed(run: RunConfig, workdir: epath.Path, sources: list[loader.Source],
+def _eval_missed(run: RunConfig, workdir: epath.Path, sources: list[PreparedDataset],
                  checkpointer: Checkpointer, step_num: int) -> bool:
   """Whether `step_num`, restored from this run's own checkpoint, is an eval step that
   metrics.jsonl has no eval for: the run was killed between its checkpoint and its eval.
@@ -388,7 +389,7 @@ def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
                         steps.state_shardings.params)
 
 
-def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loader.Source]):
+def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset]):
   """params -> eval/loss, its standard error, perplexity, bits per byte and the tokens scored,
   per source for a mixture. Each source's eval set is read now, before training."""
   evaluated = [s for s in sources if s.has_validation]
@@ -422,13 +423,12 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[loade
   return evaluate
 
 
-def _reader_groups(run: RunConfig) -> loader.ReaderGroups:
+def _reader_groups(run: RunConfig) -> ReaderGroups:
   """This process's reader groups."""
-  return loader.ReaderGroups.of_process(run.data.reader_groups, jax.process_index(),
-                                        jax.process_count())
+  return ReaderGroups.of_process(run.data.reader_groups, jax.process_index(), jax.process_count())
 
 
-def _data_metrics(position: loader.DataPosition, batches: loader.TrainBatches,
+def _data_metrics(position: DataPosition, batches: loader.TrainBatches,
                   tokens_per_window: int) -> dict[str, float]:
   """Tokens drawn from each source so far (all processes), and records lost to corruption."""
   metrics_ = {f"data/tokens/{name}": float(windows * tokens_per_window)
@@ -456,7 +456,7 @@ class _NonFiniteSteps:
     # As checkpointed: a run that crash-loops on bad data still reaches max_consecutive.
     self.count, self._consecutive = restored.skipped_steps, restored.consecutive_skipped_steps
 
-  def progress(self, position: loader.DataPosition) -> Progress:
+  def progress(self, position: DataPosition) -> Progress:
     """What a checkpoint saves with the state, once flushed."""
     return Progress(position, self.count, self._consecutive)
 
@@ -490,7 +490,7 @@ class _NonFiniteSteps:
 
 def _train_loop(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                 state: step.TrainState, progress: Progress,
-                checkpointer: Checkpointer, sources: list[loader.Source],
+                checkpointer: Checkpointer, sources: list[PreparedDataset],
                 stop: preemption.StopSignal,
                 compiled_step: "concurrent.futures.Future",
                 lock: locks.JobLock) -> dict[str, float]:

@@ -112,7 +112,8 @@ def write_dataset(directory: pathlib.Path, train: list[str], validation: list[st
   goes to shard i * num_shards // len, so shards hold consecutive documents."""
   import dataclasses
   import json
-  from levanter_flax.data import prepare, tfrecord
+  from levanter_flax.data import tfrecord
+  from levanter_flax.data.manifest import FORMAT_VERSION, MANIFEST
   from levanter_flax.data.tokenizers import ByteTokenizer, identity
   directory.mkdir(parents=True)
   tokenizer = ByteTokenizer()
@@ -129,8 +130,8 @@ def write_dataset(directory: pathlib.Path, train: list[str], validation: list[st
                             "num_tokens": writer.num_tokens,
                             "num_text_bytes": sum(len(t.encode()) for t in mine),
                             "tokens_crc32c": writer.tokens_crc32c})
-  manifest = {"format_version": prepare.FORMAT_VERSION,
+  manifest = {"format_version": FORMAT_VERSION,
               "tokenizer": dataclasses.asdict(identity(tokenizer)), "token_dtype": "uint16",
               "source": {"kind": "text"}, "splits": splits}
-  (directory / prepare.MANIFEST).write_text(json.dumps(manifest))
+  (directory / MANIFEST).write_text(json.dumps(manifest))
   return directory

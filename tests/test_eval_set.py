@@ -15,13 +15,14 @@ from etils import epath
 from levanter_flax import models, partitioning, step, train
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import mesh, to_run_config
-from levanter_flax.data import eval_set, loader, prepare
+from levanter_flax.data import eval_set
+from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
 
 
-def source_of(directory: pathlib.Path) -> loader.Source:
-  return loader.Source("train", directory, prepare.load_manifest(directory), 1.0)
+def source_of(directory: pathlib.Path) -> PreparedDataset:
+  return PreparedDataset("train", directory, load_manifest(directory), 1.0)
 
 
 # Easy documents repeat one phrase; hard ones are random letters, which no model predicts.

@@ -22,7 +22,7 @@ from levanter_flax import preemption, report
 from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
-from levanter_flax.data.prepare import load_manifest
+from levanter_flax.data.manifest import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
 from test_main import NANO, TINY

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import prepare_texts, random_documents, write_dataset
-from levanter_flax.data import DataConfig, eval_set, loader, prepare, schedule, tfrecord
+from levanter_flax.data import DataConfig, eval_set, loader, schedule, tfrecord
+from levanter_flax.data.manifest import PreparedDataset, load_manifest
+from levanter_flax.data.position import DataPosition, ReaderGroups, default_reader_groups
 from levanter_flax.errors import UserError
 
 SEQ_LEN = 16
@@ -21,15 +23,15 @@ def datasets(tmp_path_factory) -> list[pathlib.Path]:
           for i, name in enumerate(["a", "b"])]
 
 
-def source(directory, name="train", weight=1.0) -> loader.Source:
-  return loader.Source(name, directory, prepare.load_manifest(directory), weight)
+def source(directory, name="train", weight=1.0) -> PreparedDataset:
+  return PreparedDataset(name, directory, load_manifest(directory), weight)
 
 
 def take(sources, count, *, seed=0, start=0, per_source=None, batch=1, **kwargs):
   """The first `count` batches (rows, when batch=1) and their sources, from window `start`."""
   per_source = per_source or ({s.name: start for s in sources} if len(sources) == 1 else {})
   dataset = loader.train_dataset(sources, seq_len=SEQ_LEN, local_batch_size=batch, seed=seed,
-                                 position=loader.DataPosition(start, per_source), **kwargs)
+                                 position=DataPosition(start, per_source), **kwargs)
   batches = list(dataset.take(count).as_numpy_iterator())
   return (np.stack([b["tokens"] for b in batches]).squeeze(1 if batch == 1 else ()),
           np.concatenate([b["source"] for b in batches]))
@@ -37,7 +39,7 @@ def take(sources, count, *, seed=0, start=0, per_source=None, batch=1, **kwargs)
 
 def packed_windows(directory, shards) -> list[tuple]:
   """Each shard's documents joined with EOS and cut into SEQ_LEN windows, read with plain TF."""
-  manifest = prepare.load_manifest(directory)
+  manifest = load_manifest(directory)
   windows = []
   for shard in shards:
     documents = tfrecord.read_shard(str(directory / shard["file"]), manifest["token_dtype"])
@@ -48,14 +50,14 @@ def packed_windows(directory, shards) -> list[tuple]:
 
 
 def epoch_length(directory, process_index=0, process_count=1) -> int:
-  shards = prepare.load_manifest(directory)["splits"]["train"][process_index::process_count]
+  shards = load_manifest(directory)["splits"]["train"][process_index::process_count]
   return int(schedule.shard_windows(shards, SEQ_LEN).sum())
 
 
 def test_an_epoch_is_every_packed_window_exactly_once(datasets):
   directory = datasets[0]
   windows, _ = take([source(directory)], epoch_length(directory))
-  expected = packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"])
+  expected = packed_windows(directory, load_manifest(directory)["splits"]["train"])
   assert sorted(map(tuple, windows)) == sorted(expected)
 
 
@@ -68,28 +70,28 @@ def test_same_seed_gives_the_same_batches(datasets):
 def test_processes_read_disjoint_shards_that_cover_the_dataset(datasets):
   directory = datasets[0]
   per_process = [set(map(tuple, take([source(directory)], epoch_length(directory, i, 2),
-                                     groups=loader.ReaderGroups(2, range(i, i + 1)))[0]))
+                                     groups=ReaderGroups(2, range(i, i + 1)))[0]))
                  for i in range(2)]
   assert not per_process[0] & per_process[1]
   assert per_process[0] | per_process[1] == set(
-      packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"]))
+      packed_windows(directory, load_manifest(directory)["splits"]["train"]))
 
 
 def test_batches_depend_on_the_reader_groups_not_on_the_processes(datasets):
   sources = [source(datasets[0])]
-  one_process, _ = take(sources, 5, batch=4, groups=loader.ReaderGroups(2, range(2)))
-  two_processes = [take(sources, 5, batch=2, groups=loader.ReaderGroups(2, range(i, i + 1)))[0]
+  one_process, _ = take(sources, 5, batch=4, groups=ReaderGroups(2, range(2)))
+  two_processes = [take(sources, 5, batch=2, groups=ReaderGroups(2, range(i, i + 1)))[0]
                    for i in range(2)]
   np.testing.assert_array_equal(one_process, np.concatenate(two_processes, axis=1))
   with pytest.raises(UserError, match=r"config.trainer.batch_size \(6\) must be a multiple of "
                                       r"the run's 4 reader groups \(config.data.reader_groups, "
                                       r"fixed when the run first started: its batches depend on "
                                       r"it\), e.g. 4 or 8$"):
-    take(sources, 1, batch=3, groups=loader.ReaderGroups(4, range(2)))
+    take(sources, 1, batch=3, groups=ReaderGroups(4, range(2)))
   with pytest.raises(UserError, match=r"this run's 2 processes cannot share its 3 reader groups "
                                       r"\(config.data.reader_groups, fixed when the run first "
                                       r"started\): run it on a number of processes that divides 3"):
-    loader.ReaderGroups.of_process(3, 0, 2)
+    ReaderGroups.of_process(3, 0, 2)
 
 
 @pytest.mark.parametrize("batch, processes, shards, filled, expected", [
@@ -99,8 +101,8 @@ def test_the_default_reader_groups_divide_the_batch_and_give_each_group_windows(
     batch, processes, shards, filled, expected):
   """`filled` of the shards hold a window of 16 tokens; the rest are (nearly) empty."""
   entries = [{"num_tokens": 40 if i < filled else 3, "num_documents": 1} for i in range(shards)]
-  sources = [loader.Source("a", pathlib.Path("a"), {"splits": {"train": entries}}, 1.0)]
-  assert loader.default_reader_groups(batch, processes, sources, 16) == expected
+  sources = [PreparedDataset("a", pathlib.Path("a"), {"splits": {"train": entries}}, 1.0)]
+  assert default_reader_groups(batch, processes, sources, 16) == expected
 
 
 def test_resume_at_any_position_continues_the_same_stream(datasets):
@@ -134,7 +136,7 @@ def test_mixture_draws_each_source_at_its_weight_and_resumes(datasets):
   windows, ids = take(sources, 2000)
   assert abs(np.mean(ids == 0) - 0.75) < 0.01
   for k, directory in enumerate(datasets):
-    own = set(packed_windows(directory, prepare.load_manifest(directory)["splits"]["train"]))
+    own = set(packed_windows(directory, load_manifest(directory)["splits"]["train"]))
     assert all(tuple(w) in own for w in windows[ids == k])
   mixture = schedule.Mixture(["a", "b"], [3.0, 1.0], seed=0)
   np.testing.assert_array_equal(mixture.consumed(777), np.bincount(ids[:777], minlength=2))
@@ -148,7 +150,7 @@ def damaged_copy(directory: pathlib.Path, destination: pathlib.Path, damage,
                  shard_index: int = 1) -> tuple[pathlib.Path, dict]:
   """A copy of the dataset with one train shard hurt by damage(path); returns that shard's entry."""
   shutil.copytree(directory, destination)
-  entry = prepare.load_manifest(destination)["splits"]["train"][shard_index]
+  entry = load_manifest(destination)["splits"]["train"][shard_index]
   damage(destination / entry["file"])
   return destination, entry
 
@@ -174,7 +176,7 @@ def train_batches(directory, on_corrupt_record, vocab_size=257):
   sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("data",)),
                                         jax.sharding.PartitionSpec("data"))
   return loader.TrainBatches([source(directory)], cfg, seq_len=SEQ_LEN, local_batch_size=4,
-                             seed=0, position=loader.DataPosition(0, {"train": 0}),
+                             seed=0, position=DataPosition(0, {"train": 0}),
                              sharding=sharding, vocab_size=vocab_size)
 
 
@@ -196,7 +198,7 @@ def test_a_damaged_shard_stops_the_run_naming_it_or_is_left_out_and_counted(data
   batches = [next(skipping) for _ in range((epoch_length(directory) - damaged_windows) // 4)]
   assert skipping.corrupt_records_skipped == entry["num_documents"]
   assert batches[-1][1].windows == 4 * len(batches)
-  intact = set(packed_windows(directory, [s for s in prepare.load_manifest(directory)["splits"][
+  intact = set(packed_windows(directory, [s for s in load_manifest(directory)["splits"][
       "train"] if s != entry]))
   assert all(tuple(w) in intact for batch, _ in batches for w in np.asarray(batch["tokens"]))
 
@@ -204,7 +206,7 @@ def test_a_damaged_shard_stops_the_run_naming_it_or_is_left_out_and_counted(data
 def test_a_source_whose_every_shard_is_damaged_ends_the_run(datasets, tmp_path):
   directory = tmp_path / "damaged"
   shutil.copytree(datasets[0], directory)
-  for entry in prepare.load_manifest(directory)["splits"]["train"]:
+  for entry in load_manifest(directory)["splits"]["train"]:
     keep_a_few_bytes(directory / entry["file"])
   skipping = train_batches(directory, "skip")
   with pytest.raises(UserError, match=f"every train shard of {directory} that reader group 0 "
@@ -252,7 +254,7 @@ def test_a_shard_of_other_data_with_the_same_counts_is_refused(datasets, tmp_pat
                                       f"its manifest lists: its tokens' CRC32C is \\d+, the "
                                       f"manifest's {entry['tokens_crc32c']}"):
     read_an_epoch(directory)
-  validation = prepare.load_manifest(directory)["splits"]["validation"][0]
+  validation = load_manifest(directory)["splits"]["validation"][0]
   reverse_each_document(directory / validation["file"])
   with pytest.raises(UserError, match=f"validation shard {directory / validation['file']} is not "
                                       f"the one its manifest lists"):
@@ -311,13 +313,13 @@ def test_a_dataset_with_fewer_filled_shards_than_reader_groups_says_so(tmp_path)
   the data's shards and the setting rather than a group number the user never chose."""
   directory = write_dataset(tmp_path / "data", random_documents(3), random_documents(3, 1), 8)
   sources = [source(directory)]
-  assert loader.default_reader_groups(8, 1, sources, SEQ_LEN) == 2  # Shards 0, 2, 5 hold them.
+  assert default_reader_groups(8, 1, sources, SEQ_LEN) == 2  # Shards 0, 2, 5 hold them.
   with pytest.raises(UserError, match=rf"^dataset {directory} is too small for the run's 8 reader "
                                       rf"groups \(config.data.reader_groups\): 3 of its 8 train "
                                       rf"shards hold a whole 16-token window \(3 documents in "
                                       rf"all\), and some groups read none of those; prepare it "
                                       rf"with fewer shards \(--num_shards=3\)"):
-    take(sources, 1, batch=8, groups=loader.ReaderGroups(8, range(8)))
+    take(sources, 1, batch=8, groups=ReaderGroups(8, range(8)))
 
 
 def test_the_whole_eval_set_is_the_validation_stream_cut_into_windows(datasets):
@@ -339,7 +341,7 @@ def test_the_train_stream_has_no_python_generator_dataset(datasets):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   dataset = loader.train_dataset([source(datasets[0], "a"), source(datasets[1], "b")],
                                  seq_len=SEQ_LEN, local_batch_size=2, seed=0,
-                                 position=loader.DataPosition(0, {}))
+                                 position=DataPosition(0, {}))
   graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph(  # pylint: disable=protected-access
       external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN).numpy())
   ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
@@ -351,5 +353,5 @@ def test_the_train_pipeline_runs_without_autotuning(datasets):
   which backs off to a minute: 2,000-step runs exited 5-25 s after their last step (seen in a
   native stack: ~RootDataset::Iterator waiting on its thread)."""
   train = loader.train_dataset([source(datasets[0])], seq_len=SEQ_LEN, local_batch_size=2, seed=0,
-                               position=loader.DataPosition(0, {"train": 0}))
+                               position=DataPosition(0, {"train": 0}))
   assert train.options().autotune.enabled is False

@@ -15,13 +15,14 @@ import pytest
 
 from conftest import REPO, parent_pid, prepare_texts, random_documents
 from levanter_flax.data import prepare, sources, tfrecord
+from levanter_flax.data.manifest import MANIFEST, load_manifest
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.errors import UserError
 
 
 def read_documents(directory, split=None) -> list[str]:
   """Every document of a prepared dataset, decoded back to text."""
-  manifest = prepare.load_manifest(directory)
+  manifest = load_manifest(directory)
   tokenizer = load_tokenizer("byte")
   splits = [split] if split else list(manifest["splits"])
   return [tokenizer.decode(tokens) for s in splits for shard in manifest["splits"][s]
@@ -55,7 +56,7 @@ def test_tfrecord_round_trip_is_exact(tmp_path, vocab_size):
 def test_text_files_round_trip_exactly(tmp_path):
   texts = random_documents(30) + ["   \n"]  # The blank one is skipped and counted.
   directory = prepare_texts(tmp_path, texts)
-  manifest = prepare.load_manifest(directory)
+  manifest = load_manifest(directory)
   assert sorted(read_documents(directory)) == sorted(texts[:-1])
   validation = read_documents(directory, "validation")
   assert 0 < len(validation) < 15
@@ -99,7 +100,7 @@ def test_parquet_reads_every_row_group_and_skips_nulls(tmp_path):
   prepare.prepare_dataset(prepare.PrepareOptions(source=spec, output_dir=tmp_path / "out",
                                                  validation_fraction=0.2, num_shards=3))
   assert sorted(read_documents(tmp_path / "out")) == sorted(texts + texts[:3])
-  assert prepare.load_manifest(tmp_path / "out")["source"]["empty_documents_skipped"] == 2
+  assert load_manifest(tmp_path / "out")["source"]["empty_documents_skipped"] == 2
 
 
 def test_zst_text_and_jsonl_are_read_as_they_are_decompressed(tmp_path):
@@ -136,7 +137,7 @@ def test_bad_parquet_and_zst_files_are_named(tmp_path, kind, name, write, fragme
         source=sources.SourceSpec(kind=kind, inputs=(str(tmp_path / name),)),
         output_dir=tmp_path / "out"))
   assert fragment in str(error.value) and str(tmp_path / name) in str(error.value)
-  assert not (tmp_path / "out" / prepare.MANIFEST).exists()
+  assert not (tmp_path / "out" / MANIFEST).exists()
 
 
 def _parquet(path, columns):
@@ -181,7 +182,7 @@ def test_parallel_workers_write_the_same_shards(tmp_path):
   texts = random_documents(20)
   one = prepare_texts(tmp_path / "one", texts)
   two = prepare_texts(tmp_path / "two", texts, num_workers=2)
-  for shard in prepare.load_manifest(one)["splits"]["train"]:
+  for shard in load_manifest(one)["splits"]["train"]:
     assert (one / shard["file"]).read_bytes() == (two / shard["file"]).read_bytes()
 
 
@@ -190,13 +191,13 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
   directory = prepare_texts(tmp_path, texts)
   before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in directory.glob("*.tfrecord")}
   # A run killed while writing shard 2: no manifest, no done-marker, a temp file left over.
-  (directory / prepare.MANIFEST).unlink()
+  (directory / MANIFEST).unlink()
   (directory / "shard-00002-of-00004.done.json").unlink()
   (directory / "train-00002-of-00004.tfrecord").unlink()
   (directory / "train-00002-of-00004.tfrecord.tmp-999").write_bytes(b"partial")
   # And what else a killed run leaves: temp files of a finished shard and of the JSON files.
   (directory / "train-00001-of-00004.tfrecord.tmp-998").write_bytes(b"partial")
-  for name in ("shard-00002-of-00004.done.json", prepare.MANIFEST, prepare.ARGUMENTS):
+  for name in ("shard-00002-of-00004.done.json", MANIFEST, prepare.ARGUMENTS):
     (directory / f"{name}.tmp-999").write_text("{")
   (directory / "notes.tmp-1").write_text("not ours")  # Someone else's file stays.
   prepare_again(tmp_path)
@@ -223,7 +224,7 @@ def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
   directory = prepare.prepare_dataset(prepare.PrepareOptions(
       source=spec, output_dir=tmp_path / "out", validation_fraction=0.0))
   assert sorted(read_documents(directory)) == ["caf\ufffd au lait", "plain"]
-  assert prepare.load_manifest(directory)["source"]["invalid_utf8_documents"] == 1
+  assert load_manifest(directory)["source"]["invalid_utf8_documents"] == 1
   warnings = [r.getMessage() for r in caplog.records
               if r.levelname == "WARNING" and r.getMessage().startswith("Prepared")]
   assert warnings == [f"Prepared {directory}: 6 of its 8 train shards are empty; --num_shards=2 or "
@@ -279,12 +280,12 @@ def test_a_tokenizer_trained_by_an_older_prepare_is_kept_if_complete(tmp_path):
   """Before tokenizer_sample_bytes, the BPE learnt from the whole train split."""
   options = {"train_tokenizer_vocab_size": 300, "tokenizer_sample_bytes": 2000}
   directory = prepare_texts(tmp_path, random_documents(10), **options)
-  assert prepare.load_manifest(directory)["tokenizer_training"]["documents"] > 0
+  assert load_manifest(directory)["tokenizer_training"]["documents"] > 0
   arguments = json.loads((directory / prepare.ARGUMENTS).read_text())
   del arguments["tokenizer_sample_bytes"]
   (directory / prepare.ARGUMENTS).write_text(json.dumps(arguments))
   assert prepare_again(tmp_path, **options) == directory
-  (directory / prepare.MANIFEST).unlink()
+  (directory / MANIFEST).unlink()
   with pytest.raises(UserError, match="partly prepared by an older prepare"):
     prepare_again(tmp_path, **options)
 
@@ -297,7 +298,7 @@ def test_command_line_trains_a_tokenizer_and_names_bad_input(tmp_path):
                        "--vocab_size=300", f"--output_dir={tmp_path}/out", "--num_shards=2",
                        "--validation_fraction=0.2")
   assert result.returncode == 0, result.stderr[-3000:]
-  manifest = prepare.load_manifest(tmp_path / "out")
+  manifest = load_manifest(tmp_path / "out")
   assert manifest["tokenizer"]["kind"] == "huggingface"
   assert manifest["tokenizer"]["vocab_size"] == 300
   assert manifest["token_dtype"] == "uint16"
@@ -529,7 +530,7 @@ def test_a_killed_prepare_or_worker_takes_the_others_with_it(tmp_path, victim):
 
 def test_malformed_manifests_are_named(tmp_path):
   directory = prepare_texts(tmp_path, random_documents(8))
-  path = directory / prepare.MANIFEST
+  path = directory / MANIFEST
   good = json.loads(path.read_text())
   (tmp_path / "outside.tfrecord").write_bytes(b"")
   delete = object()
@@ -558,9 +559,9 @@ def test_malformed_manifests_are_named(tmp_path):
       entry[last] = value
     path.write_text(json.dumps(manifest))
     with pytest.raises(UserError) as error:
-      prepare.load_manifest(directory)
+      load_manifest(directory)
     assert str(error.value).startswith(f"dataset manifest {path} {problem}"), keys
     assert "\n" not in str(error.value)
   path.write_text("[]")
   with pytest.raises(UserError, match=f"dataset manifest {path} is not a JSON object"):
-    prepare.load_manifest(directory)
+    load_manifest(directory)

@@ -15,6 +15,7 @@ from etils import epath
 
 from conftest import REPO, parent_pid, random_documents
 from levanter_flax.data import beam_engine, prepare, sources
+from levanter_flax.data.manifest import MANIFEST, load_manifest
 from levanter_flax.errors import UserError
 
 
@@ -109,7 +110,7 @@ def test_beam_with_two_workers_writes_the_local_engines_bytes(tmp_path, make_sou
       lambda: prepare_with("beam", source, tmp_path / "beam", num_workers=2, **options))
   assert len(workers) == 2
   assert_same_files(local, tmp_path / "beam")
-  manifest = prepare.load_manifest(local)
+  manifest = load_manifest(local)
   if options:  # The tokenizer saw about 4000 bytes: 1334 from each of the 3 parts.
     sample = manifest["tokenizer_training"]
     assert 4000 <= sample["text_bytes"] < 4000 + 3 * 400 and sample["documents"] < 20
@@ -124,11 +125,11 @@ def test_a_rerun_beam_job_keeps_finished_shards(tmp_path):
   complete = contents(directory)
   kept = {p.name: p.stat().st_mtime_ns for p in directory.glob("*-00000-of-00003.tfrecord")}
   # A job that died while writing shard 1: its files and the manifest are missing.
-  for name in (prepare.MANIFEST, "shard-00001-of-00003.done.json", "train-00001-of-00003.tfrecord"):
+  for name in (MANIFEST, "shard-00001-of-00003.done.json", "train-00001-of-00003.tfrecord"):
     (directory / name).unlink()
   (directory / "validation-00001-of-00003.tfrecord.tmp-99").write_bytes(b"partial")
   with pytest.raises(UserError, match="not a prepared dataset"):
-    prepare.load_manifest(directory)
+    load_manifest(directory)
   prepare_with("beam", source, directory)
   assert contents(directory) == complete
   assert kept == {p.name: p.stat().st_mtime_ns
@@ -186,7 +187,7 @@ def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith(f"levanter_flax: error: cannot read input file "
                          f"{tmp_path / 'input' / 'd.jsonl.zst'}: "), last
-  assert not (tmp_path / "out" / prepare.MANIFEST).exists()
+  assert not (tmp_path / "out" / MANIFEST).exists()
 
 
 def test_a_killed_beam_worker_is_one_line_and_the_rerun_finishes(tmp_path):
@@ -205,6 +206,6 @@ def test_a_killed_beam_worker_is_one_line_and_the_rerun_finishes(tmp_path):
   with pytest.raises(UserError, match="a Beam worker process died \\(killed, or out of memory\\?\\) "
                                       "while writing .*: run the same command again"):
     prepare_with("beam", source, tmp_path / "beam", num_workers=2)
-  assert killed and not (tmp_path / "beam" / prepare.MANIFEST).exists()
+  assert killed and not (tmp_path / "beam" / MANIFEST).exists()
   prepare_with("beam", source, tmp_path / "beam", num_workers=2)
   assert_same_files(prepare_with("local", source, tmp_path / "local"), tmp_path / "beam")

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, read_metrics, write_dataset
 from levanter_flax.config import changes, flat_dict, to_run_config
-from levanter_flax.data import loader
+from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.errors import UserError
 from levanter_flax.train import Progress, _check_resumed_config, train_and_evaluate
 from test_eval_set import EASY, HARD
@@ -134,7 +134,7 @@ def test_a_config_json_from_before_eval_tokens_is_the_same_run(tiny_config, capl
 
 
 def test_a_data_item_from_before_dataset_hashes_and_skip_counts_resumes(tmp_path, caplog):
-  source = loader.Source("train", tmp_path, {"splits": {}}, 1.0)
+  source = PreparedDataset("train", tmp_path, {"splits": {}}, 1.0)
   old = {"windows": 40, "per_source": {"train": 40}, "reader_groups": 1}
   progress = Progress.from_json(old)
   assert (progress.skipped_steps, progress.consecutive_skipped_steps) == (0, 0)

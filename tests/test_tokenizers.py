@@ -6,7 +6,8 @@ import pytest
 from conftest import prepare_texts, random_documents
 from levanter_flax import sample
 from levanter_flax.config import default_config, to_run_config
-from levanter_flax.data import loader, prepare, tfrecord
+from levanter_flax.data import loader, tfrecord
+from levanter_flax.data.manifest import load_manifest
 from levanter_flax.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
 
@@ -57,7 +58,7 @@ def test_dataset_is_tokenized_with_the_file_and_records_it(tmp_path, request, ki
   path = request.getfixturevalue({"bpe": "bpe_file", "sentencepiece": "sentencepiece_file"}[kind])
   texts = random_documents(20)
   directory = prepare_texts(tmp_path, texts, tokenizer=str(path), validation_fraction=0.0)
-  manifest = prepare.load_manifest(directory)
+  manifest = load_manifest(directory)
   tokenizer = load_tokenizer(str(path))
   assert manifest["tokenizer"]["vocab_size"] == tokenizer.vocab_size
   assert manifest["tokenizer"]["sha256"] == tokenizer.sha256
@@ -76,10 +77,10 @@ def test_config_with_another_tokenizer_is_refused(tmp_path, bpe_file):
   config.data.tokenizer = str(bpe_file)
   with pytest.raises(UserError, match=f"dataset {directory} was tokenized with byte \\(vocab 257\\), "
                      f"but config.data.tokenizer '{bpe_file}' is huggingface sha256:"):
-    loader.load_sources(to_run_config(config).data)
+    loader.load_datasets(to_run_config(config).data)
   config.data.tokenizer = str(tmp_path / "missing.json")
   with pytest.raises(UserError, match="is neither 'byte' nor an existing tokenizer.json"):
-    loader.load_sources(to_run_config(config).data)
+    loader.load_datasets(to_run_config(config).data)
 
 
 def test_sample_refuses_a_tokenizer_file_changed_since_the_run(tmp_path, bpe_file):

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from levanter_flax.data import import_tensorflow, loader
+from levanter_flax.data import import_tensorflow, integrity, loader
+from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.errors import UserError
 
 tf = import_tensorflow()
@@ -34,7 +35,7 @@ def spread(total: int, count: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
   """This process's share of one source's eval set: windows int32[share, seq_len]."""
-  source: loader.Source
+  source: PreparedDataset
   num_windows: int  # In the whole set, every process's share.
   windows: np.ndarray
   process_index: int
@@ -83,7 +84,7 @@ def process_rows(sharding: jax.sharding.Sharding, batch_size: int,
   return [np.array(sorted(r)) for r in rows]
 
 
-def num_windows(source: loader.Source, seq_len: int, eval_tokens: int | str) -> int:
+def num_windows(source: PreparedDataset, seq_len: int, eval_tokens: int | str) -> int:
   """How many windows the eval set holds: eval_tokens' worth, or all the split holds if that is
   less ("all": every one). A split without a whole window is refused."""
   available = _stream_tokens(source) // seq_len
@@ -95,7 +96,7 @@ def num_windows(source: loader.Source, seq_len: int, eval_tokens: int | str) -> 
   return available if eval_tokens == "all" else min(-(-eval_tokens // seq_len), available)
 
 
-def build(source: loader.Source, *, seq_len: int, eval_tokens: int | str, vocab_size: int,
+def build(source: PreparedDataset, *, seq_len: int, eval_tokens: int | str, vocab_size: int,
           process_index: int, process_count: int) -> EvalSet:
   """This process's share of the source's eval set, read and checked now, before training.
 
@@ -111,20 +112,21 @@ def build(source: loader.Source, *, seq_len: int, eval_tokens: int | str, vocab_
   share = np.array_split(chosen, process_count)[process_index]
   windows = _read_windows(source, share, seq_len, _decoder(source))
   if len(windows):
-    loader.check_token_ids(windows, vocab_size, lambda rows: {f"{source.directory} (validation)"})
+    integrity.check_token_ids(windows, vocab_size,
+                              lambda rows: {f"{source.directory} (validation)"})
   return EvalSet(source, count, windows, process_index, process_count)
 
 
-def _stream_tokens(source: loader.Source) -> int:
+def _stream_tokens(source: PreparedDataset) -> int:
   return sum(_shard_lengths(source))
 
 
-def _shard_lengths(source: loader.Source) -> list[int]:
+def _shard_lengths(source: PreparedDataset) -> list[int]:
   """Each validation shard's tokens, EOS included."""
   return [s["num_tokens"] + s["num_documents"] for s in source.manifest["splits"]["validation"]]
 
 
-def _read_windows(source: loader.Source, indices: np.ndarray, seq_len: int,
+def _read_windows(source: PreparedDataset, indices: np.ndarray, seq_len: int,
                   decode) -> np.ndarray:
   """Windows `indices` (ascending) of the validation stream, decoding each shard under them once."""
   ends = np.cumsum(_shard_lengths(source))
@@ -144,17 +146,17 @@ def _read_windows(source: loader.Source, indices: np.ndarray, seq_len: int,
   return windows
 
 
-def _decoder(source: loader.Source):
+def _decoder(source: PreparedDataset):
   """shard index -> that validation shard's tokens, EOS after each document, checked against
   its manifest entry."""
   # In a graph, as in the train stream: eagerly, an empty TensorArray cannot be concatenated.
-  decode = tf.function(functools.partial(loader.decode_shard, manifest=source.manifest),
+  decode = tf.function(functools.partial(integrity.decode_shard, manifest=source.manifest),
                        autograph=False)
 
   def checked(shard: int) -> np.ndarray:
     path = source.files("validation")[shard]
     decoded = decode(tf.constant(path))  # A tensor: one trace for every shard.
-    problem = loader.decode_mismatch(
+    problem = integrity.decode_mismatch(
         source.manifest["splits"]["validation"][shard], int(decoded.records),
         int(tf.size(decoded.tokens)), decoded.token_bytes.numpy(), path, "validation",
         source.manifest["token_dtype"])

@@ -1,29 +1,28 @@
 """The tf.data pipeline: TFRecord shards -> shuffled seq_len windows -> global jax.Arrays.
 
-The shards are dealt to reader groups (see `ReaderGroups`), and each process
-reads only its groups' shards. A shard is decoded whole, its documents
+The shards are dealt to reader groups (see `position.ReaderGroups`), and each
+process reads only its groups' shards. A shard is decoded whole, its documents
 joined with EOS and cut into windows, and the windows put in a seeded
-permutation; several shards decode in parallel. The order is fixed by
-`schedule`, so the stream restarts at any DataPosition after reading at most
-one shard per group. A mixture draws each window from one source by the
-schedule's blocks. `TrainBatches` turns per-process batches into global
-arrays sharded over the activation axis and tracks the position.
+permutation; several shards decode in parallel, each checked against its
+manifest (`integrity.ShardCheck`). The order is fixed by `schedule`, so the
+stream restarts at any DataPosition after reading at most one shard per group.
+A mixture draws each window from one source by the schedule's blocks.
+`TrainBatches` turns per-process batches into global arrays sharded over the
+activation axis and tracks the position.
 """
 import collections
 import dataclasses
 import functools
-import hashlib
-import json
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import google_crc32c
 import jax
 import numpy as np
-from absl import logging
-from etils import epath
 
 from levanter_flax import paths
-from levanter_flax.data import DataConfig, import_tensorflow, prepare, schedule, tfrecord
+from levanter_flax.data import DataConfig, import_tensorflow, prepare, schedule
+from levanter_flax.data.integrity import ShardCheck, check_token_ids, decode_shard
+from levanter_flax.data.manifest import PreparedDataset, load_manifest, manifest_tokenizer
+from levanter_flax.data.position import ONE_GROUP, DataPosition, ReaderGroups
 from levanter_flax.data.tokenizers import identity, load_tokenizer
 from levanter_flax.errors import UserError
 
@@ -42,223 +41,28 @@ _BATCHES_PREFETCHED = 4  # Elements ready ahead of the device copies.
 _BATCHES_PER_READ = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """One prepared dataset of the run, with its mixture weight."""
-  name: str
-  directory: epath.Path
-  manifest: dict
-  weight: float
-
-  def files(self, split: str) -> list[str]:
-    return [str(self.directory / shard["file"]) for shard in self.manifest["splits"][split]]
-
-  @functools.cached_property
-  def manifest_sha256(self) -> str:
-    """Which data this is: prepared again or replaced under the same path, it differs."""
-    return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
-
-  @property
-  def has_validation(self) -> bool:
-    return any(s["num_documents"] for s in self.manifest["splits"]["validation"])
-
-  @property
-  def validation_tokens_per_byte(self) -> float:
-    """Tokens the eval stream predicts (EOS included) per byte of validation text."""
-    shards = self.manifest["splits"]["validation"]
-    tokens = sum(s["num_tokens"] + s["num_documents"] for s in shards)
-    return tokens / max(sum(s["num_text_bytes"] for s in shards), 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReaderGroups:
-  """Which slice of every global batch this process reads, and from which shards.
-
-  Group g of `count` reads the shards g, g + count, ... of every source and
-  supplies rows [g, g + 1) * batch / count of each global batch; a process
-  reads its own consecutive groups and nothing else. The batches depend on
-  `count` alone: runs on 1 or 8 processes with the same count see the same
-  data, and resume on each other's checkpoints exactly.
-  """
-  count: int
-  mine: range
-
-  @classmethod
-  def of_process(cls, count: int, process_index: int, process_count: int) -> "ReaderGroups":
-    """`count` groups split evenly over the processes."""
-    if count % process_count:
-      raise UserError(f"this run's {process_count} processes cannot share its {count} reader "
-                      f"groups (config.data.reader_groups, fixed when the run first started): "
-                      f"run it on a number of processes that divides {count}, or start a new "
-                      f"run in a new --workdir")
-    per_process = count // process_count
-    return cls(count, range(process_index * per_process, (process_index + 1) * per_process))
-
-  def rows_per_group(self, local_batch_size: int, what: str) -> int:
-    if local_batch_size % len(self.mine):
-      total = local_batch_size * self.count // len(self.mine)
-      fitting = [n for n in (total // self.count * self.count, -(-total // self.count) * self.count)
-                 if n]
-      raise UserError(f"{what} ({total}) must be a multiple of the run's {self.count} reader "
-                      f"groups (config.data.reader_groups, fixed when the run first started: "
-                      f"its batches depend on it), e.g. {' or '.join(map(str, fitting))}")
-    return local_batch_size // len(self.mine)
-
-
-# Divides the usual batch sizes, and the host counts up to 8: a run started with it resumes
-# exactly on 1, 2, 4 or 8 processes.
-DEFAULT_READER_GROUPS = 8
-
-
-def default_reader_groups(batch_size: int, process_count: int, sources: list[Source],
-                          seq_len: int) -> int:
-  """The reader groups a run starts with unless config.data.reader_groups says otherwise.
-
-  The most, up to DEFAULT_READER_GROUPS (or the process count if that is
-  more), that split evenly over the processes and the batch, and whose every
-  group has a whole window to read in every source.
-  """
-  windows = [schedule.shard_windows(s.manifest["splits"]["train"], seq_len) for s in sources]
-  fitting = [count for count in range(process_count,
-                                      max(DEFAULT_READER_GROUPS, process_count) + 1, process_count)
-             if batch_size % count == 0
-             and all(w[group::count].sum() for w in windows for group in range(count))]
-  return max(fitting, default=process_count)
-
-
-ONE_GROUP = ReaderGroups(1, range(1))
-
-
-@dataclasses.dataclass(frozen=True)
-class DataPosition:
-  """How far each reader group has read: windows drawn in all, and from each source.
-
-  The counts are per reader group, so they mean something only for the
-  `reader_groups` they were read with (None: not known, from before it was
-  saved), and only in the datasets they were counted in: `datasets` holds each
-  source's manifest hash (empty: from before it was saved).
-  """
-  windows: int
-  per_source: dict[str, int]
-  reader_groups: Optional[int] = None
-  datasets: dict[str, str] = dataclasses.field(default_factory=dict)
-
-  @classmethod
-  def start(cls, sources: list[Source], reader_groups: int) -> "DataPosition":
-    return cls(0, {s.name: 0 for s in sources}, reader_groups,
-               {s.name: s.manifest_sha256 for s in sources})
-
-  def to_json(self) -> dict:
-    return {"windows": self.windows, "per_source": dict(self.per_source),
-            "reader_groups": self.reader_groups, "datasets": dict(self.datasets)}
-
-  @classmethod
-  def from_json(cls, value: dict) -> "DataPosition":
-    """Raises ValueError for anything but what to_json writes."""
-    try:
-      position = cls(value["windows"], dict(value["per_source"]), value.get("reader_groups"),
-                     dict(value.get("datasets", {})))
-    except (AttributeError, KeyError, TypeError, ValueError):
-      raise ValueError(f"not a data position: {value!r}") from None
-    counts = [position.windows, *position.per_source.values()]
-    if position.reader_groups is not None:
-      counts.append(position.reader_groups - 1)
-    if (not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
-        or not all(isinstance(h, str) for h in position.datasets.values())):
-      raise ValueError(f"not a data position: {value!r}")
-    return position
-
-  def in_datasets_of(self, sources: list[Source], restart_changed: bool) -> "DataPosition":
-    """This position in `sources`: refused (UserError) if one of them is not the dataset it
-    was counted in, unless `restart_changed`, which reads such a source from its start."""
-    if not self.datasets:
-      logging.warning("The checkpoint's data position predates dataset hashes: that %s are the "
-                      "datasets it counted in is not checked this once",
-                      ", ".join(str(s.directory) for s in sources))
-    changed = [s for s in sources if self.datasets.get(s.name, s.manifest_sha256)
-               != s.manifest_sha256]
-    if changed and not restart_changed:
-      source = changed[0]
-      raise UserError(
-          f"dataset {source.directory} is not the one the checkpoint's data position counts in "
-          f"(its manifest's sha256 is {source.manifest_sha256[:12]}, was "
-          f"{self.datasets[source.name][:12]}): it was prepared again or replaced, and resuming "
-          f"would read other data from that position. Point the config at the data the run "
-          f"started on, or set config.data.restart_changed_datasets=True to read it from its "
-          f"start")
-    for source in changed:
-      logging.warning("Dataset %s changed since the checkpoint (manifest sha256 %s, was %s); "
-                      "reading it from its start (config.data.restart_changed_datasets)",
-                      source.directory, source.manifest_sha256[:12],
-                      self.datasets[source.name][:12])
-    return dataclasses.replace(
-        self, per_source={**self.per_source, **{s.name: 0 for s in changed}},
-        datasets={**self.datasets, **{s.name: s.manifest_sha256 for s in sources}})
-
-
-def load_sources(cfg: DataConfig) -> list[Source]:
+def load_datasets(cfg: DataConfig) -> list[PreparedDataset]:
   """The run's datasets, preparing the built-in one if needed; checks their tokenizer."""
   entries = cfg.mixture or (("train", cfg.dataset, 1.0),)
   wanted = identity(load_tokenizer(cfg.tokenizer))
-  sources = []
+  datasets = []
   for name, dataset, weight in entries:
     if dataset == "stdlib":
       directory = prepare.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
                                           cfg.num_train_shards)
     else:
       directory = paths.resolve(dataset, f"config.data.{'mixture' if cfg.mixture else 'dataset'}")
-    manifest = prepare.load_manifest(directory)
-    found = prepare.manifest_tokenizer(manifest)
+    manifest = load_manifest(directory)
+    found = manifest_tokenizer(manifest)
     if not found.matches(wanted):
       raise UserError(f"dataset {directory} was tokenized with {found.describe()} "
                       f"(vocab {found.vocab_size}), but config.data.tokenizer {cfg.tokenizer!r} "
                       f"is {wanted.describe()} (vocab {wanted.vocab_size})")
-    sources.append(Source(name, directory, manifest, weight))
-  return sources
+    datasets.append(PreparedDataset(name, directory, manifest, weight))
+  return datasets
 
 
-# Records parsed per op while a shard is decoded: one op per document made a 1M-token shard
-# take 1.3 s of CPU to decode, which on a small CPU run competes with the train step.
-_RECORDS_PER_DECODE = 4096
-
-
-class DecodedShard(NamedTuple):
-  """A shard as read (tf tensors)."""
-  tokens: Any  # int32: every readable document, EOS after each.
-  records: Any  # The documents read.
-  token_bytes: Any  # Their raw token bytes joined, as the manifest's checksum covers them.
-
-
-def decode_shard(path, manifest: dict) -> DecodedShard:
-  """Unreadable records end the shard early rather than the run, and a batch of
-  records with one that does not parse, or whose bytes are not whole tokens,
-  is left out: the counts then differ from the manifest, which the caller
-  checks. The documents' bytes are joined and decoded in one op.
-  """
-  dtype, eos = getattr(tf, manifest["token_dtype"]), manifest["tokenizer"]["eos_id"]
-
-  def whole_tokens(raw):
-    return tf.boolean_mask(raw, tf.strings.length(raw) % dtype.size == 0)
-
-  def add(parts, raw):
-    joined, lengths = parts
-    return (joined.write(joined.size(), tf.strings.reduce_join(raw)),
-            lengths.write(lengths.size(), tf.strings.length(raw) // dtype.size))
-  batches = (tf.data.TFRecordDataset(path).ignore_errors().batch(_RECORDS_PER_DECODE)
-             .map(tfrecord.token_bytes).ignore_errors().map(whole_tokens))
-  joined, lengths = batches.reduce(
-      (tf.TensorArray(tf.string, size=0, dynamic_size=True, element_shape=[]),
-       tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False,
-                      element_shape=[None])), add)
-  token_bytes = tf.strings.reduce_join(joined.stack())
-  tokens = tf.io.decode_raw(token_bytes, dtype, little_endian=True)
-  lengths = lengths.concat()
-  documents = tf.RaggedTensor.from_row_lengths(tf.cast(tokens, tf.int32), lengths)
-  with_eos = tf.concat([documents, tf.fill([tf.size(lengths), 1], eos)], axis=1)
-  return DecodedShard(with_eos.flat_values, tf.size(lengths), token_bytes)
-
-
-def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "ShardCheck",
+def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: ShardCheck,
                    source_index: int):
   """A tf function: (shard, seed, skip) -> that shard's windows, shuffled, minus the first `skip`.
 
@@ -278,79 +82,7 @@ def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: "Shard
   return load
 
 
-class ShardCheck:
-  """Every train shard as decoded against its manifest entry: records, and tokens with EOS.
-
-  Runs on the host (tf.py_function) once per shard read, and never raises
-  there: TF would log the traceback. A shard that does not match (a
-  truncated or corrupt file, tokens of another dtype) yields no window. With
-  on_corrupt_record='fail' that sets `error`; with 'skip' it is counted and
-  warned about once (the reads ahead into later epochs would otherwise count
-  it again, as timing allows), and `error` is set only once every shard a
-  reader group reads is damaged, when no window can ever come. Once `error` is set the
-  shard schedule stops, so the stream ends rather than wait for ever, and
-  its consumer raises `error`.
-  """
-
-  def __init__(self, sources: list[Source], policy: str, groups: ReaderGroups, seq_len: int):
-    self._sources, self._policy, self._groups, self._seq_len = sources, policy, groups, seq_len
-    self.records_skipped = 0
-    self.error: Optional[UserError] = None
-    self._damaged: set[tuple[int, int]] = set()
-
-  def __call__(self, source_index: int, shard, records, tokens, token_bytes) -> bool:
-    """Whether the shard decoded to what the manifest says."""
-    source, shard = self._sources[source_index], int(shard)
-    entry = source.manifest["splits"]["train"][shard]
-    problem = decode_mismatch(entry, int(records), int(tokens), token_bytes.numpy(),
-                              source.directory / entry["file"], "train",
-                              source.manifest["token_dtype"])
-    if not problem:
-      return True
-    if self._policy == "fail":
-      self.error = self.error or UserError(f"{problem}; set config.data.on_corrupt_record='skip' "
-                                           f"to leave damaged shards out")
-      return False
-    if (source_index, shard) not in self._damaged:  # Once, not once per epoch read ahead.
-      logging.warning("%s; left out (config.data.on_corrupt_record='skip')", problem)
-      self.records_skipped += entry["num_documents"]
-      self._damaged.add((source_index, shard))
-      self._check_some_left(source_index)
-    return False
-
-  def _check_some_left(self, source_index: int) -> None:
-    source = self._sources[source_index]
-    shards = source.manifest["splits"]["train"]
-    windows = schedule.shard_windows(shards, self._seq_len)
-    for group in self._groups.mine:
-      if all((source_index, i) in self._damaged or not windows[i]
-             for i in range(group, len(shards), self._groups.count)):
-        self.error = UserError(f"every train shard of {source.directory} that reader group "
-                               f"{group} reads is damaged: nothing is left to train on")
-
-
-def decode_mismatch(entry: dict, records: int, tokens: int, token_bytes: bytes, path, split: str,
-                    dtype: str) -> str:
-  """'' if a shard decoded to the records, tokens (EOS included) and token checksum its
-  manifest entry lists (datasets prepared before checksums list none)."""
-  expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
-  if (records, tokens) != expected:
-    # Shards of another token dtype decode to twice or half the tokens, EOS aside.
-    other_dtype = records == expected[0] and tokens - records in (2 * entry["num_tokens"],
-                                                                  entry["num_tokens"] / 2)
-    return (f"damaged {split} shard {path}: it decodes to {records} records and {tokens} tokens "
-            f"(EOS included), but its manifest lists {expected[0]} and {expected[1]}"
-            + (f"; were its tokens written with another dtype than the manifest's {dtype}?"
-               if other_dtype else ""))
-  checksum = entry.get("tokens_crc32c")
-  if checksum is not None and google_crc32c.value(token_bytes) != checksum:
-    return (f"{split} shard {path} is not the one its manifest lists: its tokens' CRC32C is "
-            f"{google_crc32c.value(token_bytes)}, the manifest's {checksum} (the same counts, "
-            f"other tokens: a shard of other data, or damaged)")
-  return ""
-
-
-def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start: int,
+def _train_windows(source: PreparedDataset, index: int, *, seq_len: int, seed: int, start: int,
                    group: int, num_groups: int, check: ShardCheck,
                    decode_ahead: int) -> "tf.data.Dataset":
   """One source's endless window stream for one reader group, from its window `start`: an
@@ -391,7 +123,7 @@ def _train_windows(source: Source, index: int, *, seq_len: int, seed: int, start
 
 
 @_as_written
-def train_dataset(sources: list[Source], *, seq_len: int, local_batch_size: int, seed: int,
+def train_dataset(sources: list[PreparedDataset], *, seq_len: int, local_batch_size: int, seed: int,
                   position: DataPosition, groups: ReaderGroups = ONE_GROUP,
                   check: Optional[ShardCheck] = None,
                   batches_per_element: int = 0) -> "tf.data.Dataset":
@@ -428,7 +160,7 @@ def _pipeline_options() -> "tf.data.Options":
   return options
 
 
-def _group_batches(sources: list[Source], *, seq_len: int, seed: int, position: DataPosition,
+def _group_batches(sources: list[PreparedDataset], *, seq_len: int, seed: int, position: DataPosition,
                    group: int, num_groups: int, check: ShardCheck, decode_ahead: int,
                    rows: int) -> "tf.data.Dataset":
   """One reader group's batches of `rows` windows, every source mixed in by the schedule."""
@@ -500,7 +232,7 @@ class TrainBatches:
   outside the model's vocabulary stops the run naming its dataset.
   """
 
-  def __init__(self, sources: list[Source], cfg: DataConfig, *, seq_len: int,
+  def __init__(self, sources: list[PreparedDataset], cfg: DataConfig, *, seq_len: int,
                local_batch_size: int, seed: int, position: DataPosition,
                sharding: jax.sharding.Sharding, vocab_size: int,
                groups: ReaderGroups = ONE_GROUP):
@@ -548,15 +280,3 @@ class TrainBatches:
     for block in self._dataset.as_numpy_iterator():
       for i in range(len(block["tokens"])):
         yield {key: value[i] for key, value in block.items()}
-
-
-def check_token_ids(tokens: np.ndarray, vocab_size: int, datasets_of) -> None:
-  """Refuses ids outside [0, vocab_size): they would surface as a non-finite loss."""
-  low, high = int(tokens.min()), int(tokens.max())
-  if low >= 0 and high < vocab_size:
-    return
-  rows = np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))
-  bad = high if high >= vocab_size else low
-  raise UserError(f"token id {bad} in {', '.join(sorted(datasets_of(rows)))} is outside "
-                  f"config.model.vocab_size ({vocab_size}): the data does not match the model "
-                  f"(another tokenizer, or damaged shards)")

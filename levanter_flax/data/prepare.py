@@ -18,7 +18,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import pathlib
 import zlib
 
 from absl import logging
@@ -26,16 +25,14 @@ from etils import epath
 
 from levanter_flax import lifetime, locks, paths
 from levanter_flax.data import import_tensorflow, sources, tfrecord
-from levanter_flax.data.tokenizers import TokenizerIdentity, identity, load_tokenizer, train_bpe
+from levanter_flax.data.manifest import FORMAT_VERSION, MANIFEST, SPLITS
+from levanter_flax.data.tokenizers import identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
 
-FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
 ARGUMENTS = "prepare_args.json"
 TRAINED_TOKENIZER = "tokenizer.json"
 TOKENIZER_SAMPLE = "tokenizer_sample.json"  # What the trained tokenizer saw; goes into the manifest.
 ENGINES = ("local", "beam")
-SPLITS = ("train", "validation")
 DEFAULT_CACHE_DIR = "~/.cache/levanter_flax"
 
 
@@ -415,73 +412,3 @@ def builtin_dataset(cache_dir: str, tokenizer: str, validation_fraction: float,
       source=sources.SourceSpec(kind="stdlib"), output_dir=directory, tokenizer=tokenizer,
       num_shards=num_shards, validation_fraction=validation_fraction), wait=True)
 
-
-# What the trainer reads from a manifest, and of which type.
-_TOKENIZER_FIELDS = {"kind": str, "sha256": str, "vocab_size": int, "eos_id": int}
-_SHARD_FIELDS = {"file": str, "num_documents": int, "num_tokens": int, "num_text_bytes": int}
-
-
-def _lacks(value, where: str, fields: dict[str, type]) -> str:
-  """What `value`, called `where`, lacks of `fields` (name -> type), or ""."""
-  if not isinstance(value, dict):
-    return f"no {where} object"
-  missing = [k for k, kind in fields.items() if not isinstance(value.get(k), kind)]
-  return f"{where} lacks {', '.join(missing)}" if missing else ""
-
-
-def _manifest_problem(manifest: dict) -> str:
-  """What makes a manifest (of the right version) unusable, or ""."""
-  if problem := _lacks(manifest.get("tokenizer"), "'tokenizer'", _TOKENIZER_FIELDS):
-    return problem
-  if manifest.get("token_dtype") not in ("uint16", "int32"):
-    return f"'token_dtype' is {manifest.get('token_dtype')!r}, not uint16 or int32"
-  splits = manifest.get("splits")
-  for split in SPLITS:
-    if not isinstance(splits, dict) or not isinstance(splits.get(split), list):
-      return f"'splits' has no {split} list"
-    for i, shard in enumerate(splits[split]):
-      if problem := _lacks(shard, f"splits.{split}[{i}]", _SHARD_FIELDS):
-        return problem
-      if not isinstance(shard.get("tokens_crc32c", 0), int):  # Absent before checksums.
-        return f"splits.{split}[{i}] has a tokens_crc32c that is not an integer"
-  return ""
-
-
-def _is_inside(file: str) -> bool:
-  """Whether a shard's file names one in the dataset directory: relative, without '..'.
-
-  Lexical only: a shard the user symlinked onto another disk is still read.
-  """
-  parts = pathlib.PurePath(file).parts
-  return bool(parts) and not pathlib.PurePath(file).is_absolute() and ".." not in parts
-
-
-def load_manifest(directory: epath.Path) -> dict:
-  """Reads a dataset's manifest and checks its fields and that every shard it lists exists."""
-  path = directory / MANIFEST
-  if not path.exists():
-    raise UserError(f"{directory} is not a prepared dataset (no {MANIFEST}); "
-                    f"run python -m levanter_flax.prepare --output_dir={directory} ...")
-  try:
-    manifest = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
-    raise UserError(f"cannot read dataset manifest {path}: {e}") from e
-  if not isinstance(manifest, dict):
-    raise UserError(f"dataset manifest {path} is not a JSON object; prepare the data again")
-  if manifest.get("format_version") != FORMAT_VERSION:
-    raise UserError(f"{path} has format_version {manifest.get('format_version')}; "
-                    f"this trainer reads version {FORMAT_VERSION}; prepare the data again")
-  if problem := _manifest_problem(manifest):
-    raise UserError(f"dataset manifest {path} is malformed: {problem}; prepare the data again")
-  for split in SPLITS:
-    for shard in manifest["splits"][split]:
-      if not _is_inside(shard["file"]):
-        raise UserError(f"dataset manifest {path} lists shard file {shard['file']!r}, which is "
-                        f"outside its directory")
-      if not (directory / shard["file"]).exists():
-        raise UserError(f"shard {directory / shard['file']} listed in {path} is missing")
-  return manifest
-
-
-def manifest_tokenizer(manifest: dict) -> TokenizerIdentity:
-  return TokenizerIdentity(**{k: manifest["tokenizer"][k] for k in _TOKENIZER_FIELDS})
