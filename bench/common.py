@@ -1,7 +1,7 @@
 """Shared by the benchmarks: a compiled train step (GPT-2 or Llama) on a mesh, and its timing.
 
-Uses only jax, flax and optax, so it runs on accelerator machines without
-TensorFlow or ml_collections.
+Its run is built as levanter_flax.settings dataclasses, with jax, flax and optax alone, so it
+runs on accelerator machines without TensorFlow or ml_collections.
 """
 import dataclasses
 import statistics
@@ -10,15 +10,12 @@ import time
 import jax
 import numpy as np
 
-from levanter_flax import models, optim, partitioning, step
+from levanter_flax import optim, partitioning, settings, step
+from levanter_flax.data import DataConfig
 from levanter_flax.models.gpt2 import GPT2Config
 
-OPTIMIZER = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10, weight_decay=0.1,
-                                  max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
-                                  min_learning_rate_ratio=0.1)
-DATA_PARALLEL = partitioning.ShardingConfig(rules=(), activation_axis="data", parameter_axis=None,
-                                            optimizer_axis=None, tensor_axis=None, strict=False,
-                                            expert_axis=None)
+OPTIMIZER = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+DATA_PARALLEL = partitioning.ShardingConfig(tensor_axis=None)
 
 
 @dataclasses.dataclass
@@ -42,21 +39,29 @@ class CompiledStep:
     return statistics.median(self.step_once() for _ in range(num_steps))
 
 
-def compile_train_step(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
-                       sharding: partitioning.ShardingConfig = DATA_PARALLEL,
-                       optimizer: optim.OptimizerConfig = OPTIMIZER,
-                       num_microbatches: int = 1, document_masking: bool = False) -> CompiledStep:
-  """The model's train step compiled for `device_mesh`, with a random batch on the devices.
+def run_config(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
+               sharding: partitioning.ShardingConfig = DATA_PARALLEL,
+               optimizer: optim.OptimizerConfig = OPTIMIZER, num_microbatches: int = 1,
+               document_masking: bool = False) -> settings.RunConfig:
+  """A benchmark's run: the model on `device_mesh`, its learning rate scheduled over 1000 steps."""
+  trainer = settings.TrainerConfig(batch_size=batch_size, num_train_steps=1000,
+                                   device_mesh=device_mesh,
+                                   gradient_accumulation_steps=num_microbatches)
+  return settings.RunConfig(model=model_cfg, trainer=trainer, optimizer=optimizer,
+                            data=DataConfig(document_masking=document_masking), sharding=sharding)
 
-  With document_masking, token 0 stands for EOS: the mask costs the same wherever documents end.
+
+def compile_train_step(run: settings.RunConfig) -> CompiledStep:
+  """The run's train step compiled for its mesh, with a random batch on the devices.
+
+  With data.document_masking, token 0 stands for EOS: the mask costs the same wherever
+  documents end.
   """
-  partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh), sharding)
-  schedule = optim.learning_rate_schedule(optimizer, 1000)
-  steps = step.build_sharded_steps(models.build(model_cfg), optim.make_optimizer(optimizer, schedule),
-                                   schedule, partitioner, num_microbatches,
-                                   0 if document_masking else None)
-  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len),
-                                             dtype=np.int32)
+  partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
+                                         run.sharding)
+  steps = step.build(run, partitioner, 0 if run.data.document_masking else None)
+  tokens = np.random.default_rng(0).integers(
+      0, run.model.vocab_size, (run.trainer.batch_size, run.model.seq_len), dtype=np.int32)
   with partitioner.activation_context():
     state = steps.init(jax.random.key(0))
     # Each process places its own rows: this works on one process and on several.

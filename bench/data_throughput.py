@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from common import compile_train_step
+from common import compile_train_step, run_config
 from levanter_flax.data import DataConfig, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import DEFAULT_READER_GROUPS, DataPosition, ReaderGroups
@@ -48,7 +48,7 @@ def seconds_to_first_batch(sources, position: DataPosition, args) -> float:
 
 
 def trainer_tokens_per_second(model_cfg: GPT2Config, batch_size: int) -> float:
-  run = compile_train_step(model_cfg, batch_size, device_mesh=(("data", 1),))
+  run = compile_train_step(run_config(model_cfg, batch_size, device_mesh=(("data", 1),)))
   return batch_size * model_cfg.seq_len / run.median_seconds(num_steps=2)
 
 

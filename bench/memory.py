@@ -15,8 +15,8 @@ import dataclasses
 
 import jax
 
-from common import compile_train_step
-from levanter_flax.models.common import with_compute, REMAT_POLICIES
+from common import compile_train_step, run_config
+from levanter_flax.models.common import REMAT_POLICIES, with_compute
 from levanter_flax.models.gpt2 import GPT2Config
 
 
@@ -37,8 +37,8 @@ def main():
   print(f"{'case':44s} {'temp MiB':>10s} {'smaller':>8s} {'step s':>8s} {'slower':>8s}")
   baseline = None
   for name, model_cfg, num_microbatches in cases:
-    run = compile_train_step(model_cfg, args.batch_size, device_mesh=(("data", 1),),
-                             num_microbatches=num_microbatches)
+    run = compile_train_step(run_config(model_cfg, args.batch_size, device_mesh=(("data", 1),),
+                                        num_microbatches=num_microbatches))
     temp = run.compiled.memory_analysis().temp_size_in_bytes
     seconds = float("nan") if args.skip_timing else run.median_seconds(args.num_steps)
     baseline = baseline or (temp, seconds)

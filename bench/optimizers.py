@@ -12,7 +12,7 @@ import statistics
 
 import jax
 
-from common import OPTIMIZER, compile_train_step
+from common import OPTIMIZER, compile_train_step, run_config
 from levanter_flax import optim
 from levanter_flax.models.gpt2 import GPT2Config
 
@@ -33,7 +33,8 @@ def main():
   print(f"{'optimizer':12s} {'ms/step':>9s} {'vs adamw':>9s} {'state bytes/param':>18s}")
   baseline = None
   for name in optim.OPTIMIZERS:
-    run = compile_train_step(cfg, args.batch_size, optimizer=dataclasses.replace(OPTIMIZER, name=name))
+    run = compile_train_step(run_config(cfg, args.batch_size,
+                                        optimizer=dataclasses.replace(OPTIMIZER, name=name)))
     run.step_once()  # Warm-up.
     seconds = statistics.mean(run.step_once() for _ in range(steps_timed))
     baseline = baseline or seconds

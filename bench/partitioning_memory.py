@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # pylint: disable=g-import-not-at-top
 
-from common import DATA_PARALLEL, compile_train_step  # pylint: disable=g-import-not-at-top
+from common import DATA_PARALLEL, compile_train_step, run_config  # pylint: disable=g-import-not-at-top
 from levanter_flax import models, partitioning  # pylint: disable=g-import-not-at-top
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config  # pylint: disable=g-import-not-at-top
 
@@ -57,7 +57,7 @@ MIXTURE_LAYOUTS = {
 
 
 def measure(device_mesh, sharding, model_cfg: GPT2Config, batch_size: int, num_steps: int) -> dict:
-  run = compile_train_step(model_cfg, batch_size, device_mesh, sharding)
+  run = compile_train_step(run_config(model_cfg, batch_size, device_mesh, sharding))
   abstract, shardings = run.steps.abstract_state, run.steps.state_shardings
   return {
       "params": partitioning.per_device_bytes(abstract.params, shardings.params),

@@ -29,9 +29,7 @@ def first_step(cache_dir: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   from common import compile_train_step  # pylint: disable=g-import-not-at-top
   from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
-  run = to_run_config(_CONFIG.value)
-  compiled = compile_train_step(run.model, run.trainer.batch_size, run.trainer.device_mesh,
-                                run.sharding, run.optimizer, run.trainer.gradient_accumulation_steps)
+  compiled = compile_train_step(to_run_config(_CONFIG.value))
   compiled.step_once()
   print(f"compile {compiled.compile_seconds:.2f} s")
 

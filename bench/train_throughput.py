@@ -60,9 +60,7 @@ def main(argv):
   run = to_run_config(_CONFIG.value)
   model, trainer = run.model, run.trainer
   partitioning.split_cpu(trainer.cpu_devices)
-  compiled = compile_train_step(model, trainer.batch_size, trainer.device_mesh, run.sharding,
-                                run.optimizer, trainer.gradient_accumulation_steps,
-                                run.data.document_masking)
+  compiled = compile_train_step(run)
   step_seconds = compiled.median_seconds(_NUM_STEPS.value)
   device = jax.devices()[0]
   tokens_per_second = trainer.batch_size * model.seq_len / step_seconds

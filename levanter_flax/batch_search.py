@@ -21,10 +21,9 @@ import dataclasses
 from typing import Callable
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 
-from levanter_flax import checks, models, optim, partitioning, settings, step
+from levanter_flax import checks, partitioning, settings, step
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.schema import setting
 
@@ -61,22 +60,16 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
                accumulation: int = 1) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
-  Built as train.py builds it, so that the accumulator and the whole batch
+  Built by step.build, as train.py builds it, so that the accumulator and the whole batch
   (per_device x data-parallel size x accumulation sequences) are counted.
   """
-  schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
+  trainer = dataclasses.replace(run.trainer, gradient_accumulation_steps=accumulation)
   # The document mask costs the same whichever token is EOS, and the data is not read yet.
-  eos_id = 0 if run.data.document_masking else None
-  steps = step.build_sharded_steps(models.build(run.model),
-                                   optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, accumulation, eos_id)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       steps.abstract_state, steps.state_shardings)
-  batch = {"tokens": jax.ShapeDtypeStruct(
-      (per_device * partitioner.data_parallel_size * accumulation, run.model.seq_len), np.int32,
-      sharding=steps.batch_sharding)}
+  steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner,
+                     eos_id=0 if run.data.document_masking else None)
+  inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
   with partitioner.activation_context():
-    memory = steps.train_step.lower(state, batch).compile().memory_analysis()
+    memory = steps.train_step.lower(*inputs).compile().memory_analysis()
   return (memory.argument_size_in_bytes + memory.output_size_in_bytes
           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
 

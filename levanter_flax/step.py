@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import models, partitioning
+from levanter_flax import models, optim, partitioning, settings
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -198,13 +198,21 @@ def make_eval_step(model: nn.Module,
 @dataclasses.dataclass(frozen=True)
 class ShardedSteps:
   """The train state's layout and the jitted functions that create and advance it."""
-  abstract_state: TrainState  # ShapeDtypeStructs.
+  abstract_state: TrainState  # ShapeDtypeStructs, each with its sharding.
   state_shardings: TrainState  # NamedShardings.
   batch_sharding: jax.sharding.NamedSharding
+  seq_len: int  # Tokens per sequence of a batch.
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
   unmatched_params: frozenset[str]  # Those no partition rule matches.
+
+  def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
+    """train_step's arguments as ShapeDtypeStructs with their shardings, for global batches of
+    `batch_size` sequences: what an ahead-of-time compile takes, allocating nothing."""
+    tokens = jax.ShapeDtypeStruct((batch_size, self.seq_len), jnp.int32,
+                                  sharding=self.batch_sharding)
+    return self.abstract_state, {"tokens": tokens}
 
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
@@ -212,54 +220,59 @@ class ShardedSteps:
                                      self.unmatched_params)
 
 
-def build_sharded_steps(model: nn.Module, optimizer: optax.GradientTransformation,
-                        schedule: optax.Schedule, partitioner: partitioning.Partitioner,
-                        num_microbatches: int = 1, eos_id: int | None = None) -> ShardedSteps:
-  """Lays the state out with `partitioner` and jits init, train and eval with explicit shardings.
+def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+          eos_id: int | None = None) -> ShardedSteps:
+  """The run's init, train and eval steps, laid out with `partitioner` and jitted with
+  explicit shardings.
 
-  eos_id: mask attention per document (data.document_masking; see objective).
+  Reads run.model, run.optimizer (its schedule over trainer.num_train_steps) and
+  trainer.gradient_accumulation_steps. The partitioner is the caller's, made from the mesh
+  and run.sharding: call (and trace) the functions inside its activation_context().
 
-  Call (and trace) the functions inside partitioner.activation_context().
+  eos_id: mask attention per document, each ending at this token (data.document_masking;
+  see objective); None: no mask.
   """
+  model = models.build(run.model)
+  schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
+  optimizer = optim.make_optimizer(run.optimizer, schedule)
   init = functools.partial(init_state, model, optimizer)
-  abstract = jax.eval_shape(init, jax.random.key(0))
+  shapes = jax.eval_shape(init, jax.random.key(0))
   shardings = TrainState(
       step=partitioner.replicated,
-      params=partitioner.param_shardings(abstract.params),
-      opt_state=partitioner.opt_state_shardings(optimizer, abstract.opt_state, abstract.params))
+      params=partitioner.param_shardings(shapes.params),
+      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params))
   batch = partitioner.batch_sharding()
   replicated = partitioner.replicated
+  train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
+                               eos_id)
   return ShardedSteps(
-      abstract_state=abstract,
+      abstract_state=jax.tree.map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
       state_shardings=shardings,
       batch_sharding=batch,
+      seq_len=run.model.seq_len,
       init=jax.jit(init, out_shardings=shardings),
-      train_step=jax.jit(make_train_step(model, optimizer, schedule, num_microbatches, eos_id),
-                         in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
-                         donate_argnums=(0,)),
+      train_step=jax.jit(train_step, in_shardings=(shardings, batch),
+                         out_shardings=(shardings, replicated), donate_argnums=(0,)),
       eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.params, batch),
                         out_shardings=replicated),
-      unmatched_params=frozenset(partitioner.unmatched(abstract.params)),
+      unmatched_params=frozenset(partitioner.unmatched(shapes.params)),
   )
 
 
 def compile_in_background(steps: ShardedSteps, partitioner: partitioning.Partitioner,
-                          state: TrainState, batch_size: int,
-                          seq_len: int) -> concurrent.futures.Future:
-  """The train step compiled for `state` (ShapeDtypeStructs with their shardings) and global
-  batches of (batch_size, seq_len) tokens, in a thread.
+                          batch_size: int) -> concurrent.futures.Future:
+  """The train step compiled for global batches of `batch_size` sequences (on
+  steps.abstract_inputs), in a thread.
 
   Compiling takes seconds on a CPU and minutes for a large model on a GPU;
   started once the layout is known, it overlaps creating or restoring the
   state and starting the input. The future holds the compiled step (called
   like train_step) or the error compiling raised.
   """
-  batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32,
-                                          sharding=steps.batch_sharding)}
-
   def compile_step():
     with partitioner.activation_context():  # Its mesh and axis rules are per thread.
-      return steps.train_step.lower(state, batch).compile()
+      return steps.train_step.lower(*steps.abstract_inputs(batch_size)).compile()
   executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step")
   try:
     return executor.submit(compile_step)

@@ -15,7 +15,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from levanter_flax import (batch_search, config, distributed, flops, hf, locks, metrics, models,
-                           monitoring, optim, partitioning, paths, preemption, report, step)
+                           monitoring, partitioning, paths, preemption, report, step)
 from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
 from levanter_flax.settings import RunConfig
 from levanter_flax.data import eval_set, loader
@@ -201,12 +201,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     if source.has_validation:
       eval_set.num_windows(source, run.model.seq_len, trainer.eval_tokens)
 
-  model = models.build(run.model)
-  schedule = optim.learning_rate_schedule(run.optimizer, trainer.num_train_steps)
-  optimizer = optim.make_optimizer(run.optimizer, schedule)
   eos_id = sources[0].manifest["tokenizer"]["eos_id"] if run.data.document_masking else None
-  steps = step.build_sharded_steps(model, optimizer, schedule, partitioner,
-                                   trainer.gradient_accumulation_steps, eos_id)
+  steps = step.build(run, partitioner, eos_id)
   num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
   logging.info("Model: %s, %s parameters; mesh %s", run.model, f"{num_params:,}", dict(mesh.shape))
   logging.info("Parameter layout:\n%s", steps.layout_table())
@@ -220,10 +216,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     config_changes = _check_resumed_config(run, saved, workdir)
     # Compiled while the state is restored or created and the input starts; not for a run
     # that looks finished, which only says so.
-    compile_step = functools.partial(
-        step.compile_in_background, steps, partitioner,
-        abstract_like(steps.abstract_state, steps.state_shardings), trainer.batch_size,
-        run.model.seq_len)
+    compile_step = functools.partial(step.compile_in_background, steps, partitioner,
+                                     trainer.batch_size)
     finished = (checkpointer.latest_step or 0) >= trainer.num_train_steps
     compiled_step = None if finished else compile_step()
     try:

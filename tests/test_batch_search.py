@@ -4,12 +4,10 @@ import math
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
 
 from conftest import REPO
-from levanter_flax import batch_search, models, optim, step
+from levanter_flax import batch_search, step
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.partitioning import Partitioner, make_mesh
@@ -63,17 +61,14 @@ def test_accumulation_search_tries_only_real_splits_and_is_exact():
 
 
 def compiled_bytes(run, partitioner, per_device: int, accumulation: int) -> int:
-  """The real step's per-device bytes, built here as train.py builds it, not by step_bytes."""
-  schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
-  steps = step.build_sharded_steps(models.build(run.model),
-                                   optim.make_optimizer(run.optimizer, schedule), schedule,
-                                   partitioner, accumulation)
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       steps.abstract_state, steps.state_shardings)
-  tokens = jax.ShapeDtypeStruct((per_device * partitioner.data_parallel_size * accumulation,
-                                 run.model.seq_len), np.int32, sharding=steps.batch_sharding)
+  """The real step's per-device bytes: the run as resolve would return it, built and compiled as
+  train.py does, not by step_bytes."""
+  batch_size = per_device * partitioner.data_parallel_size * accumulation
+  trainer = dataclasses.replace(run.trainer, batch_size=batch_size,
+                                gradient_accumulation_steps=accumulation)
+  steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner)
   with partitioner.activation_context():
-    memory = steps.train_step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+    memory = steps.train_step.lower(*steps.abstract_inputs(batch_size)).compile().memory_analysis()
   return (memory.argument_size_in_bytes + memory.output_size_in_bytes
           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
 

@@ -6,7 +6,6 @@ import pathlib
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from conftest import read_metrics, write_dataset
@@ -74,8 +73,7 @@ def test_eval_loss_of_the_same_params_does_not_depend_on_the_batch_layout(tiny_c
     run = to_run_config(tiny_config)
     partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
                                            run.sharding)
-    steps = step.build_sharded_steps(models.build(run.model), optax.sgd(0.0), lambda _: 0.0,
-                                     partitioner, accumulation, eos_id=256)
+    steps = step.build(run, partitioner, eos_id=256)
     with partitioner.activation_context():
       params = steps.init(jax.random.key(0)).params
       evaluate = train._make_evaluate(run, steps, [source_of(directory)])  # pylint: disable=protected-access

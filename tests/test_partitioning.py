@@ -67,9 +67,11 @@ def spec_of(array: jax.Array) -> tuple:
 
 
 def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSteps:
-  schedule = optim.learning_rate_schedule(OPTIMIZER, 100)
-  return step.build_sharded_steps(models.build(model), optim.make_optimizer(OPTIMIZER, schedule),
-                                  schedule, partitioner)
+  """The model's steps with OPTIMIZER, its schedule over 100 steps, one microbatch a step."""
+  nano = to_run_config(load_config_file("gpt2_nano"))
+  trainer = dataclasses.replace(nano.trainer, num_train_steps=100, gradient_accumulation_steps=1)
+  run = dataclasses.replace(nano, model=model, optimizer=OPTIMIZER, trainer=trainer)
+  return step.build(run, partitioner)
 
 
 def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL):
@@ -149,10 +151,8 @@ def tiny(name: str, **fields):
 def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:
   """How many elements the compiled train step all-gathers, in all."""
   steps = build(partitioner, model)
-  batch = {"tokens": jax.ShapeDtypeStruct((batch_size, model.seq_len), np.int32,
-                                          sharding=steps.batch_sharding)}
   with partitioner.activation_context():
-    hlo = steps.train_step.lower(steps.abstract_state, batch).compile().as_text()
+    hlo = steps.train_step.lower(*steps.abstract_inputs(batch_size)).compile().as_text()
   return sum(np.prod([int(n) for n in dims.split(",") if n])
              for dims in re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather", hlo))
 
