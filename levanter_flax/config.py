@@ -24,7 +24,7 @@ from levanter_flax.distributed import DistributedConfig
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
 from levanter_flax.optim import OptimizerConfig
-from levanter_flax.partitioning import ShardingConfig
+from levanter_flax.partitioning import ShardingConfig, parse_logical_axis_rules
 from levanter_flax.settings import RunConfig, TrainerConfig
 
 
@@ -211,6 +211,10 @@ def default_config() -> ml_collections.ConfigDict:
   config.sharding.tensor_axis = "model"
   # Where a mixture of experts' experts go (logical axis "experts"): expert parallelism.
   config.sharding.expert_axis = ""
+  # (logical axis, mesh axes) pairs over what the keys above give, for parameters and
+  # activations alike: (("length", "seq"),) splits the sequence (context parallelism); a new
+  # name is a logical axis sharding.rules may use. Mesh axes as above; None or "" is none.
+  config.sharding.logical_axis_rules = ()
   config.sharding.strict = False  # Refuse parameters that no rule matches.
   return config
 
@@ -435,6 +439,7 @@ _CONVERTERS = {
     "sharding.optimizer_axis": _axes,
     "sharding.tensor_axis": _axes,
     "sharding.expert_axis": _axes,
+    "sharding.logical_axis_rules": parse_logical_axis_rules,
 }
 
 
