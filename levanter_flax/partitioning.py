@@ -2,12 +2,13 @@
 
 A rule is (regex, spec): the regex is matched against a parameter's
 '/'-joined Flax path (e.g. "h_3/attn/c_attn/kernel") and the first match wins.
-A spec gives each array dimension a logical axis name (LOGICAL_AXES: what the
-dimension is), a mesh axis name, a tuple of names, or None. Logical names are
-the ones the models' activation constraints use too, and ShardingConfig maps
-both onto the mesh: heads, kv_heads, mlp and vocab onto `tensor_axis`, the
-batch onto `activation_axis`, a mixture's experts onto `expert_axis`; the rest
-are not split by a rule. On top of the
+A spec gives each array dimension a logical axis name (what the dimension is),
+a mesh axis name, a tuple of names, or None. Logical names are the ones the
+models' activation constraints use too (role_presets' keys), and one table maps them
+onto the mesh for both: the role keys of ShardingConfig fill it (heads,
+kv_heads, mlp and vocab onto `tensor_axis`, the batch onto `activation_axis`,
+a mixture's experts onto `expert_axis`; the rest are not split), and
+`logical_axis_rules` overrides entries or adds new logical names. On top of the
 rules, `parameter_axis` (ZeRO-3/FSDP) and `optimizer_axis` (ZeRO-1) shard each
 array along its largest evenly divisible dimension that no rule has claimed.
 """
@@ -28,10 +29,8 @@ from levanter_flax.errors import UserError
 from levanter_flax.schema import setting
 
 AxisNames = Union[None, str, tuple[str, ...]]
-
-# What a dimension is, for parameters and activations alike.
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "mlp", "vocab", "layers",
-                "experts")
+# (logical axis, mesh axes) pairs, as t5x's and Flax's logical_axis_rules write them.
+AxisRules = tuple[tuple[str, AxisNames], ...]
 
 
 def axes_value(key: str, value: Any) -> AxisNames:
@@ -65,6 +64,27 @@ def rules_value(key: str, value: Any) -> tuple[tuple[str, tuple[AxisNames, ...]]
                for pattern, spec in rules)
 
 
+def parse_logical_axis_rules(key: str, value: Any) -> AxisRules:
+  """The config value of `key` (a sequence of (logical axis, mesh axes) pairs) as AxisRules.
+
+  Mesh axes as axes_value reads them. Whether the mesh has them is Partitioner's check.
+  """
+  if isinstance(value, str) or not isinstance(value, Sequence):
+    raise UserError(f"{key} must be a sequence of (logical axis, mesh axes) pairs, e.g. "
+                    f"((\"length\", \"seq\"),); got {value!r}")
+  rules = {}
+  for entry in value:
+    if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+            and entry[0]):
+      raise UserError(f"{key} entry {entry!r} must be a (logical axis name, mesh axes) pair, mesh "
+                      f"axes a name, comma-separated names, a tuple of names, or None")
+    name, axes = entry
+    if name in rules:
+      raise UserError(f"{key} names logical axis {name!r} twice")
+    rules[name] = axes_value(f"{key} entry {entry!r}", axes)
+  return tuple(rules.items())
+
+
 def _axes_setting(default: AxisNames, doc: str) -> Any:
   return setting(default, doc, convert=axes_value, written=default or "")
 
@@ -86,6 +106,23 @@ class ShardingConfig:
   strict: bool = setting(False, "Refuse parameters that no rule matches")
   expert_axis: AxisNames = _axes_setting(
       None, "Where a mixture of experts' experts go (logical axis experts): expert parallelism")
+  logical_axis_rules: AxisRules = setting(
+      (), "(logical axis, mesh axes) pairs over what the role keys above give, for parameters "
+      "and activations alike: ((\"length\", \"seq\"),) splits the sequence (context "
+      "parallelism); a new name is a logical axis sharding.rules may use",
+      convert=parse_logical_axis_rules)
+
+
+def role_presets(config: ShardingConfig) -> dict[str, AxisNames]:
+  """The logical -> mesh axes table that the role keys give, before logical_axis_rules.
+
+  "experts" first: flax gives a mesh axis to the logical axes in this order, and an expert
+  stack's first dimension has the expert axis when "mlp" maps there too (_spec_on_mesh).
+  """
+  tensor = config.tensor_axis
+  return {"experts": config.expert_axis, "batch": config.activation_axis, "length": None,
+          "embed": None, "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor,
+          "layers": None}
 
 
 def split_cpu(num_devices: int) -> None:
@@ -150,12 +187,15 @@ class Partitioner:
                 "expert_axis"):
       for axis in _axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
-    tensor = config.tensor_axis
-    # "experts" first: flax gives a mesh axis to the logical axes in this order, and an expert
-    # stack's first dimension has the expert axis when "mlp" maps there too (_spec_on_mesh).
-    self.logical_axes = {"experts": config.expert_axis, "batch": config.activation_axis,
-                         "length": None, "embed": None, "heads": tensor, "kv_heads": tensor,
-                         "mlp": tensor, "vocab": tensor, "layers": None}
+    for name, axes in config.logical_axis_rules:
+      where = f"config.sharding.logical_axis_rules entry {name!r}"
+      if name in mesh.shape:
+        raise UserError(f"{where} is a mesh axis of trainer.device_mesh; give the logical axis "
+                        f"another name")
+      for axis in _axes_of(axes):
+        self._check_axis(axis, where)
+    # The one table for parameters (the rules' logical names) and activations.
+    self.logical_axes = {**role_presets(config), **dict(config.logical_axis_rules)}
     self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
                         for pattern, spec in config.rules)
 
@@ -185,7 +225,8 @@ class Partitioner:
       else:
         raise UserError(f"config.sharding.rules entry {pattern!r} names {name!r}, which is "
                         f"neither a mesh axis {tuple(self.mesh.shape)} (trainer.device_mesh) "
-                        f"nor a logical axis ({', '.join(LOGICAL_AXES)})")
+                        f"nor a logical axis ({', '.join(self.logical_axes)}; "
+                        f"config.sharding.logical_axis_rules)")
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
   def _axis_size(self, entry: AxisNames) -> int:
@@ -271,11 +312,11 @@ class Partitioner:
                                  transform_non_params=lambda _: self.replicated)
 
   def batch_sharding(self) -> NamedSharding:
-    return self.sharding(PartitionSpec(self.config.activation_axis))
+    return self.sharding(PartitionSpec(self.logical_axes["batch"]))
 
   @property
   def data_parallel_size(self) -> int:
-    return self._axis_size(self.config.activation_axis)
+    return self._axis_size(self.logical_axes["batch"])
 
   def unmatched(self, abstract_params) -> set[str]:
     """The parameters no rule matches: replicated, unless a ZeRO axis splits them."""

@@ -74,6 +74,13 @@ def test_axes_accept_names_and_comma_lists():
     ("optimizer", "min_learning_rate_ratio", 2.0, "config.optimizer.min_learning_rate_ratio must be in [0, 1]"),
     ("data", "num_train_shards", 0, "config.data.num_train_shards must be >= 1; got 0"),
     ("sharding", "rules", (("h_(", (None,)),), "config.sharding.rules: 'h_(' is not a valid regex"),
+    ("sharding", "logical_axis_rules", (("length",),),
+     "config.sharding.logical_axis_rules entry ('length',) must be a (logical axis name, mesh "
+     "axes) pair"),
+    ("sharding", "logical_axis_rules", (("length", 4),),
+     "config.sharding.logical_axis_rules entry ('length', 4) must be a (logical axis name, mesh "),
+    ("sharding", "logical_axis_rules", (("length", "seq"), ("length", None)),
+     "config.sharding.logical_axis_rules names logical axis 'length' twice"),
 ])
 def test_bad_values_are_named(section, key, value, message):
   config = default_config()
@@ -115,6 +122,14 @@ def test_wrong_type_is_named():
   # A config file that builds its own ConfigDict is not type-checked by it.
   config.trainer = ml_collections.ConfigDict({**config.trainer, "batch_size": "16"})
   with pytest.raises(UserError, match="config key config.trainer.batch_size must be a positive int or 'auto'; got '16'"):
+    to_run_config(config)
+
+
+def test_a_logical_axis_table_that_is_no_sequence_of_pairs_is_named():
+  config = default_config()
+  config.sharding = ml_collections.ConfigDict({**config.sharding, "logical_axis_rules": "length=seq"})
+  with pytest.raises(UserError, match=re.escape("config.sharding.logical_axis_rules must be a "
+                                                "sequence of (logical axis, mesh axes) pairs")):
     to_run_config(config)
 
 

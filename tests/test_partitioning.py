@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, load_config_file
 from levanter_flax import models, optim, partitioning, step
-from levanter_flax.config import to_run_config
+from levanter_flax.config import default_config, mesh, to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
@@ -24,10 +24,10 @@ BATCH_SIZE, NUM_STEPS = 8, 5
 
 
 def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=False,
-                    expert_axis=None):
+                    expert_axis=None, logical_axis_rules=()):
   return ShardingConfig(rules=rules, activation_axis="data", parameter_axis=parameter_axis,
                         optimizer_axis=None, tensor_axis=tensor_axis, strict=strict,
-                        expert_axis=expert_axis)
+                        expert_axis=expert_axis, logical_axis_rules=logical_axis_rules)
 
 
 TENSOR_PARALLEL = dict(rules=PARTITION_RULES, tensor_axis="model")
@@ -277,7 +277,7 @@ def test_rules_mix_logical_and_mesh_axes_and_the_table_names_what_none_matched()
 @pytest.mark.parametrize("device_mesh, config, model, message", [
     ((("data", 8),), sharding_config(rules=((r"wte/embedding$", ("model", None)),)), MODEL,
      "config.sharding.rules entry 'wte/embedding$' names 'model', which is neither a mesh axis "
-     "('data',) (trainer.device_mesh) nor a logical axis (batch, length, embed, heads, "),
+     "('data',) (trainer.device_mesh) nor a logical axis (experts, batch, length, embed, heads, "),
     ((("data", 4), ("model", 2)), sharding_config(**TENSOR_PARALLEL),
      GPT2Config(vocab_size=383, seq_len=32, num_layers=1, num_heads=4, hidden_dim=64),
      "parameter wte/embedding (383, 64): dimension 0 (383) is not divisible by mesh axis 'model' of size 2"),
@@ -288,6 +288,11 @@ def test_rules_mix_logical_and_mesh_axes_and_the_table_names_what_none_matched()
      "trainer.device_mesh {'data': 3, 'model': 2}: the sizes multiply to 6 but there are 8 devices"),
     ((("data", 8),), sharding_config(parameter_axis="fsdp"), MODEL,
      "config.sharding.parameter_axis names mesh axis 'fsdp'"),
+    ((("data", 8),), sharding_config(logical_axis_rules=(("length", ("data", "seq")),)), MODEL,
+     "config.sharding.logical_axis_rules entry 'length' names mesh axis 'seq', but the mesh has "
+     "only ('data',)"),
+    ((("data", 8),), sharding_config(logical_axis_rules=(("data", None),)), MODEL,
+     "config.sharding.logical_axis_rules entry 'data' is a mesh axis of trainer.device_mesh"),
     ((("data", 8),), sharding_config(rules=models.FAMILIES["llama"].partition_rules), MODEL,
      "config.sharding.rules match none of the model's parameters (e.g. h_0/attn/c_attn/bias)"),
 ])
@@ -326,6 +331,9 @@ def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(nam
 @pytest.mark.parametrize("args, fragment", [
     (['--config.sharding.rules=(("h_(", (None,)),)'], "is not a valid regex"),
     (["--config.trainer.device_mesh.data=3"], "the sizes multiply to 3 but there are 8 devices"),
+    (['--config.sharding.logical_axis_rules=(("length", "seq"),)'],
+     "config.sharding.logical_axis_rules entry 'length' names mesh axis 'seq', but the mesh has "
+     "only ('data', 'model')"),
     (["--config.trainer.device_mesh.model=2", "--config.model.vocab_size=385"],
      "parameter wte/embedding (385, 128): dimension 0 (385) is not divisible by mesh axis 'model' of size 2"),
 ])
@@ -343,3 +351,54 @@ def test_an_untied_gpt2_head_is_split_by_vocabulary_like_the_embedding():
             jax.tree_util.tree_leaves_with_path(steps.state_shardings.params)}
   assert tuple(params["lm_head/kernel"].spec) == (None, "model")  # [hidden, vocab].
   assert tuple(params["wte/embedding"].spec) == ("model", None)
+
+
+def test_the_default_table_is_what_the_role_keys_gave():
+  """Before sharding.logical_axis_rules the role keys were the table; by default they still are,
+  in the same order (flax hands out mesh axes in it), for parameters and activations."""
+  partitioner = Partitioner(make_mesh((("data", 4), ("model", 2))),
+                            to_run_config(default_config()).sharding)
+  table = (("experts", None), ("batch", "data"), ("length", None), ("embed", None),
+           ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model"),
+           ("layers", None))
+  assert tuple(partitioner.logical_axes.items()) == table
+  with partitioner.activation_context():
+    assert tuple(flax.linen.get_logical_axis_rules()) == table
+  assert partitioner.batch_sharding().spec == jax.sharding.PartitionSpec("data")
+
+
+def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_losses):
+  """Context-parallel style: "length" onto a mesh axis splits activations' sequence dimension
+  and the position embedding's rows (its rule names "length"), by the table alone."""
+  config = sharding_config(rules=PARTITION_RULES, logical_axis_rules=(("length", "seq"),))
+  device_mesh = (("data", 2), ("seq", 4))
+  losses, state = train(device_mesh, config)
+  np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)
+  params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+  assert spec_of(params["wpe/embedding"]) == ("seq", None)
+  assert spec_of(params["wte/embedding"]) == (None, None)  # vocab: tensor_axis, here none.
+  partitioner = Partitioner(make_mesh(device_mesh), config)
+  tokens = jax.device_put(np.zeros((BATCH_SIZE, MODEL.seq_len), np.int32),
+                          partitioner.batch_sharding())
+  with partitioner.activation_context():
+    logits = jax.jit(models.build(MODEL).apply)({"params": state.params}, tokens)
+  assert spec_of(logits) == ("data", "seq", None)  # The model's last constraint.
+
+
+def test_a_new_logical_name_in_the_table_serves_the_rules_from_the_config_alone():
+  config = default_config()
+  config.trainer.device_mesh = mesh(data=2, seq=2, model=2)
+  config.model.vocab_size = 50304  # Divisible by the 4 devices of model and seq.
+  config.sharding.logical_axis_rules = (("sequence", "seq"), ("vocab", "model,seq"))
+  config.sharding.rules = ((r"wpe/embedding$", ("sequence", "embed")),)
+  run = to_run_config(config)
+  assert run.sharding.logical_axis_rules == (("sequence", "seq"), ("vocab", ("model", "seq")))
+  sizes = dict(run.trainer.device_mesh)
+  partitioner = Partitioner(jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)),
+                            run.sharding)
+  params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+  specs = {path_name(p): tuple(s.spec) for p, s in
+           jax.tree_util.tree_leaves_with_path(partitioner.param_shardings(params))}
+  assert specs["wpe/embedding"] == ("seq", None)
+  assert specs["wte/embedding"] == (("model", "seq"), None)  # The family's rule, remapped.
+  assert specs["h_0/mlp/c_fc/kernel"] == (None, "model")  # The role key's, untouched.
