@@ -612,3 +612,74 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   if run.data.mixture and run.data.dataset != "stdlib":
     raise UserError("set config.data.dataset or config.data.mixture, not both")
   return run
+
+
+# Model keys that mean the same in every family (see model_config): how the model computes, not
+# what. model_like carries them over with the shape.
+COMPUTE_KEYS = ("remat", "dtype", "param_dtype", "attention_impl", "scan_layers",
+                "cross_entropy_block_size")
+
+
+def model_like(model: ml_collections.ConfigDict, architecture: str,
+               **values) -> ml_collections.ConfigDict:
+  """model_config(architecture, **values), with `model`'s shape (the keys the family requires:
+  vocab_size, seq_len, layers, heads, widths) and COMPUTE_KEYS where `values` does not say.
+
+  Any other key is the family's default, not `model`'s (rope_theta, sliding_window): one family's
+  run with another's model, e.g. configs/mixtral.py:8x7b, configs/mistral.py:7b's run.
+  """
+  family = models.FAMILIES.get(architecture)  # None: model_config names the unknown family.
+  shape = [f.name for f in dataclasses.fields(family.config)
+           if f.default is dataclasses.MISSING] if family else []
+  kept = {key: model[key] for key in (*shape, *COMPUTE_KEYS) if key in model}
+  return model_config(architecture, **{**kept, **values})
+
+
+def sibling_config(file: str, sibling: str, variant: str) -> ml_collections.ConfigDict:
+  """get_config(variant) of config file `sibling`, beside `file` (a config file's __file__).
+
+  configs/ is no package: its files are loaded by path, and find each other by their own,
+  wherever the command runs.
+  """
+  return call_from_file(pathlib.Path(file).parent / sibling, "get_config", "config file", variant)
+
+
+def choose_variant(file: str, variant: Optional[str],
+                   variants: dict[str, typing.Callable[[], ml_collections.ConfigDict]],
+                   default: str) -> ml_collections.ConfigDict:
+  """get_config(variant) of a config file of several variants (--config=FILE:VARIANT): the
+  ConfigDict of variants[variant](), or of `default` when none is given."""
+  chosen = default if variant is None else variant
+  if chosen not in variants:
+    raise UserError(f"config file {_shown(file)}: unknown variant {chosen!r}; choose one of "
+                    f"{', '.join(variants)}")
+  return variants[chosen]()
+
+
+def variant_file(file: str, sibling: str,
+                 variant: str) -> typing.Callable[[Optional[str]], ml_collections.ConfigDict]:
+  """get_config() of a config file kept for its name (configs/gpt2_nano.py): `variant` of
+  config file `sibling` beside it. It takes no variant of its own."""
+
+  def get_config(argument: Optional[str] = None) -> ml_collections.ConfigDict:
+    if argument is not None:
+      raise UserError(f"config file {_shown(file)} is {sibling}:{variant} and takes no variant; "
+                      f"got {argument!r} (for a variant of {sibling}: --config="
+                      f"{_shown(pathlib.Path(file).parent / sibling)}:{argument})")
+    return sibling_config(file, sibling, variant)
+
+  return get_config
+
+
+def _shown(file: str | pathlib.Path) -> pathlib.Path:
+  """A config file's path for a message: relative to the working directory when inside it, as
+  --config most often names it (a module's __file__ is absolute)."""
+  path = pathlib.Path(file)
+  return path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path
+
+
+def run_name(config_argument: str) -> str:
+  """The default workdir's name for --config=FILE[:VARIANT]: FILE's stem, then _VARIANT
+  (configs/gpt2.py:nano -> gpt2_nano, as configs/gpt2_nano.py)."""
+  path, *variant = config_argument.split(":", 1)
+  return "_".join([pathlib.Path(path).stem, *variant])

@@ -3,7 +3,6 @@
 Every config field can be overridden, e.g. --config.trainer.batch_size=64.
 Bad input ends in one line on stderr naming the culprit, and exit status 1.
 """
-import pathlib
 import re
 
 import jax
@@ -11,11 +10,13 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import REPLACED_KEYS, define_config_flag, replacement, to_run_config
+from levanter_flax.config import (REPLACED_KEYS, define_config_flag, replacement, run_name,
+                                  to_run_config)
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name> "
+                               "(runs/gpt2_nano for configs/gpt2.py:nano).")
 flags.mark_flag_as_required("config")
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> None:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   try:
-    workdir = paths.resolve(_WORKDIR.value or f"runs/{pathlib.Path(config_file).stem}",
+    workdir = paths.resolve(_WORKDIR.value or f"runs/{run_name(config_file)}",
                             "--workdir")
     run = to_run_config(_CONFIG.value)
     _start_jax(run.trainer)
