@@ -1,11 +1,4 @@
-"""GPT-2 medium: 355M parameters, 24 layers, 16 heads, width 1024, context 1024."""
-from levanter_flax.config import default_config
+"""configs/gpt2.py:medium, by its earlier name."""
+from levanter_flax.config import variant_file
 
-
-def get_config():
-  config = default_config()
-  config.model.num_layers = 24
-  config.model.num_heads = 16
-  config.model.hidden_dim = 1024
-  config.optimizer.learning_rate = 3e-4
-  return config
+get_config = variant_file(__file__, "gpt2.py", "medium")

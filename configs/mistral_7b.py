@@ -1,22 +1,4 @@
-"""Mistral 7B v0.1's shape (sliding window 4096 over 8192 positions) on a 2D mesh with ZeRO-3,
-to fine-tune from its checkpoint (--config.trainer.init_from_hf=/models/Mistral-7B-v0.1).
-"""
-from levanter_flax.config import default_config, mesh, model_config
+"""configs/mistral.py:7b, by its earlier name."""
+from levanter_flax.config import variant_file
 
-
-def get_config():
-  config = default_config()
-  config.model = model_config(
-      "mistral", vocab_size=32000, seq_len=8192, num_layers=32, num_heads=32, num_kv_heads=8,
-      hidden_dim=4096, intermediate_dim=14336, sliding_window=4096,
-      compute=dict(dtype="bfloat16", remat="full", scan_layers=True,
-                   cross_entropy_block_size=8192))
-  config.trainer.device_mesh = mesh(data=-1, model=8)
-  config.sharding.parameter_axis = "data"  # ZeRO-3.
-  config.sharding.optimizer_axis = "data"
-
-  config.trainer.batch_size = 64
-  config.trainer.num_train_steps = 2000
-  config.optimizer.learning_rate = 1e-5  # Fine-tuning.
-  config.optimizer.warmup_steps = 100
-  return config
+get_config = variant_file(__file__, "mistral.py", "7b")

@@ -380,16 +380,16 @@ def describe_config(config: ml_collections.ConfigDict) -> str:
   for name, section in sections.items():
     lines.append(f"# config.{name}: {docs[name]}")
     for declared in schema.declared(section, name):
-      shown = _shown(values.get(declared.key, declared.written))
+      shown = _value_text(values.get(declared.key, declared.written))
       line = f"config.{declared.key} = {shown}"
-      if declared.default is dataclasses.MISSING or _shown(declared.written) != shown:
+      if declared.default is dataclasses.MISSING or _value_text(declared.written) != shown:
         line += ("  (no default)" if declared.default is dataclasses.MISSING
-                 else f"  (default {_shown(declared.written)})")
+                 else f"  (default {_value_text(declared.written)})")
       lines += [line, f"    {declared.doc} [{declared.kind}]"]
   return "\n".join(lines)
 
 
-def _shown(value: Any) -> str:
+def _value_text(value: Any) -> str:
   if isinstance(value, ml_collections.ConfigDict):
     value = value.to_dict()
   return repr(value)
@@ -487,3 +487,66 @@ def _check_optimizer(chosen: optim.OptimizerConfig) -> None:
                       f"back to its default ({getattr(default, key)}) or choose another optimizer")
 
 
+def model_like(model: ml_collections.ConfigDict, architecture: str,
+               **values) -> ml_collections.ConfigDict:
+  """model_config(architecture, **values), with `model`'s shape (the keys the family requires:
+  vocab_size, seq_len, layers, heads, widths) and compute section where `values` does not say.
+
+  Any other key is the family's default, not `model`'s (rope_theta, sliding_window): one family's
+  run with another's model, e.g. configs/mixtral.py:8x7b, configs/mistral.py:7b's run.
+  """
+  family = models.FAMILIES.get(architecture)  # None: model_config names the unknown family.
+  shape = [f.name for f in dataclasses.fields(family.config)
+           if f.default is dataclasses.MISSING] if family else []
+  kept = {key: model[key] for key in shape if key in model} | {"compute": model.compute.to_dict()}
+  return model_config(architecture, **{**kept, **values})
+
+
+def sibling_config(file: str, sibling: str, variant: str) -> ml_collections.ConfigDict:
+  """get_config(variant) of config file `sibling`, beside `file` (a config file's __file__).
+
+  configs/ is no package: its files are loaded by path, and find each other by their own,
+  wherever the command runs.
+  """
+  return call_from_file(pathlib.Path(file).parent / sibling, "get_config", "config file", variant)
+
+
+def choose_variant(file: str, variant: Optional[str],
+                   variants: dict[str, typing.Callable[[], ml_collections.ConfigDict]],
+                   default: str) -> ml_collections.ConfigDict:
+  """get_config(variant) of a config file of several variants (--config=FILE:VARIANT): the
+  ConfigDict of variants[variant](), or of `default` when none is given."""
+  chosen = default if variant is None else variant
+  if chosen not in variants:
+    raise UserError(f"config file {_shown(file)}: unknown variant {chosen!r}; choose one of "
+                    f"{', '.join(variants)}")
+  return variants[chosen]()
+
+
+def variant_file(file: str, sibling: str,
+                 variant: str) -> typing.Callable[[Optional[str]], ml_collections.ConfigDict]:
+  """get_config() of a config file kept for its name (configs/gpt2_nano.py): `variant` of
+  config file `sibling` beside it. It takes no variant of its own."""
+
+  def get_config(argument: Optional[str] = None) -> ml_collections.ConfigDict:
+    if argument is not None:
+      raise UserError(f"config file {_shown(file)} is {sibling}:{variant} and takes no variant; "
+                      f"got {argument!r} (for a variant of {sibling}: --config="
+                      f"{_shown(pathlib.Path(file).parent / sibling)}:{argument})")
+    return sibling_config(file, sibling, variant)
+
+  return get_config
+
+
+def _shown(file: str | pathlib.Path) -> pathlib.Path:
+  """A config file's path for a message: relative to the working directory when inside it, as
+  --config most often names it (a module's __file__ is absolute)."""
+  path = pathlib.Path(file)
+  return path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path
+
+
+def run_name(config_argument: str) -> str:
+  """The default workdir's name for --config=FILE[:VARIANT]: FILE's stem, then _VARIANT
+  (configs/gpt2.py:nano -> gpt2_nano, as configs/gpt2_nano.py)."""
+  path, *variant = config_argument.split(":", 1)
+  return "_".join([pathlib.Path(path).stem, *variant])

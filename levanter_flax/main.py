@@ -3,7 +3,6 @@
 Every config field can be overridden, e.g. --config.trainer.batch_size=64.
 Bad input ends in one line on stderr naming the culprit, and exit status 1.
 """
-import pathlib
 import re
 
 import jax
@@ -12,11 +11,12 @@ from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
 from levanter_flax.config import (REPLACED_KEYS, define_config_flag, describe_config, modern_argv,
-                                  replacement, to_run_config)
+                                  replacement, run_name, to_run_config)
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name>.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name> "
+                               "(runs/gpt2_nano for configs/gpt2.py:nano).")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config key with its value, its default where the two "
     "differ, and its description; then exit without touching the workdir.")
@@ -72,10 +72,10 @@ def main(argv: list[str]) -> None:
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   try:
     if _PRINT_CONFIG.value:
-      run = to_run_config(_CONFIG.value)  # Checked first: a bad value is its usual one line.
+      to_run_config(_CONFIG.value)  # Checked first: a bad value is its usual one line.
       print(describe_config(_CONFIG.value))
       return
-    workdir = paths.resolve(_WORKDIR.value or f"runs/{pathlib.Path(config_file).stem}",
+    workdir = paths.resolve(_WORKDIR.value or f"runs/{run_name(config_file)}",
                             "--workdir")
     run = to_run_config(_CONFIG.value)
     _start_jax(run.trainer)

@@ -34,12 +34,35 @@ def parent_pid(pid: int) -> int:
 
 
 def load_config_file(name: str):
-  """get_config() of configs/<name>.py, loaded the way config_flags does."""
+  """What --config=configs/FILE.py[:VARIANT] reads, for a name FILE[:VARIANT] (gpt2_nano,
+  gpt2:nano)."""
+  from levanter_flax import config
+  file, *variant = name.split(":", 1)
+  return config.load_config_file(":".join([str(REPO / "configs" / f"{file}.py"), *variant]))
+
+
+def config_variants() -> dict[str, list[str]]:
+  """FILE -> its variants, for each configs/FILE.py of several (its VARIANTS)."""
   import importlib.util
-  spec = importlib.util.spec_from_file_location(name, REPO / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  found = {}
+  for path in sorted((REPO / "configs").glob("*.py")):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "VARIANTS"):
+      found[path.stem] = list(module.VARIANTS)
+  return found
+
+
+def shipped_configs() -> list[str]:
+  """Every config configs/ ships, once, as load_config_file names it: FILE:VARIANT for each
+  variant of a file of several, FILE for a file of one. Not the variants' earlier names
+  (gpt2_nano, which is gpt2:nano)."""
+  variants = config_variants()
+  named = [f"{file}:{variant}" for file, names in variants.items() for variant in names]
+  earlier = {name.replace(":", "_") for name in named}
+  return sorted(named + [path.stem for path in (REPO / "configs").glob("*.py")
+                         if path.stem not in variants and path.stem not in earlier])
 
 
 @pytest.fixture(scope="session")

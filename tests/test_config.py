@@ -4,26 +4,96 @@ import re
 import ml_collections
 import pytest
 
-from conftest import REPO, load_config_file
-from levanter_flax.config import default_config, load_config_file as load_config, mesh, to_run_config
+from conftest import REPO, config_variants, load_config_file, shipped_configs
+from levanter_flax.config import (default_config, load_config_file as load_config, mesh, run_name,
+                                  to_run_config)
 from levanter_flax.errors import UserError
 
-CONFIG_NAMES = sorted(p.stem for p in (REPO / "configs").glob("*.py"))
+SHIPPED = shipped_configs()
+VARIANTS = [f"{file}:{variant}" for file, names in config_variants().items() for variant in names]
+# Each file of variants' choice when --config names none, as its docstring says.
+DEFAULT_VARIANTS = {"gpt2": "small", "llama": "1b", "qwen2": "0_5b", "mistral": "7b",
+                    "mixtral": "8x7b"}
 
 
-@pytest.mark.parametrize("name", CONFIG_NAMES)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name):
   run = to_run_config(load_config_file(name))
   assert run.trainer.batch_size > 0
 
 
 def test_required_configs_exist():
-  assert {"gpt2_nano", "gpt2_small", "gpt2_small_fast", "gpt2_medium", "llama_nano", "llama_1b",
-          "llama_7b"} <= set(CONFIG_NAMES)
+  assert {"gpt2:nano", "gpt2:small", "gpt2:small_fast", "gpt2:medium", "llama:nano", "llama:1b",
+          "llama:7b", "qwen2:nano", "qwen2:0_5b", "mistral:nano", "mistral:7b", "mixtral:nano",
+          "mixtral:8x7b", "shakespeare_char", "nanogpt_cpu"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_variant_is_also_its_earlier_file(name):
+  """configs/gpt2_nano.py, which users' scripts name, is one line naming configs/gpt2.py:nano."""
+  file, variant = name.split(":")
+  earlier = REPO / "configs" / f"{file}_{variant}.py"
+  assert f'variant_file(__file__, "{file}.py", "{variant}")' in earlier.read_text()
+  config, earlier_config = load_config_file(name), load_config_file(earlier.stem)
+  assert to_run_config(earlier_config) == to_run_config(config)
+  assert earlier_config.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize("file, default", DEFAULT_VARIANTS.items())
+def test_a_file_of_variants_without_one_is_its_documented_default(file, default):
+  assert set(DEFAULT_VARIANTS) == set(config_variants())
+  assert f"{default} when none is given" in (REPO / "configs" / f"{file}.py").read_text()
+  chosen = load_config_file(f"{file}:{default}")
+  assert to_run_config(load_config_file(file)) == to_run_config(chosen)
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("configs/gpt2.py:x", "config file configs/gpt2.py: unknown variant 'x'; choose one of nano, "
+                          "small, medium, small_fast"),
+    ("configs/llama.py:", "config file configs/llama.py: unknown variant ''; choose one of nano, "
+                          "1b, 7b"),
+    ("configs/gpt2_nano.py:small", "config file configs/gpt2_nano.py is gpt2.py:nano and takes no "
+                                   "variant; got 'small' (for a variant of gpt2.py: "
+                                   "--config=configs/gpt2.py:small)"),
+])
+def test_a_bad_variant_is_one_line_naming_the_choices(monkeypatch, argument, message):
+  monkeypatch.chdir(REPO)
+  with pytest.raises(UserError) as raised:
+    load_config(argument)
+  assert str(raised.value) == message
+
+
+def test_config_files_find_each_other_wherever_the_command_runs(tmp_path, monkeypatch):
+  """mixtral_8x7b.py names mixtral.py:8x7b, which is mistral.py:7b's run: each beside the other,
+  not in the working directory."""
+  monkeypatch.chdir(tmp_path)
+  config = load_config(f"{REPO}/configs/mixtral_8x7b.py")
+  assert (config.model.architecture, config.trainer.num_train_steps) == ("mixtral", 2000)
+
+
+@pytest.mark.parametrize("argument, name", [
+    ("configs/gpt2.py:nano", "gpt2_nano"), ("configs/gpt2_nano.py", "gpt2_nano"),
+    ("/abs/configs/llama.py", "llama"), ("qwen2.py:0_5b", "qwen2_0_5b"),
+])
+def test_the_default_workdir_is_named_after_the_file_and_its_variant(argument, name):
+  assert run_name(argument) == name
+
+
+def test_every_config_the_docs_name_loads():
+  """Where the docs list configs they name files of variants by FILE:VARIANT; the earlier
+  names they still name (configs/gpt2_nano.py) load too."""
+  docs = [REPO / "README.md", REPO / "BUILD_NOTES.md", *(REPO / "docs").glob("*.md"),
+          *(p for p in (REPO / "launch").rglob("*") if p.is_file()),
+          *(REPO / "configs").glob("*.py")]
+  named = {name for doc in docs
+           for name in re.findall(r"configs/[\w/]+\.py(?::[a-z0-9_]+)?", doc.read_text())}
+  assert {f"configs/{name.replace(':', '.py:')}" for name in VARIANTS} <= named
+  for name in sorted(named):
+    load_config(str(REPO / name))
 
 
 def test_gpt2_small_shape():
-  model = to_run_config(load_config_file("gpt2_small")).model
+  model = to_run_config(load_config_file("gpt2:small")).model
   assert (model.num_layers, model.num_heads, model.hidden_dim, model.seq_len) == (12, 12, 768, 1024)
 
 

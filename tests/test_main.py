@@ -46,9 +46,10 @@ def test_overrides_reach_the_trainer(data_cache, tmp_path):
 
 
 def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
-  result = run_main(f"--config={NANO}", *TINY, "--config.trainer.num_train_steps=1",
-                    "--config.trainer.batch_size=8", f"--config.data.cache_dir={data_cache}",
-                    cwd=tmp_path)
+  """runs/<file>_<variant>: configs/gpt2.py:nano's is configs/gpt2_nano.py's, runs/gpt2_nano."""
+  result = run_main(f"--config={REPO}/configs/gpt2.py:nano", *TINY,
+                    "--config.trainer.num_train_steps=1", "--config.trainer.batch_size=8",
+                    f"--config.data.cache_dir={data_cache}", cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
   assert (tmp_path / "runs" / "gpt2_nano" / "metrics.jsonl").exists()
 
@@ -64,6 +65,18 @@ def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
 ])
 def test_bad_overrides_are_one_line(args, fragments):
   assert_one_line_error(run_main(f"--config={NANO}", *args), *fragments)
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("configs/gpt2.py:x", "config file configs/gpt2.py: unknown variant 'x'; choose one of nano, "
+                          "small, medium, small_fast"),
+    ("configs/gpt2_nano.py:x",
+     "config file configs/gpt2_nano.py is gpt2.py:nano and takes no variant; got 'x'"),
+])
+def test_a_bad_variant_is_one_line(argument, message):
+  result = run_main(f"--config={argument}")
+  assert result.returncode == 1
+  assert_one_line_error(result, message)
 
 
 def test_missing_config_file_is_one_line():

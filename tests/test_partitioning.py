@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config_file
+from conftest import load_config_file, shipped_configs
 from levanter_flax import models, optim, partitioning, step
 from levanter_flax.config import default_config, mesh, to_run_config
 from levanter_flax.errors import UserError
@@ -301,7 +301,7 @@ def test_bad_layouts_are_named(device_mesh, config, model, message):
     build(Partitioner(make_mesh(device_mesh), config), model)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
+@pytest.mark.parametrize("name", shipped_configs())
 def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(name):
   """With config.sharding.strict no parameter is replicated by accident, and the rules lay
   the model out on the config's mesh axes, each at least 2 wide (data 4), with no devices:

@@ -1,0 +1,72 @@
+"""Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) at three sizes:
+--config=configs/llama.py:VARIANT, 1b when none is given.
+
+nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
+    python -m levanter_flax.main --config=configs/llama.py:nano
+1b: 1.1B, TinyLlama's shape (22 layers, width 2048, 32 query and 4 key/value heads), data
+    parallel on one GPU node.
+7b: 32 layers, width 4096, 32 heads, SwiGLU 11008, context 4096, on a 2D mesh: ZeRO-3 over
+    `data` shards parameters and optimizer state across the data axis, and `model` splits each
+    layer Megatron-style within a host (8 GPUs or a TPU host). Multi-host: see launch/README.md.
+
+1b and 7b compute in bfloat16, layers scanned, full remat, and train on tokenized data:
+config.data.dataset and config.data.tokenizer, prepared with python -m levanter_flax.prepare
+(a Llama tokenizer.json, vocab 32000). configs/llama_<variant>.py name the same configs.
+"""
+from levanter_flax.config import (choose_variant, default_config, llama_model_config, mesh,
+                                  model_like, sibling_config)
+
+
+def nano():
+  config = sibling_config(__file__, "gpt2.py", "nano")
+  # About 8/3 x hidden_dim, as Llama's SwiGLU.
+  config.model = model_like(config.model, "llama", num_kv_heads=2, intermediate_dim=352)
+  config.optimizer.weight_decay = 0.0
+  return config
+
+
+def _large(model):
+  """`model` in bfloat16, scanned and rematerialized, at a batch of 256 sequences."""
+  config = default_config()
+  config.model = model
+  config.model.compute.dtype = "bfloat16"
+  config.model.compute.scan_layers = True
+  config.model.compute.remat = "full"
+  config.model.compute.cross_entropy_block_size = 8192
+  config.trainer.batch_size = 256
+  config.optimizer.warmup_steps = 2000
+  return config
+
+
+def llama_1b():
+  config = _large(llama_model_config())  # 0.5M tokens a batch at seq_len 2048.
+  config.trainer.gradient_accumulation_steps = 4
+  config.trainer.num_train_steps = 100_000
+  config.optimizer.learning_rate = 4e-4
+  return config
+
+
+def llama_7b():
+  model = llama_model_config()
+  model.num_layers = 32
+  model.num_heads = 32
+  model.num_kv_heads = 32
+  model.hidden_dim = 4096
+  model.intermediate_dim = 11008
+  model.seq_len = 4096
+  config = _large(model)  # 1M tokens a batch at seq_len 4096.
+  config.trainer.device_mesh = mesh(data=-1, model=8)
+  config.sharding.parameter_axis = "data"  # ZeRO-3.
+  config.sharding.optimizer_axis = "data"
+
+  config.trainer.gradient_accumulation_steps = 8
+  config.trainer.num_train_steps = 250_000
+  config.optimizer.learning_rate = 3e-4
+  return config
+
+
+VARIANTS = {"nano": nano, "1b": llama_1b, "7b": llama_7b}
+
+
+def get_config(variant=None):
+  return choose_variant(__file__, variant, VARIANTS, default="1b")
