@@ -148,7 +148,7 @@ def test_axes_accept_names_and_comma_lists():
      "config.sharding.logical_axis_rules entry ('length',) must be a (logical axis name, mesh "
      "axes) pair"),
     ("sharding", "logical_axis_rules", (("length", 4),),
-     "config.sharding.logical_axis_rules entry ('length', 4) must be a (logical axis name, mesh "),
+     "config.sharding.logical_axis_rules entry ('length', 4) must be a mesh axis name, names, or None"),
     ("sharding", "logical_axis_rules", (("length", "seq"), ("length", None)),
      "config.sharding.logical_axis_rules names logical axis 'length' twice"),
 ])
