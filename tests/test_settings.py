@@ -1,0 +1,191 @@
+"""Each setting is declared once, in its section's dataclass: default_config(), --print_config and
+the kinds a resume checks (state, model, free, chosen at start) all come from that declaration;
+old key names keep working with a warning."""
+import dataclasses
+import json
+import logging
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, train_losses
+from levanter_flax import config as config_module, hf, models, schema, settings
+from levanter_flax.config import default_config, flat_dict, load_config_file, to_run_config
+from levanter_flax.schema import CHOSEN, FREE, MODEL, STATE, setting
+from levanter_flax.train import train_and_evaluate
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("architecture", list(models.FAMILIES))
+def test_every_setting_has_a_description_and_a_kind(architecture):
+  declared = settings.declared(architecture)
+  assert len({d.key for d in declared}) == len(declared)
+  for d in declared:
+    assert len(d.doc.split()) >= 2, d.key  # A description, not a placeholder.
+    assert d.kind in schema.KINDS, d.key
+  for field in dataclasses.fields(settings.RunConfig):
+    assert field.metadata["doc"], field.name
+
+
+def _leaves(config, prefix=""):
+  """The setting keys of a ConfigDict: nested sections walked, other values (a mesh) leaves."""
+  sections = {d.key.rsplit(".", 1)[0] for d in settings.declared("gpt2")}
+  for key in config.keys():
+    path = f"{prefix}{key}"
+    if path in sections or path in settings.sections("gpt2"):
+      yield from _leaves(config[key], f"{path}.")
+    else:
+      yield path
+
+
+def test_default_config_holds_exactly_the_declared_defaults():
+  config = default_config()
+  assert sorted(_leaves(config)) == sorted(d.key for d in settings.declared("gpt2"))
+  run = to_run_config(config)
+  declared = settings.RunConfig()  # Every section at its dataclass defaults.
+  declared = dataclasses.replace(declared, sharding=dataclasses.replace(
+      declared.sharding, rules=models.family(declared.model).partition_rules))
+  assert run == declared
+
+
+def test_default_config_is_generated_from_the_dataclasses(monkeypatch):
+  """A setting added to a section appears in default_config() with its default: nothing restates
+  it."""
+  @dataclasses.dataclass(frozen=True)
+  class Extra:
+    knob: int = setting(7, "A knob")
+
+  sections = settings.sections("gpt2") | {"extra": Extra}
+  monkeypatch.setattr(settings, "sections", lambda architecture: sections)
+  assert default_config().extra.knob == 7
+
+
+def test_what_a_resume_checks_comes_from_each_familys_declarations():
+  common = {"model.architecture", "model.vocab_size", "model.num_layers", "model.num_heads",
+            "model.hidden_dim", "model.tie_word_embeddings", "model.compute.param_dtype",
+            "model.compute.scan_layers", "optimizer.name"}
+  # GPT-2's position table has seq_len rows; RoPE has no table.
+  assert set(settings.keys_of_kind(STATE, "gpt2")) == common | {"model.seq_len"}
+  llama_state = common | {"model.num_kv_heads", "model.intermediate_dim", "model.qkv_bias"}
+  assert set(settings.keys_of_kind(STATE, "llama")) == llama_state
+  assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.num_experts"}
+  assert "model.seq_len" in settings.keys_of_kind(FREE, "llama")
+  assert {"model.rope_theta", "model.sliding_window"} <= set(settings.keys_of_kind(MODEL, "mistral"))
+  assert set(settings.keys_of_kind(CHOSEN, "qwen2")) == {
+      "trainer.batch_size", "trainer.gradient_accumulation_steps", "data.reader_groups"}
+
+  for name, refused in (("gpt2_nano", ["model.seq_len 128 -> 256"]), ("llama_nano", [])):
+    before = flat_dict(to_run_config(load_config_file(f"configs/{name}.py")))
+    assert config_module.state_changes(before, before | {"model.seq_len": 256}) == refused
+
+
+def test_a_hugging_face_checkpoint_must_agree_on_state_and_model_settings_only():
+  from levanter_flax.models.llama import LlamaConfig
+  from levanter_flax.models.common import with_compute
+  ours = LlamaConfig(vocab_size=64, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     hidden_dim=32, intermediate_dim=48)
+  free = with_compute(dataclasses.replace(ours, seq_len=4096, initializer_range=0.5),
+                      scan_layers=True, dtype="bfloat16")
+  assert hf.differences(free, ours) == []
+  assert hf.differences(dataclasses.replace(ours, rope_theta=1e6), ours) == [
+      "model.rope_theta 1000000.0 (checkpoint) != 10000.0 (config)"]
+
+
+def test_what_the_start_chooses_is_kept_from_config_json():
+  wanted = {"trainer.batch_size": "auto", "trainer.gradient_accumulation_steps": 1,
+            "data.reader_groups": 0, "trainer.seed": 0}
+  assert set(config_module.chosen_at_start(wanted)) == {
+      "trainer.batch_size", "trainer.gradient_accumulation_steps", "data.reader_groups"}
+  saved = {"trainer.batch_size": 48, "trainer.gradient_accumulation_steps": 3,
+           "data.reader_groups": 8, "trainer.seed": 5}
+  assert config_module.keep_chosen(wanted, saved) == saved | {"trainer.seed": 0}
+  fixed = wanted | {"trainer.batch_size": 16, "data.reader_groups": 2}
+  assert config_module.chosen_at_start(fixed) == ()
+  assert config_module.keep_chosen(fixed, saved) == fixed
+
+
+def _config_file(tmp_path: pathlib.Path, body: str) -> pathlib.Path:
+  path = tmp_path / "old_names.py"
+  path.write_text("from levanter_flax.config import load_config_file\n\n\ndef get_config():\n"
+                  f"  config = load_config_file('{REPO}/configs/gpt2.py:nano')\n{body}"
+                  "  return config\n")
+  return path
+
+
+def test_old_names_in_a_config_file_work_with_a_warning(tmp_path, capsys):
+  path = _config_file(tmp_path, "  config.trainer.keep_checkpoints = 7\n"
+                                "  config.model.remat = 'full'\n")
+  run = to_run_config(load_config_file(str(path)))
+  assert (run.checkpoint.keep, run.model.compute.remat) == (7, "full")
+  assert capsys.readouterr().err.splitlines() == [
+      "warning: config key config.model.remat is deprecated: use config.model.compute.remat",
+      "warning: config key config.trainer.keep_checkpoints is deprecated: use "
+      "config.checkpoint.keep"]
+
+
+def _print_config(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "levanter_flax.main", *args, "--print_config"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_print_config_lists_every_key_and_touches_nothing(tmp_path):
+  workdir = tmp_path / "never"
+  result = _print_config("--config=configs/llama.py:nano", "--config.trainer.seed=3",
+                         "--config.trainer.keep_checkpoints=5", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr
+  assert result.stderr.splitlines() == ["warning: config key --config.trainer.keep_checkpoints is "
+                                        "deprecated: use config.checkpoint.keep"]
+  lines = result.stdout.splitlines()
+  keys = [line.split(" = ")[0].removeprefix("config.") for line in lines
+          if line.startswith("config.")]
+  assert keys == [d.key for d in settings.declared("llama")]
+  assert "config.trainer.seed = 3  (default 0)" in lines
+  assert "config.checkpoint.keep = 5  (default 3)" in lines
+  assert "config.trainer.log_every_steps = 10" in lines  # At its default: no "(default ...)".
+  assert "config.model.num_kv_heads = 2  (no default)" in lines
+  seq_len = lines.index("config.model.seq_len = 128  (no default)")
+  assert lines[seq_len + 1] == "    Tokens per training window [free]"
+  assert "# config.checkpoint: When checkpoints are written, which are kept, and where a run " \
+         "starts from" in lines
+  assert not workdir.exists()
+
+
+def test_a_flag_overrides_an_old_name_in_the_config_file(tmp_path):
+  path = _config_file(tmp_path, "  config.model.remat = 'full'\n")
+  result = _print_config(f"--config={path}", "--config.model.compute.remat=dots_saveable")
+  assert result.returncode == 0, result.stderr
+  assert "config.model.compute.remat = 'dots_saveable'  (default 'none')" in result.stdout
+
+
+def test_a_bad_value_with_print_config_is_one_line():
+  result = _print_config("--config=configs/gpt2.py:nano", "--config.trainer.nan_policy=maybe")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      "levanter_flax: error: config.trainer.nan_policy must be 'halt' or 'skip'; got 'maybe'"]
+
+
+def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp_path, caplog):
+  """config.json as the version before the sections moved wrote it (tests/fixtures), beside this
+  version's checkpoints: the resume takes it as the same run and continues it exactly."""
+  tiny_config.checkpoint.every_steps = 5
+  train_and_evaluate(to_run_config(tiny_config), tmp_path / "whole")
+  # The run as it was at its step-5 checkpoint.
+  shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "10")
+  metrics = tmp_path / "resumed" / "metrics.jsonl"
+  metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                             if json.loads(line)["step"] <= 5))
+  old = (FIXTURES / "config_before_issue_30.json").read_text()
+  (tmp_path / "resumed" / "config.json").write_text(
+      old.replace("CACHE_DIR", tiny_config.data.cache_dir))
+  assert "trainer.keep_checkpoints" in json.loads(old)
+  with caplog.at_level(logging.WARNING):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path / "resumed")
+  assert "Resuming with" not in caplog.text
+  assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "whole")
+  saved = json.loads((tmp_path / "resumed" / "config.json").read_text())
+  assert saved["checkpoint.keep"] == 3 and "trainer.keep_checkpoints" not in saved
