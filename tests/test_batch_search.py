@@ -35,8 +35,10 @@ def test_search_finds_the_largest_microbatch_under_the_budget(run_and_partitione
   needs = {n: batch_search.step_bytes(run, partitioner, n) for n in (1, 2, 3, 4)}
   assert needs[1] < needs[2] < needs[3] < needs[4]  # Activations grow with the microbatch.
   budget = (needs[3] + needs[4]) // 2
-  trainer = dataclasses.replace(run.trainer, batch_size="auto", memory_budget_bytes=budget)
-  resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
+  trainer = dataclasses.replace(run.trainer, batch_size="auto")
+  search = dataclasses.replace(run.batch_search, memory_budget_bytes=budget)
+  resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer, batch_search=search),
+                                  partitioner)
   assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (3 * 8, 1)
 
 
@@ -84,9 +86,10 @@ def test_target_search_counts_the_accumulation_the_step_will_run(run_and_partiti
   # accumulator out would run 3 x 2, which does not; 2 x 3 is the largest that fits.
   assert two_by_three <= budget < three_by_two, (two_by_three, budget, three_by_two)
   assert three_alone <= budget, (three_alone, budget)
-  trainer = dataclasses.replace(run.trainer, batch_size="auto", memory_budget_bytes=budget,
-                                target_batch_size=48)
-  resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
+  trainer = dataclasses.replace(run.trainer, batch_size="auto")
+  search = dataclasses.replace(run.batch_search, memory_budget_bytes=budget, target_batch_size=48)
+  resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer, batch_search=search),
+                                  partitioner)
   assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (48, 3)
 
 
@@ -95,10 +98,11 @@ def test_budget_errors_are_named(run_and_partitioner):
   trainer = dataclasses.replace(run.trainer, batch_size="auto")
   with pytest.raises(UserError, match="needs config.batch_search.memory_budget_bytes on cpu"):
     batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
-  trainer = dataclasses.replace(trainer, memory_budget_bytes=1000)
+  search = dataclasses.replace(run.batch_search, memory_budget_bytes=1000)
   with pytest.raises(UserError, match="not even 1 sequence per device fits the memory budget of "
                                       "1,000 bytes: the step needs"):
-    batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
+    batch_search.resolve(dataclasses.replace(run, trainer=trainer, batch_search=search),
+                         partitioner)
 
 
 def test_command_line_prints_candidates_and_the_choice():

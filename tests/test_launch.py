@@ -85,8 +85,10 @@ def test_a_unit_is_done_only_when_its_workdir_ran_its_config_to_the_end(tmp_path
   for saved, diff in (({"trainer.num_train_steps": 10}, "trainer.num_train_steps 10 -> 5"),
                       ({"trainer.seed": 1, "trainer.num_train_steps": 3},
                        "trainer.num_train_steps 3 -> 5, trainer.seed 1 -> 0"),
-                      ({"trainer.seed": None}, "trainer.seed None -> 0"),  # It has no default.
-                      ({"trainer.num_train_steps": None}, "trainer.num_train_steps None -> 5")):
+                      # A key missing from config.json means its default, as for a run from
+                      # before the key existed.
+                      ({"trainer.seed": 1, "trainer.num_train_steps": None},
+                       "trainer.num_train_steps 10000 -> 5, trainer.seed 1 -> 0")):
     save_config(workdir, {k: v for k, v in {**wanted, **saved}.items() if v is not None})
     with pytest.raises(UserError) as refused:
       is_done(workdir, wanted)
@@ -109,9 +111,9 @@ def test_an_auto_batch_size_unit_is_done_with_the_size_its_run_chose(tmp_path):
   assert is_done(tmp_path, plain.resolved)
   chose(targeted, 32, 4)
   assert is_done(tmp_path, targeted.resolved)
-  chose(targeted, 16, 1)  # Auto with a target reaches exactly the target.
-  with pytest.raises(UserError, match=r"\(trainer.batch_size 16 -> auto\)"):
-    is_done(tmp_path, targeted.resolved)
+  # What the start chose is kept; the target it was chosen for is still the unit's config.
+  with pytest.raises(UserError, match=r"\(batch_search.target_batch_size 32 -> 64\)"):
+    is_done(tmp_path, {**targeted.resolved, "batch_search.target_batch_size": 64})
 
 
 def write_experiment(path, units, shared=None) -> str:

@@ -189,3 +189,13 @@ def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp
   assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "whole")
   saved = json.loads((tmp_path / "resumed" / "config.json").read_text())
   assert saved["checkpoint.keep"] == 3 and "trainer.keep_checkpoints" not in saved
+
+
+def test_old_names_in_a_sweep_work_with_a_warning(capsys):
+  from levanter_flax.launch.experiment import Experiment, work_units
+  [unit] = work_units(Experiment("e", "configs/gpt2.py:nano", [],
+                                 overrides={"trainer.keep_checkpoints": 5}))
+  assert unit.overrides == {"checkpoint.keep": 5}
+  assert unit.resolved["checkpoint.keep"] == 5
+  assert "warning: config key config.trainer.keep_checkpoints is deprecated: use " \
+         "config.checkpoint.keep" in capsys.readouterr().err
