@@ -18,14 +18,17 @@ itself compiled and fits. `trainer.batch_size="auto"` runs this at the start
 of training.
 """
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 from absl import app, flags, logging
 
-from levanter_flax import checks, partitioning, settings, step
+from levanter_flax import checks, partitioning, step
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.schema import setting
+
+if TYPE_CHECKING:  # settings.py imports this module for BatchSearchConfig.
+  from levanter_flax import settings
 
 
 @dataclasses.dataclass(frozen=True)

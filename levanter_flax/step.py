@@ -3,7 +3,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import flax
 import flax.linen as nn
@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import models, optim, partitioning, settings
+from levanter_flax import models, optim, partitioning
+
+if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
+  from levanter_flax import settings
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
