@@ -11,7 +11,6 @@ is measured only where the backend has host memory to offload to.
 Uses only jax, flax and optax.
 """
 import argparse
-import dataclasses
 
 import jax
 

@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 from absl import logging
 from etils import epath
 
-from levanter_flax import checks, models, paths
+from levanter_flax import checks, paths
 from levanter_flax.errors import UserError
 from levanter_flax.schema import setting
 

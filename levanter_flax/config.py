@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 from levanter_flax import models, optim, schema, settings
 from levanter_flax.errors import UserError
-from levanter_flax.settings import RunConfig, TrainerConfig  # pylint: disable=unused-import
+from levanter_flax.settings import RunConfig
 
 
 def mesh(**axes: int) -> ml_collections.ConfigDict:

@@ -11,7 +11,7 @@ from conftest import load_config_file, shipped_configs
 from levanter_flax import models, optim, partitioning, step
 from levanter_flax.config import default_config, mesh, to_run_config
 from levanter_flax.errors import UserError
-from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config
 from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
 from levanter_flax.models.common import ComputeConfig, with_compute
 from test_main import NANO, assert_one_line_error, run_main

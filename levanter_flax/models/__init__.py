@@ -3,8 +3,6 @@
 A new family is its module (config dataclass, Flax module, partition rules in
 logical axes, Hugging Face layout, FAMILY), one line in FAMILIES, and a config.
 """
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 
 from levanter_flax.errors import UserError
-from levanter_flax.schema import FREE, STATE, setting
+from levanter_flax.schema import STATE, setting
 
 
 # What each transformer block keeps for the backward pass; the rest is recomputed.

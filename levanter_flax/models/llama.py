@@ -24,7 +24,7 @@ from levanter_flax.models.common import (attention_implementation, check_config,
                                          stack_layers)
 from levanter_flax.models import common
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, STATE, overridden, setting
+from levanter_flax.schema import MODEL, STATE, setting
 
 # Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
 # and vocab): Q/K/V, gate and up split by output column, o_proj and down_proj by input
