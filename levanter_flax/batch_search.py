@@ -155,7 +155,8 @@ def resolve(run: "settings.RunConfig",
 
 def main(argv):
   del argv
-  from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top  # Imports this.
+  # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
+  from levanter_flax.config import to_run_config
   try:
     run = to_run_config(flags.FLAGS.config)
     partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),

@@ -22,7 +22,8 @@ from levanter_flax.schema import setting
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """When checkpoints are written, which are kept, and where a run starts from (config.checkpoint)."""
+  """When checkpoints are written, which are kept, and where a run starts from
+  (config.checkpoint)."""
   every_steps: int = setting(500, "Save every this many steps (and at the last)")
   keep: int = setting(3, "Keep the newest this many checkpoints, temporary ones included")
   every_minutes: float = setting(

@@ -40,7 +40,8 @@ def _as_config(declared: schema.Declared, value: Any) -> Any:
   return value
 
 
-def _section_config(section: type, values: dict[str, Any], caller: str) -> ml_collections.ConfigDict:
+def _section_config(section: type, values: dict[str, Any],
+                    caller: str) -> ml_collections.ConfigDict:
   """A ConfigDict of `section`'s settings, nested sections nested: `values` where given (a
   nested section's as a dict of its own), else the declared defaults. `caller` names what
   needs a setting that has no default."""
@@ -259,7 +260,7 @@ def modern_argv(argv: list[str]) -> list[str]:
     if name.startswith("--config."):
       arg = f"--config.{modern_key(name.removeprefix('--config.'), name)}{sep}{value}"
     renamed.append(arg)
-  if sys.argv[1:] == argv[1:]:
+  if sys.argv[1:] == argv[1:]:  # app.run's own argv, not a test's list.
     sys.argv[:] = renamed
   return renamed
 
@@ -320,7 +321,8 @@ def _build(cls: type, path: str, values: dict[str, Any]):
 def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   """Validates `config` and returns it as plain typed objects."""
   model = config.get("model")
-  architecture = model.get("architecture", "gpt2") if isinstance(model, ml_collections.ConfigDict) else "gpt2"
+  architecture = (model.get("architecture", "gpt2") if isinstance(model, ml_collections.ConfigDict)
+                  else "gpt2")
   if architecture not in models.FAMILIES:
     raise UserError(f"config.model.architecture must be one of {', '.join(models.FAMILIES)}; "
                     f"got {architecture!r}")
@@ -358,7 +360,8 @@ def flat_dict(run: RunConfig) -> dict[str, Any]:
   def leaves(value: Any, prefix: str):
     if dataclasses.is_dataclass(value):
       for field in dataclasses.fields(value):
-        yield from leaves(getattr(value, field.name), f"{prefix}.{field.name}" if prefix else field.name)
+        key = f"{prefix}.{field.name}" if prefix else field.name
+        yield from leaves(getattr(value, field.name), key)
     else:
       yield prefix, value
   return json.loads(json.dumps(dict(leaves(run, ""))))
@@ -454,7 +457,8 @@ def changes(saved: dict[str, Any], now: dict[str, Any],
 def state_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   """The changes that make a checkpoint written under `saved` unusable under `now`: of the
   settings that shape either run's state (schema.STATE)."""
-  keys = {k for flat in (saved, now) for k in settings.keys_of_kind(schema.STATE, _architecture(flat))}
+  keys = {k for flat in (saved, now)
+          for k in settings.keys_of_kind(schema.STATE, _architecture(flat))}
   return changes(saved, now, sorted(k for k in keys if k in now or k in saved))
 
 
