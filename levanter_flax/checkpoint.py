@@ -468,7 +468,8 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
   except OSError as e:
     raise UserError(f"cannot read {workdir / 'config.json'}: {e}") from None
   except ValueError as e:
-    raise UserError(f"{workdir / 'config.json'} is not a JSON object: {e}") from None
+    raise UserError(f"{workdir / 'config.json'} does not describe a model this version can "
+                    f"build: {e}") from None
   if saved is None:
     raise UserError(f"{workdir} has no config.json: not a levanter_flax workdir")
   try:

@@ -446,10 +446,10 @@ def _architecture(saved: dict[str, Any]) -> str:
 def changes(saved: dict[str, Any], now: dict[str, Any],
             keys: Optional[Sequence[str]] = None) -> list[str]:
   """'model.num_layers 12 -> 24' for each key (of `keys`, or any) whose value differs."""
-  saved = {**{k: v for k, v in defaults(_architecture(saved)).items() if k in now}, **saved}
   for old, (new, _) in REPLACED_KEYS.items():  # Written before `new`: nothing to compare it with.
     if old in saved and new not in saved:
       saved = {**{k: v for k, v in saved.items() if k != old}, new: now.get(new)}
+  saved = {**{k: v for k, v in defaults(_architecture(saved)).items() if k in now}, **saved}
   keys = sorted(set(saved) | set(now) if keys is None else keys)
   return [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
 
