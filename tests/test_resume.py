@@ -1,5 +1,6 @@
 """What a resume checks and keeps: the datasets its position counts in, the config beside its
-checkpoints, the skipped-step counts, and the eval of the step it resumes at."""
+checkpoints, the batch its start chose, the skipped-step counts, and the eval of the step it
+resumes at."""
 import json
 import logging
 import os
@@ -12,10 +13,13 @@ import sys
 import pytest
 
 from conftest import REPO, read_metrics, write_dataset
+from levanter_flax import batch_search
 from levanter_flax.config import changes, flat_dict, to_run_config
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.errors import UserError
-from levanter_flax.train import Progress, _check_resumed_config, train_and_evaluate
+from levanter_flax.partitioning import Partitioner, make_mesh
+from levanter_flax.resume import Progress, _check_resumed_config
+from levanter_flax.train import train_and_evaluate
 from test_eval_set import EASY, HARD
 from test_main import NANO, TINY
 
@@ -128,7 +132,8 @@ def test_a_config_json_from_before_eval_tokens_is_the_same_run(tiny_config, capl
   assert changes(before, now) == []
   assert changes(before | {"trainer.seed": 3}, now) == [f"trainer.seed 3 -> {now['trainer.seed']}"]
   with caplog.at_level(logging.WARNING):
-    _check_resumed_config(to_run_config(tiny_config), before, pathlib.Path("run"))  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    _check_resumed_config(to_run_config(tiny_config), before, pathlib.Path("run"))
   assert ("The run in run started with trainer.eval_batches, which trainer.eval_tokens "
           "replaced: its evals before this resume scored another set") in caplog.text
 
@@ -143,3 +148,31 @@ def test_a_data_item_from_before_dataset_hashes_and_skip_counts_resumes(tmp_path
   assert position.per_source == {"train": 40}
   assert position.datasets == {"train": source.manifest_sha256}
   assert "predates dataset hashes" in caplog.text
+
+
+def test_an_auto_batch_is_kept_on_resume_whatever_the_search_would_now_choose(tiny_config,
+                                                                             tmp_path, caplog):
+  tiny_config.trainer.batch_size = "auto"
+  tiny_config.trainer.num_train_steps = 2
+  tiny_config.checkpoint.every_steps = 2
+  run = to_run_config(tiny_config)
+  partitioner = Partitioner(make_mesh(run.trainer.device_mesh), run.sharding)
+  needs = {n: batch_search.step_bytes(run, partitioner, n) for n in (1, 2)}
+  tiny_config.batch_search.memory_budget_bytes = needs[2]  # 2 sequences per device fit: 16.
+  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  tiny_config.batch_search.memory_budget_bytes = needs[1]  # A new search would choose 8.
+  tiny_config.trainer.num_train_steps = 4
+  with caplog.at_level(logging.WARNING):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert (saved["trainer.batch_size"], saved["trainer.gradient_accumulation_steps"]) == (16, 1)
+  assert saved["batch_search.memory_budget_bytes"] == needs[1]
+  tokens = {m["step"]: m["data/tokens/train"] for m in read_metrics(tmp_path)
+            if "data/tokens/train" in m}
+  assert tokens == {step: step * 16 * 64 for step in (1, 2, 3, 4)}
+  kept = [r.getMessage() for r in caplog.records if "chose when it started" in r.getMessage()]
+  assert kept == [f"Keeping the batch the run in {tmp_path} chose when it started, "
+                  f"trainer.batch_size 16 and gradient_accumulation_steps 1: config.batch_search "
+                  f"changed "
+                  f"(batch_search.memory_budget_bytes {needs[2]} -> {needs[1]}), but a resume "
+                  f"does not search again; use a new --workdir for a new search"]
