@@ -14,8 +14,8 @@ no accumulation: doubling finds a bound, bisection the largest that fits. With
 it, candidates are the splits of the target into k equal microbatches that the
 data-parallel devices share evenly, and bisection finds the smallest k that
 fits. Both assume memory grows with the microbatch; whatever they return was
-itself compiled and fits. `trainer.batch_size="auto"` runs this at the start
-of training.
+itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first starts
+(resume.py); a resume keeps what it chose.
 """
 import dataclasses
 from typing import TYPE_CHECKING, Callable
