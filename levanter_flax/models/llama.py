@@ -49,7 +49,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 class LlamaConfig:
   vocab_size: int = setting(doc="Must cover the tokenizer's vocabulary", kind=STATE)
   # RoPE has no table: the same weights train at any context length.
-  seq_len: int = setting(doc="Tokens per training window")
+  seq_len: int = setting(doc="Tokens per training window; a resume may change it (longer "
+                         "context), and reads on in windows of the new length")
   num_layers: int = setting(doc="Transformer blocks", kind=STATE)
   num_heads: int = setting(doc="Query heads; they divide hidden_dim", kind=STATE)
   num_kv_heads: int = setting(doc="Key/value heads, each shared by num_heads / num_kv_heads query "
