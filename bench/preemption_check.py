@@ -12,7 +12,7 @@ and times the same loop of steps, each followed by:
     dispatch cannot run ahead);
   - jax's preemption sync point, which the check is now (a local read);
   - the time-based checkpoint decision (`Checkpointer.due` with
-    checkpoint_every_minutes set): process 0 decides and shares it through
+    checkpoint.every_minutes set): process 0 decides and shares it through
     jax's key-value store.
 The modes take turns for several rounds; each one's best round counts.
 Prints the mean seconds per step of each, what each adds to the floor, and

@@ -12,6 +12,7 @@ import json
 import pathlib
 import sys
 import traceback
+import types
 import typing
 from typing import Any, Optional, Sequence
 
@@ -35,7 +36,7 @@ def _as_config(declared: schema.Declared, value: Any) -> Any:
   setting of several types ("auto" or an int) as a FieldReference that takes either."""
   if isinstance(value, dict):
     return mesh(**value)
-  if typing.get_origin(declared.field.type) in (typing.Union, __import__("types").UnionType):
+  if typing.get_origin(declared.field.type) in (typing.Union, types.UnionType):
     return ml_collections.FieldReference(value, field_type=object)
   return value
 
@@ -81,6 +82,11 @@ def model_config(architecture: str, **values) -> ml_collections.ConfigDict:
   if architecture not in models.FAMILIES:
     raise UserError(f"unknown model architecture {architecture!r}; known: "
                     f"{', '.join(models.FAMILIES)}")
+  compute = dict(values.pop("compute", {}))
+  for key in [k for k in values if f"model.{k}" in ALIASES]:  # Before model.compute existed.
+    modern_key(f"model.{key}", f"model_config({key}=...)")
+    compute[key] = values.pop(key)
+  values["compute"] = compute
   return _section_config(models.FAMILIES[architecture].config,
                          dict(values, architecture=architecture), f"model_config({architecture!r})")
 
@@ -113,19 +119,30 @@ def load_config_file(argument: str) -> ml_collections.ConfigDict:
 
 def _move_renamed(config: ml_collections.ConfigDict) -> None:
   """Moves each old key a config file set to its new place (ALIASES), warned, before the
-  command line's overrides apply to the new one."""
+  command line's overrides apply to the new one. A file that set both names to different
+  values is refused: which one it meant is unknown."""
+  defaults = default_config()
   for old in ALIASES:
     *parents, name = old.split(".")
     section = _section_at(config, parents)
-    if section is not None and name in section:
-      value = section[name]
-      del section[name]
-      *parents, name = modern_key(old, f"config.{old}").split(".")
-      _section_at(config, parents)[name] = value
+    if section is None or name not in section:
+      continue
+    value = section[name]
+    del section[name]
+    new = modern_key(old, f"config.{old}")
+    *parents, name = new.split(".")
+    target = _section_at(config, parents, create=True)
+    if name in target and target[name] not in (value, _section_at(defaults, parents)[name]):
+      raise UserError(f"config.{old} ({value!r}) is the old name of config.{new}, which is set "
+                      f"to {target[name]!r}: set config.{new} only")
+    target[name] = value
 
 
-def _section_at(config: ml_collections.ConfigDict, path: list[str]):
+def _section_at(config: ml_collections.ConfigDict, path: list[str], create: bool = False):
+  """The section of `config` at `path`; None if there is none, unless `create`."""
   for name in path:
+    if create and name not in config:
+      config[name] = ml_collections.ConfigDict()
     config = config.get(name) if isinstance(config, ml_collections.ConfigDict) else None
   return config if isinstance(config, ml_collections.ConfigDict) else None
 
@@ -257,8 +274,9 @@ def modern_argv(argv: list[str]) -> list[str]:
   renamed = []
   for arg in argv:
     name, sep, value = arg.partition("=")
-    if name.startswith("--config."):
-      arg = f"--config.{modern_key(name.removeprefix('--config.'), name)}{sep}{value}"
+    for prefix in ("--config.", "--noconfig."):  # --noconfig.KEY: a boolean set False.
+      if name.startswith(prefix):
+        arg = f"{prefix}{modern_key(name.removeprefix(prefix), name)}{sep}{value}"
     renamed.append(arg)
   if sys.argv[1:] == argv[1:]:  # app.run's own argv, not a test's list.
     sys.argv[:] = renamed
@@ -354,48 +372,48 @@ def _check_across_sections(run: RunConfig) -> None:
   _check_optimizer(run.optimizer)
 
 
+def _settings_of(value: Any, prefix: str = ""):
+  """(key, value) of every setting of a RunConfig (or a section under `prefix`)."""
+  if dataclasses.is_dataclass(value):
+    for field in dataclasses.fields(value):
+      yield from _settings_of(getattr(value, field.name),
+                              f"{prefix}.{field.name}" if prefix else field.name)
+  else:
+    yield prefix, value
+
+
 def flat_dict(run: RunConfig) -> dict[str, Any]:
   """{'model.num_layers': 12, ...}, every setting, JSON-ready: what a workdir's config.json
   holds."""
-  def leaves(value: Any, prefix: str):
-    if dataclasses.is_dataclass(value):
-      for field in dataclasses.fields(value):
-        key = f"{prefix}.{field.name}" if prefix else field.name
-        yield from leaves(getattr(value, field.name), key)
-    else:
-      yield prefix, value
-  return json.loads(json.dumps(dict(leaves(run, ""))))
+  return json.loads(json.dumps(dict(_settings_of(run))))
 
 
 def model_from_saved(saved: dict[str, Any]) -> Any:
   """The model config that a config.json (read_saved) describes."""
-  return _build(models.FAMILIES[_architecture(saved)].config, "model", saved)
+  architecture = saved.get("model.architecture", "gpt2")
+  if architecture not in models.FAMILIES:
+    raise UserError(f"model.architecture {architecture!r} is none of {', '.join(models.FAMILIES)}")
+  return _build(models.FAMILIES[architecture].config, "model", saved)
 
 
-def describe_config(config: ml_collections.ConfigDict) -> str:
-  """Every key of `config` (after its overrides) with its value, its default where the two
+def describe_config(run: RunConfig) -> str:
+  """Every setting of `run` with its value as the run reads it, its default where the two
   differ, and its description: what --print_config prints, section by section."""
-  architecture = config.model.get("architecture", "gpt2")
-  sections = settings.sections(architecture)
-  values = _values(config, sections)
-  lines = []
+  values = dict(_settings_of(run))
+  family_rules = models.family(run.model).partition_rules  # Always there: not the config's.
+  values["sharding.rules"] = run.sharding.rules[:len(run.sharding.rules) - len(family_rules)]
   docs = {f.name: f.metadata["doc"] for f in dataclasses.fields(RunConfig)}
-  for name, section in sections.items():
+  lines = []
+  for name, section in settings.sections(run.model.architecture).items():
     lines.append(f"# config.{name}: {docs[name]}")
     for declared in schema.declared(section, name):
-      shown = _value_text(values.get(declared.key, declared.written))
-      line = f"config.{declared.key} = {shown}"
-      if declared.default is dataclasses.MISSING or _value_text(declared.written) != shown:
-        line += ("  (no default)" if declared.default is dataclasses.MISSING
-                 else f"  (default {_value_text(declared.written)})")
+      line = f"config.{declared.key} = {values[declared.key]!r}"
+      if declared.default is dataclasses.MISSING:
+        line += "  (no default)"
+      elif declared.default != values[declared.key]:
+        line += f"  (default {declared.default!r})"
       lines += [line, f"    {declared.doc} [{declared.kind}]"]
   return "\n".join(lines)
-
-
-def _value_text(value: Any) -> str:
-  if isinstance(value, ml_collections.ConfigDict):
-    value = value.to_dict()
-  return repr(value)
 
 
 def modern_saved(saved: dict[str, Any]) -> dict[str, Any]:

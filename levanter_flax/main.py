@@ -72,8 +72,7 @@ def main(argv: list[str]) -> None:
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   try:
     if _PRINT_CONFIG.value:
-      to_run_config(_CONFIG.value)  # Checked first: a bad value is its usual one line.
-      print(describe_config(_CONFIG.value))
+      print(describe_config(to_run_config(_CONFIG.value)))
       return
     workdir = paths.resolve(_WORKDIR.value or f"runs/{run_name(config_file)}",
                             "--workdir")

@@ -177,10 +177,10 @@ def _check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.
     if old in saved:
       logging.warning("The run in %s started with %s, which %s replaced: its evals before this "
                       "resume scored another set", workdir, old, new)
-  changed = config.changes(saved, now)
+  # Another coordinator address or process id is no news.
+  changed = [c for c in config.changes(saved, now) if not c.startswith("trainer.distributed.")]
   for change in changed:
-    if not change.startswith("trainer.distributed "):  # Another address or id is no news.
-      logging.warning("Resuming with %s", change)
+    logging.warning("Resuming with %s", change)
   return changed
 
 
@@ -220,7 +220,7 @@ class Progress:
 def initial_state(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
                   checkpointer: Checkpointer) -> tuple[step.TrainState, Progress]:
   """This run's newest usable checkpoint; else a Hugging Face checkpoint's params
-  (init_from_hf) or another run's (load_checkpoint_path); else init."""
+  (init_from_hf) or another run's (checkpoint.load_path); else init."""
   run, sources = start.run, start.sources
   state, progress = _restored_or_initial_state(run, workdir, steps, checkpointer, sources,
                                                start.config_changes)

@@ -200,3 +200,50 @@ def test_old_names_in_a_sweep_work_with_a_warning(capsys):
   assert unit.resolved["checkpoint.keep"] == 5
   assert "warning: config key config.trainer.keep_checkpoints is deprecated: use " \
          "config.checkpoint.keep" in capsys.readouterr().err
+
+
+def test_old_compute_names_given_to_model_config_work_with_a_warning(capsys):
+  model = config_module.model_config("llama", vocab_size=64, seq_len=16, num_layers=2,
+                                     num_heads=4, num_kv_heads=2, hidden_dim=32,
+                                     intermediate_dim=48, scan_layers=True)
+  assert model.compute.scan_layers is True
+  assert capsys.readouterr().err.splitlines() == [
+      "warning: config key model_config(scan_layers=...) is deprecated: use "
+      "config.model.compute.scan_layers"]
+
+
+def test_an_old_name_and_its_new_one_set_differently_are_refused(tmp_path):
+  path = _config_file(tmp_path, "  config.trainer.keep_checkpoints = 4\n"
+                                "  config.checkpoint.keep = 9\n")
+  with pytest.raises(config_module.UserError, match=r"^config.trainer.keep_checkpoints \(4\) is "
+                     r"the old name of config.checkpoint.keep, which is set to 9: set "
+                     r"config.checkpoint.keep only$"):
+    load_config_file(str(path))
+
+
+def test_an_old_name_in_a_section_the_file_dropped_lands_in_its_new_section(tmp_path):
+  path = _config_file(tmp_path, "  del config['monitoring']\n"
+                                "  config.trainer.hang_watchdog_seconds = 60.0\n")
+  assert to_run_config(load_config_file(str(path))).monitoring.hang_watchdog_seconds == 60.0
+
+
+def test_an_old_boolean_flag_set_false_is_renamed():
+  result = _print_config("--config=configs/llama.py:7b", "--noconfig.model.scan_layers")
+  assert result.returncode == 0, result.stderr
+  assert "config.model.compute.scan_layers = False  (default False)" not in result.stdout
+  assert "config.model.compute.scan_layers = False" in result.stdout.splitlines()
+
+
+def test_a_config_json_of_an_unknown_family_is_named():
+  with pytest.raises(config_module.UserError, match=r"^model.architecture 'falcon' is none of "):
+    config_module.model_from_saved({"model.architecture": "falcon"})
+
+
+def test_another_coordinator_or_process_id_is_no_change_on_resume(tmp_path):
+  from levanter_flax import resume
+  run = to_run_config(load_config_file("configs/gpt2.py:nano"))
+  saved = flat_dict(run) | {"trainer.distributed.process_id": 3,
+                            "trainer.distributed.coordinator_address": "10.0.0.1:1234"}
+  assert resume._check_resumed_config(run, saved, tmp_path) == []
+  assert resume._check_resumed_config(run, saved | {"trainer.seed": 9}, tmp_path) == [
+      "trainer.seed 9 -> 0"]

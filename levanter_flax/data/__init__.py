@@ -18,7 +18,8 @@ def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
     if (not hasattr(entry, "keys") or set(entry.keys()) != {"dataset", "weight"}
         or not isinstance(entry["dataset"], str)
         or not isinstance(entry["weight"], (int, float)) or entry["weight"] <= 0):
-      raise UserError(f"config key {key}.{name} must be dict(dataset=<directory>, weight=<positive "
+      where = key if name is None else f"{key}.{name}"
+      raise UserError(f"config key {where} must be dict(dataset=<directory>, weight=<positive "
                       f"number>); got {entry!r}")
     entries.append((name, entry["dataset"], float(entry["weight"])))
   return tuple(entries)

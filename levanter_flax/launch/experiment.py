@@ -79,10 +79,13 @@ def load_experiment(path: pathlib.Path) -> Experiment:
 def work_units(experiment: Experiment) -> list[WorkUnit]:
   """The units with their overrides checked against the config file: keys, then values."""
   config = load_config_file(experiment.config)
+  swept_units = experiment.work_units or [{}]
+  # Old key names renamed once, each warned once.
+  named = {k: modern_key(k, f"config.{k}")
+           for k in dict.fromkeys(k for unit in (experiment.overrides, *swept_units) for k in unit)}
   units = []
-  for index, swept in enumerate(experiment.work_units or [{}]):
-    overrides = {modern_key(k, f"config.{k}"): v
-                 for k, v in {**experiment.overrides, **swept}.items()}
+  for index, swept in enumerate(swept_units):
+    overrides = {named[k]: v for k, v in {**experiment.overrides, **swept}.items()}
     where = f"work unit {index} ({_describe(swept)}) of experiment {experiment.name}"
     for key in overrides:
       if not _has_key(config, key):

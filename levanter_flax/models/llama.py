@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.errors import UserError
-from levanter_flax.models import hf_keys
+from levanter_flax.models import common, hf_keys
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
-from levanter_flax.models import common
 from levanter_flax.models.family import HFLayout, ModelFamily
 from levanter_flax.schema import MODEL, STATE, setting
 
