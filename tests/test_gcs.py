@@ -38,11 +38,19 @@ def gcs(tmp_path_factory):
 
 
 def blobs(prefix: str) -> dict[str, bytes]:
-  """name (below prefix) -> contents of every object under gs://bkt/<prefix>."""
+  """name (below prefix) -> contents of every object under gs://bkt/<prefix>; an object deleted
+  between the listing and its read (a lock's renewer releasing it) is absent."""
+  from google.api_core import exceptions
   from google.cloud import storage
-  bucket = storage.Client().bucket("bkt")
-  return {b.name[len(prefix):]: b.download_as_bytes()
-          for b in bucket.list_blobs(prefix=prefix) if not b.name.endswith("/")}
+  contents = {}
+  for blob in storage.Client().bucket("bkt").list_blobs(prefix=prefix):
+    if blob.name.endswith("/"):
+      continue
+    try:
+      contents[blob.name[len(prefix):]] = blob.download_as_bytes()
+    except exceptions.NotFound:
+      pass
+  return contents
 
 
 def upload(name: str, data: bytes) -> None:
