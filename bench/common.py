@@ -57,8 +57,8 @@ def compile_train_step(run: settings.RunConfig) -> CompiledStep:
   With data.document_masking, token 0 stands for EOS: the mask costs the same wherever
   documents end.
   """
-  partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
-                                         run.sharding)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
   steps = step.build(run, partitioner, 0 if run.data.document_masking else None)
   tokens = np.random.default_rng(0).integers(
       0, run.model.vocab_size, (run.trainer.batch_size, run.model.seq_len), dtype=np.int32)

@@ -6,7 +6,7 @@ Each candidate is compiled exactly as it will run (on abstract arrays, so
 nothing is allocated): its global batch, its gradient_accumulation_steps,
 hence the accumulator and the stacked microbatches too. XLA's memory analysis
 gives the bytes it needs per device: arguments + outputs - donated buffers +
-temporaries. The budget is batch_search.memory_fraction of the device's memory, or
+temporaries + code. The budget is batch_search.memory_fraction of the device's memory, or
 batch_search.memory_budget_bytes where the backend reports none (CPU).
 
 Without batch_search.target_batch_size, candidates are per-device microbatches with
@@ -18,7 +18,8 @@ itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first
 (resume.py); a resume keeps what it chose.
 """
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+import re
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 from absl import app, flags, logging
@@ -47,11 +48,13 @@ class BatchSearchConfig:
         "memory_fraction": checks.unit(low_open=True)})
 
 
-def memory_budget(search: BatchSearchConfig, device: jax.Device) -> int:
-  """Bytes per device a step may use."""
-  stats = device.memory_stats() or {}
-  if "bytes_limit" in stats:
-    return int(stats["bytes_limit"] * search.memory_fraction)
+def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int = 0) -> int:
+  """Bytes per device a step may use; `capacity`: the device's memory, where it is not the
+  device at hand (an ahead-of-time compile for a TPU, see aot.py)."""
+  if not capacity:
+    capacity = (device.memory_stats() or {}).get("bytes_limit", 0)
+  if capacity:
+    return int(capacity * search.memory_fraction)
   if not search.memory_budget_bytes:
     raise UserError(f"config.trainer.batch_size 'auto' needs "
                     f"config.batch_search.memory_budget_bytes on {device.platform}, which does "
@@ -72,9 +75,36 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
                      eos_id=0 if run.data.document_masking else None)
   inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
   with partitioner.activation_context():
-    memory = steps.train_step.lower(*inputs).compile().memory_analysis()
+    lowered = steps.train_step.lower(*inputs)
+  try:
+    return needed_bytes(lowered.compile().memory_analysis())
+  except jax.errors.JaxRuntimeError as e:
+    refused = out_of_memory_bytes(e)
+    if refused is None:
+      raise
+    return refused
+
+
+def needed_bytes(memory) -> int:
+  """What a compiled program needs per device, from its memory_analysis(): arguments + outputs -
+  donated buffers + temporaries + code."""
   return (memory.argument_size_in_bytes + memory.output_size_in_bytes
-          - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+          + memory.generated_code_size_in_bytes)
+
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def out_of_memory_bytes(error: Exception) -> Optional[int]:
+  """What a program needs beyond its arguments, from the error of a compiler that refused it
+  for want of memory (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"); None
+  for any other error."""
+  text = str(error)
+  size = re.search(r"\(([\d.]+)([KMGT])\)", text)
+  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text or not size:
+    return None
+  return int(float(size.group(1)) * _UNITS[size.group(2)])
 
 
 def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:
@@ -124,11 +154,12 @@ def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
   return choices[best], accumulation(best)
 
 
-def resolve(run: "settings.RunConfig",
-            partitioner: partitioning.Partitioner) -> "settings.TrainerConfig":
-  """The trainer config with batch_size and gradient_accumulation_steps chosen to fit."""
+def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+            capacity: int = 0) -> "settings.TrainerConfig":
+  """The trainer config with batch_size and gradient_accumulation_steps chosen to fit the
+  partitioner's devices (of `capacity` bytes each, where they cannot say)."""
   trainer, search = run.trainer, run.batch_search
-  budget = memory_budget(search, jax.devices()[0])
+  budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
   data_parallel = partitioner.data_parallel_size
   needs = {}
 
@@ -159,8 +190,8 @@ def main(argv):
   from levanter_flax.config import to_run_config
   try:
     run = to_run_config(flags.FLAGS.config)
-    partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
-                                           run.sharding)
+    mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
+    partitioner = partitioning.Partitioner(mesh, run.sharding)
     trainer = resolve(run, partitioner)
   except UserError as e:
     exit_with_error(str(e))

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 import traceback
 import types
@@ -22,7 +23,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from levanter_flax import models, optim, schema, settings
-from levanter_flax.errors import UserError
+from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.settings import RunConfig
 
 
@@ -284,9 +285,39 @@ def modern_argv(argv: list[str]) -> list[str]:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """For app.run of a command with define_config_flag: cli.parse_flags on modern_argv."""
+  """For app.run of a command with define_config_flag: cli.parse_flags on modern_argv; what
+  config_flags raises on a bad override ends the program in one line."""
   from levanter_flax import cli  # pylint: disable=g-import-not-at-top
-  return cli.parse_flags(modern_argv(argv))
+  try:
+    return cli.parse_flags(modern_argv(argv))
+  except Exception as e:  # pylint: disable=broad-except  # What config_flags lets through raw.
+    exit_with_error(_describe_flag_error(e, argv))
+
+
+def _config_path(argv: list[str]) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "?"
+
+
+def _describe_flag_error(error: Exception, argv: list[str]) -> str:
+  """One line for whatever config_flags raised while applying an override."""
+  while error.args and isinstance(error.args[0], Exception):  # config_dict nests KeyErrors.
+    error = error.args[0]
+  text = str(error.args[0] if error.args else error)
+  if isinstance(error, (AttributeError, KeyError)):
+    unknown = re.search(r"'(\w+)'", text)
+    overrides = [a for a in argv if unknown and a.startswith("--config.") and unknown.group(1) in a]
+    hint = re.search(r"Did you mean \"(\w+)\"", text)
+    culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
+    if culprit.removeprefix("--config.") in REPLACED_KEYS:
+      return replacement(culprit.removeprefix("--config."), culprit)
+    return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+  first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+  return f"config {_config_path(argv)}: {first_line}"
 
 
 def _values(config: ml_collections.ConfigDict, sections: dict[str, type]) -> dict[str, Any]:

@@ -3,15 +3,13 @@
 Every config field can be overridden, e.g. --config.trainer.batch_size=64.
 Bad input ends in one line on stderr naming the culprit, and exit status 1.
 """
-import re
-
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from levanter_flax import cli, distributed, partitioning, paths
-from levanter_flax.config import (REPLACED_KEYS, define_config_flag, describe_config, modern_argv,
-                                  replacement, run_name, to_run_config)
+from levanter_flax.config import (define_config_flag, describe_config, parse_flags, run_name,
+                                  to_run_config)
 from levanter_flax.errors import UserError, exit_with_error
 
 _CONFIG = define_config_flag("Path to a config file in configs/.")
@@ -21,39 +19,6 @@ _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config key with its value, its default where the two "
     "differ, and its description; then exit without touching the workdir.")
 flags.mark_flag_as_required("config")
-
-
-def _config_path(argv: list[str]) -> str:
-  for i, arg in enumerate(argv):
-    if arg.startswith("--config="):
-      return arg.split("=", 1)[1]
-    if arg == "--config" and i + 1 < len(argv):
-      return argv[i + 1]
-  return "?"
-
-
-def _describe_flag_error(error: Exception, argv: list[str]) -> str:
-  """One line for whatever config_flags raised while applying an override."""
-  while error.args and isinstance(error.args[0], Exception):  # config_dict nests KeyErrors.
-    error = error.args[0]
-  text = str(error.args[0] if error.args else error)
-  if isinstance(error, (AttributeError, KeyError)):
-    unknown = re.search(r"'(\w+)'", text)
-    overrides = [a for a in argv if unknown and a.startswith("--config.") and unknown.group(1) in a]
-    hint = re.search(r"Did you mean \"(\w+)\"", text)
-    culprit = overrides[0].split("=", 1)[0] if overrides else (unknown.group(1) if unknown else text)
-    if culprit.removeprefix("--config.") in REPLACED_KEYS:
-      return replacement(culprit.removeprefix("--config."), culprit)
-    return f"unknown config key {culprit}" + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
-  first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-  return f"config {_config_path(argv)}: {first_line}"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return cli.parse_flags(modern_argv(argv))
-  except Exception as e:  # pylint: disable=broad-except  # What config_flags lets through raw.
-    exit_with_error(_describe_flag_error(e, argv))
 
 
 def _start_jax(trainer) -> None:
@@ -86,4 +51,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

@@ -136,26 +136,50 @@ def split_cpu(num_devices: int) -> None:
 
 
 def make_mesh(device_mesh: Sequence[tuple[str, int]],
-              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """Builds the mesh from (axis, size) pairs; one size may be -1 for 'the rest'."""
+              devices: Optional[Sequence[jax.Device]] = None,
+              dcn_mesh: Sequence[tuple[str, int]] = ()) -> Mesh:
+  """Builds the mesh from (axis, size) pairs; one size may be -1 for 'the rest'.
+
+  On TPU devices of several slices, device_mesh's sizes are per slice and dcn_mesh says how
+  many slices each axis spans: the slow data-center network then carries only those axes'
+  collectives (mesh_utils.create_hybrid_device_mesh), and a slice's own axes stay on its ICI.
+  """
   devices = list(jax.devices() if devices is None else devices)
+  num_slices = len({getattr(d, "slice_index", 0) for d in devices}
+                   if devices[0].platform == "tpu" else {0})
   names = tuple(name for name, _ in device_mesh)
-  sizes = [size for _, size in device_mesh]
+  sizes = _sizes("trainer.device_mesh", device_mesh, len(devices) // num_slices,
+                 "devices per slice" if num_slices > 1 else "devices")
+  if num_slices == 1:
+    return Mesh(mesh_utils.create_device_mesh(sizes, devices), names)
+  unknown = [name for name, _ in dcn_mesh if name not in names]
+  if unknown:
+    raise UserError(f"trainer.dcn_mesh {dict(dcn_mesh)}: {', '.join(unknown)} is not an axis of "
+                    f"trainer.device_mesh {dict(device_mesh)}")
+  spans = dict(zip((n for n, _ in dcn_mesh), _sizes("trainer.dcn_mesh", dcn_mesh, num_slices,
+                                                     "slices")))
+  device_array = mesh_utils.create_hybrid_device_mesh(
+      sizes, [spans.get(name, 1) for name in names], devices)
+  return Mesh(device_array, names)
+
+
+def _sizes(key: str, axes: Sequence[tuple[str, int]], total: int, what: str) -> list[int]:
+  """The axes' sizes with a -1 resolved, multiplying to `total` (of `what`)."""
+  sizes = [size for _, size in axes]
   if sizes.count(-1) > 1:
-    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: only one axis may be -1")
+    raise UserError(f"{key} {dict(axes)}: only one axis may be -1")
   if any(size == 0 or size < -1 for size in sizes):
-    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: sizes must be positive or -1")
+    raise UserError(f"{key} {dict(axes)}: sizes must be positive or -1")
   known = math.prod(size for size in sizes if size != -1)
   if -1 in sizes:
-    if len(devices) % known:
-      raise UserError(f"trainer.device_mesh {dict(device_mesh)}: {len(devices)} devices "
-                      f"are not divisible by the fixed axes' product {known}")
-    sizes[sizes.index(-1)] = len(devices) // known
-  if math.prod(sizes) != len(devices):
-    raise UserError(f"trainer.device_mesh {dict(device_mesh)}: the sizes multiply to "
-                    f"{math.prod(sizes)} but there are {len(devices)} devices")
-  device_array = mesh_utils.create_device_mesh(sizes, devices)
-  return Mesh(device_array, names)
+    if total % known:
+      raise UserError(f"{key} {dict(axes)}: {total} {what} are not divisible by the fixed "
+                      f"axes' product {known}")
+    sizes[sizes.index(-1)] = total // known
+  if math.prod(sizes) != total:
+    raise UserError(f"{key} {dict(axes)}: the sizes multiply to {math.prod(sizes)} but there "
+                    f"are {total} {what}")
+  return sizes
 
 
 def path_name(path) -> str:

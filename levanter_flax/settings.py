@@ -48,6 +48,10 @@ class TrainerConfig:
   device_mesh: tuple[tuple[str, int], ...] = setting(
       (("data", -1), ("model", 1)), "Mesh axis name -> size; -1 takes all remaining devices",
       convert=_device_mesh, written={"data": -1, "model": 1})
+  dcn_mesh: tuple[tuple[str, int], ...] = setting(
+      (("data", -1),), "Multi-slice TPU: how many slices each mesh axis spans, over the "
+      "data-center network (-1: all of them); device_mesh's sizes are then per slice. Read only "
+      "when the devices span several slices", convert=_device_mesh, written={"data": -1})
   cpu_devices: int = setting(
       0, "On a CPU backend, split each process's CPU into this many XLA devices (0: JAX's "
       "default, one): small models run faster data-parallel, one device per core")

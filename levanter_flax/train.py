@@ -79,7 +79,7 @@ def train_and_evaluate(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
 def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -> dict[str, float]:
   _check_backend(run.model)
   _use_compilation_cache(run.trainer)
-  mesh = partitioning.make_mesh(run.trainer.device_mesh)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
   partitioner = partitioning.Partitioner(mesh, run.sharding)
   with contextlib.ExitStack() as opened:
     # Opened first: whether the workdir holds checkpoints decides what the start keeps.

@@ -74,11 +74,12 @@ def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSt
   return step.build(run, partitioner)
 
 
-def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL):
-  """Five steps on fixed random batches; returns (losses, final state)."""
+def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL,
+          num_steps: int = NUM_STEPS):
+  """num_steps steps on fixed random batches; returns (losses, final state)."""
   partitioner = Partitioner(make_mesh(device_mesh, devices), config)
   steps = build(partitioner, model)
-  tokens = np.random.default_rng(0).integers(0, 257, (NUM_STEPS, BATCH_SIZE, MODEL.seq_len))
+  tokens = np.random.default_rng(0).integers(0, 257, (num_steps, BATCH_SIZE, MODEL.seq_len))
   losses = []
   with partitioner.activation_context():
     state = steps.init(jax.random.key(0))
@@ -383,6 +384,20 @@ def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_l
   with partitioner.activation_context():
     logits = jax.jit(models.build(MODEL).apply)({"params": state.params}, tokens)
   assert spec_of(logits) == ("data", "seq", None)  # The model's last constraint.
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_context_parallelism_trains_as_on_one_device(name):
+  """The sequence split over a mesh axis by the table alone: each device holds a quarter of
+  the batch's sequences, halved by length; attention gathers keys and values over it."""
+  family = models.FAMILIES[name]
+  model = tiny(name)
+  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model,
+                 num_steps=10)
+  config = sharding_config(rules=family.partition_rules,
+                           logical_axis_rules=(("length", "sequence"),))
+  eight, _ = train((("data", 4), ("sequence", 2)), config, model=model, num_steps=10)
+  np.testing.assert_allclose(eight, one, rtol=1e-5)
 
 
 def test_a_new_logical_name_in_the_table_serves_the_rules_from_the_config_alone():

@@ -1,0 +1,319 @@
+"""The fit plan before launch: the run's train step compiled for a TPU topology, on any machine.
+
+    python -m levanter_flax.aot --config=configs/llama_7b.py --topology=v5p-64 \\
+        [--num_slices=2] [--config.x=y ...] [--output=plan.json]
+
+libtpu (`pip install -e ".[tpu-aot]"`) compiles for TPU chips that are not
+there: jax's compile-only devices of the topology. The step is the trainer's
+own (step.build), with the run's mesh, shardings, global batch and gradient
+accumulation, so what the compiler reports is what the pod would run:
+
+- memory per chip (memory_analysis) is the hardware's verdict: a step that
+  does not fit here does not fit there;
+- FLOPs and collective bytes are counts of the compiled program;
+- `optimal_seconds` is the compiler's idealized cost model, not a step time:
+  a relative signal between two compiles on the same libtpu only.
+
+A scanned layer stack is one while loop whose body the compiler counts once;
+its counts come from unrolled compiles of 2 and 4 layers, extrapolated to the
+model's depth (each layer costs the same). Nothing here touches a TPU, the
+network or the workdir; TensorFlow is never imported.
+"""
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+from typing import Any, Optional
+
+import jax
+from absl import app, flags, logging
+
+from levanter_flax import batch_search, models, partitioning, settings, step
+from levanter_flax.models import common
+from levanter_flax.config import define_config_flag, parse_flags, to_run_config
+from levanter_flax.errors import UserError, exit_with_error
+
+GIB = 1 << 30
+# HBM per chip by jax's device_kind: compile-only devices report no memory of their own.
+HBM_BYTES = {
+    "TPU v4": 32 * GIB,
+    "TPU v5 lite": 16 * GIB,  # v5e
+    "TPU v5": 95 * GIB,  # v5p
+    "TPU v5p": 95 * GIB,
+    "TPU v6 lite": 32 * GIB,  # v6e (Trillium)
+}
+# Chips -> physical shape, for the Cloud TPU names: 3D tori (v4, v5p) and 2D ones (v5e, v6e).
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+# Generation -> (its torus's shapes, TensorCores the Cloud TPU name counts per chip).
+_GENERATIONS = {"v4": (_SHAPES_3D, 2), "v5p": (_SHAPES_3D, 2), "v5e": (_SHAPES_2D, 1),
+                "v6e": (_SHAPES_2D, 1)}
+_EXAMPLES = "v4-32, v5e-256, v5p-128, v6e-64, v5e:16x16 or v5p:4x4x4"
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, f"The TPU slice to compile for: a Cloud TPU name or jax's, e.g. {_EXAMPLES}.")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
+_OUTPUT = flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
+
+
+def topology(name: str) -> tuple[str, str]:
+  """(generation, jax's topology name "v5p:4x4x4") for a Cloud TPU name or jax's own.
+
+  The Cloud TPU suffix counts TensorCores on v4 and v5p (two per chip) and chips on v5e
+  and v6e: v4-32 and v5p-32 are 16 chips, v5e-32 is 32.
+  """
+  cloud = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name)
+  if cloud:
+    generation = "v5e" if cloud.group(1) == "v5litepod" else cloud.group(1)
+    shapes, cores_per_chip = _GENERATIONS[generation]
+    cores = int(cloud.group(2))
+    if cores % cores_per_chip or cores // cores_per_chip not in shapes:
+      raise UserError(f"--topology={name}: no {generation} slice of {cores} "
+                      f"{'TensorCores' if cores_per_chip > 1 else 'chips'}; sizes are "
+                      f"{', '.join(str(c * cores_per_chip) for c in shapes)}")
+    return generation, f"{generation}:{shapes[cores // cores_per_chip]}"
+  jax_name = re.fullmatch(r"(v4|v5p|v5e|v6e):(\d+x\d+(?:x\d+)?)", name)
+  if jax_name and jax_name.group(2).count("x") == (2 if jax_name.group(1) in ("v4", "v5p") else 1):
+    return jax_name.group(1), name
+  raise UserError(f"--topology={name}: unknown TPU topology; use a Cloud TPU name or jax's, "
+                  f"e.g. {_EXAMPLES}")
+
+
+def chips(name: str) -> int:
+  """Chips in one slice of the topology `name`."""
+  return math.prod(int(n) for n in topology(name)[1].split(":")[1].split("x"))
+
+
+def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
+  """The compile-only devices of `num_slices` slices of topology `name`: one per chip."""
+  generation, jax_name = topology(name)
+  if num_slices < 1:
+    raise UserError(f"--num_slices must be at least 1; got {num_slices}")
+  if importlib.util.find_spec("libtpu") is None:
+    raise UserError("compiling for a TPU needs libtpu: pip install -e \".[tpu-aot]\" (the "
+                    "version jax[tpu] pins, see BUILD_NOTES.md)")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # No metadata server: this is not a TPU VM.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # Its lockfile is for real chips.
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  # v4 runs as megacore, one device per chip, as on a real v4 VM.
+  options = {"chip_config_name": "megacore"} if generation == "v4" else {}
+  return list(topologies.get_topology_desc(topology_name=jax_name, platform="tpu",
+                                           num_slices=num_slices, **options).devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """What the compiler counts of one step, for the whole topology."""
+  flops: float
+  optimal_seconds: float
+  collective_bytes: dict[str, int]  # Per kind, per chip; "<kind> across slices" too.
+
+  def scaled(self, other: "Costs", factor: float) -> "Costs":
+    """self + factor * (other - self), every figure."""
+    line = lambda a, b: a + factor * (b - a)
+    keys = set(self.collective_bytes) | set(other.collective_bytes)
+    return Costs(line(self.flops, other.flops), line(self.optimal_seconds, other.optimal_seconds),
+                 {k: round(line(self.collective_bytes.get(k, 0), other.collective_bytes.get(k, 0)))
+                  for k in sorted(keys)})
+
+
+_SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f16|bf16|f32|f64|f8e4m3fn|"
+                    r"f8e5m2)\[([\d,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "s16": 16,
+         "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
+         "f64": 64}
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# What a multi-slice program sends over the data-center network: host transfers that the
+# megascale runtime carries, one per collective's share that leaves the slice.
+_DCN_SEND = re.compile(r"=\s*\((.*?)\)\s+send\(.*_xla_megascale_transfer_type=\"?([A-Z_]+)")
+_DCN_KINDS = {"ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+              "ALL_REDUCE": "all-reduce", "ALL_TO_ALL": "all-to-all",
+              "ONE_TO_ONE": "collective-permute"}
+
+
+def _result_bytes(result_type: str) -> int:
+  """Bytes of an HLO array type, "bf16[8,128]{1,0}"; of the first one in a tuple."""
+  dtype, dims = _SHAPE.search(result_type).groups()
+  return math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes of each kind of collective's results on one chip per step, from compiled HLO text;
+  of a multi-slice program, also what each kind sends across slices ("<kind> across slices")."""
+  totals = {kind: 0 for kind in COLLECTIVES}
+  for line in hlo_text.splitlines():
+    op = _OP.search(line)
+    if op:  # An async start's result is (operand, output, ...): the output.
+      parts = re.findall(r"[a-z0-9]+\[[\d,]*\]", op.group(1))
+      totals[op.group(2)] += _result_bytes(parts[1] if op.group(3) and len(parts) > 1
+                                           else op.group(1))
+      continue
+    send = _DCN_SEND.search(line)
+    if send:
+      key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
+      totals[key] = totals.get(key, 0) + _result_bytes(send.group(1))
+  return totals
+
+
+def _costs(compiled, chip_count: int) -> Costs:
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return Costs(flops=float(analysis.get("flops", 0.0)) * chip_count,
+               optimal_seconds=float(analysis.get("optimal_seconds", 0.0)),
+               collective_bytes=collective_bytes(compiled.as_text()))
+
+
+def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner) -> step.ShardedSteps:
+  return step.build(run, partitioner, eos_id=0 if run.data.document_masking else None)
+
+
+def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+             steps: Optional[step.ShardedSteps] = None):
+  steps = steps or _steps(run, partitioner)
+  with partitioner.activation_context():
+    return steps.train_step.lower(*steps.abstract_inputs(run.trainer.batch_size)).compile()
+
+
+def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+               compiled) -> Costs:
+  """The step's costs; for scanned layers, extrapolated from unrolled compiles of 2 and 4."""
+  chip_count = partitioner.mesh.size
+  if not run.model.compute.scan_layers:
+    return _costs(compiled, chip_count)
+  unrolled = []
+  for depth in (2, 4):
+    model = dataclasses.replace(common.with_compute(run.model, scan_layers=False),
+                                num_layers=depth)
+    logging.info("Compiling %d unrolled layers to count the scanned step's costs", depth)
+    shallow = _compile(dataclasses.replace(run, model=model), partitioner)
+    unrolled.append(_costs(shallow, chip_count))
+  return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
+
+
+def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1) -> dict[str, Any]:
+  """Compiles the run's train step for the topology; the plan's figures, JSON-ready."""
+  target = devices(topology_name, num_slices)
+  # A compile-only executable cannot be read back from the persistent cache: do not write it.
+  jax.config.update("jax_enable_compilation_cache", False)
+  capacity = HBM_BYTES.get(target[0].device_kind)
+  if capacity is None:
+    raise UserError(f"--topology={topology_name}: no HBM size known for {target[0].device_kind}")
+  mesh = partitioning.make_mesh(run.trainer.device_mesh, target, run.trainer.dcn_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  if run.trainer.batch_size == "auto":
+    run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity))
+  trainer = run.trainer
+  logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
+               num_slices, len(target), trainer.batch_size)
+  steps = _steps(run, partitioner)
+  tokens = trainer.batch_size * run.model.seq_len
+  result = {
+      "topology": topology_name,
+      "num_slices": num_slices,
+      "chips": len(target),
+      "device_kind": target[0].device_kind,
+      "mesh": dict(mesh.shape),
+      "batch_size": trainer.batch_size,
+      "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
+      "hbm_per_chip_bytes": capacity,
+      "tokens_per_step": tokens,
+      "model_flops_per_step": tokens * models.flops_per_token(run.model,
+                                                              steps.abstract_state.params),
+  }
+  try:
+    compiled = _compile(run, partitioner, steps)
+  except jax.errors.JaxRuntimeError as e:
+    temporaries = batch_search.out_of_memory_bytes(e)
+    if temporaries is None:
+      raise
+    # The compiler refuses a step that does not fit: no program, so no counts, and the memory
+    # from its message and the state's layout.
+    arguments = partitioning.per_device_bytes(*steps.abstract_inputs(trainer.batch_size)[:1],
+                                              steps.state_shardings)
+    return {**result, "bytes_per_chip": arguments + temporaries,
+            "argument_bytes_per_chip": arguments, "temp_bytes_per_chip": temporaries,
+            "fits": False, "compiler_flops_per_step": None, "compiler_bound_seconds": None,
+            "collective_bytes_per_step": {}}
+  memory = compiled.memory_analysis()
+  needed = batch_search.needed_bytes(memory)
+  costs = step_costs(run, partitioner, compiled)
+  return {
+      **result,
+      "bytes_per_chip": needed,
+      "argument_bytes_per_chip": memory.argument_size_in_bytes,
+      "temp_bytes_per_chip": memory.temp_size_in_bytes,
+      "fits": needed <= capacity,
+      "compiler_flops_per_step": costs.flops,
+      "compiler_bound_seconds": costs.optimal_seconds if costs.optimal_seconds > 0 else None,
+      "collective_bytes_per_step": costs.collective_bytes,
+  }
+
+
+def advice(run: settings.RunConfig, result: dict[str, Any]) -> str:
+  """The setting likely to save the most memory per chip, for a step that does not fit."""
+  temps, arguments = result["temp_bytes_per_chip"], result["argument_bytes_per_chip"]
+  data_parallel = dict(result["mesh"]).get("data", 1)
+  savings = {"a smaller trainer.batch_size (or more gradient_accumulation_steps)": temps / 2}
+  if run.sharding.parameter_axis is None and data_parallel > 1:
+    savings["ZeRO-3: sharding.parameter_axis=data"] = arguments * (1 - 1 / data_parallel)
+  if run.model.compute.remat == "none":
+    savings["model.compute.remat=full"] = temps * 0.7
+  return max(savings, key=savings.get)
+
+
+def describe(result: dict[str, Any]) -> str:
+  """The plan as lines for a terminal."""
+  gib = lambda n: f"{n / GIB:.2f} GiB"
+  margin = result["hbm_per_chip_bytes"] - result["bytes_per_chip"]
+  bound = result["compiler_bound_seconds"]
+  lines = [
+      f"{result['topology']} x {result['num_slices']} slice(s): {result['chips']} chips "
+      f"({result['device_kind']}), mesh {result['mesh']}",
+      f"batch {result['batch_size']} x {result['gradient_accumulation_steps']} microbatch(es), "
+      f"{result['tokens_per_step']:,} tokens per step",
+      f"memory per chip: {gib(result['bytes_per_chip'])} of {gib(result['hbm_per_chip_bytes'])} "
+      f"(temporaries {gib(result['temp_bytes_per_chip'])}): "
+      + (f"fits, {gib(margin)} to spare" if result["fits"] else f"does NOT fit, {gib(-margin)} "
+         "short"),
+      f"model FLOPs per step {result['model_flops_per_step']:.4g}",
+  ]
+  if result["compiler_flops_per_step"] is None:
+    lines.append("the compiler refused the step for want of memory: no counts")
+    return "\n".join(lines)
+  lines += [
+      f"the compiler counts {result['compiler_flops_per_step']:.4g} FLOPs per step",
+      "collective bytes per chip per step: " + (", ".join(
+          f"{k} {gib(v)}" for k, v in result["collective_bytes_per_step"].items() if v) or "none"),
+      "compiler's idealized bound: " + (f"{bound:.4g} s (a relative signal between compiles, "
+                                        "not a step time)" if bound else "none given"),
+  ]
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    run = to_run_config(flags.FLAGS.config)
+    result = plan(run, _TOPOLOGY.value, _NUM_SLICES.value)
+  except UserError as e:
+    exit_with_error(str(e))
+  print(describe(result))
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+  if not result["fits"]:
+    short = (result["bytes_per_chip"] - result["hbm_per_chip_bytes"]) / GIB
+    exit_with_error(f"the step needs {short:.2f} GiB per chip more than {result['topology']}'s "
+                    f"HBM; try {advice(run, result)}")
+
+
+if __name__ == "__main__":
+  define_config_flag("A config file in configs/.")
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,130 @@
+"""The fit plan: the trainer's step compiled for TPU topologies by libtpu, on this CPU machine."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conftest import REPO, load_config_file
+from levanter_flax import aot, models
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+from test_main import NANO, assert_one_line_error
+
+KEYS = ("topology", "chips", "hbm_per_chip_bytes", "bytes_per_chip", "temp_bytes_per_chip",
+        "fits", "model_flops_per_step", "compiler_flops_per_step", "compiler_bound_seconds",
+        "tokens_per_step", "collective_bytes_per_step")
+
+
+@pytest.mark.parametrize("name,chips", [
+    ("v4-32", 16), ("v4-8", 4), ("v5p-128", 64), ("v5p-8", 4), ("v5e-256", 256), ("v5e-8", 8),
+    ("v5litepod-16", 16), ("v6e-64", 64), ("v5e:16x16", 256), ("v5p:4x4x4", 64),
+    ("v4:2x2x4", 16)])
+def test_cloud_names_count_cores_on_v4_and_v5p_and_chips_on_v5e_and_v6e(name, chips):
+  assert aot.chips(name) == chips
+
+
+@pytest.mark.parametrize("name", ["v5e-3", "v5p-3", "v9-8", "tpu", "v5e:4x4x4", "v5p:4x4"])
+def test_an_unknown_topology_is_one_line_with_examples(name):
+  with pytest.raises(UserError, match=r"^--topology=.*(v5p-128|sizes are)"):
+    aot.topology(name)
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(UserError, match=r"pip install -e \"\.\[tpu-aot\]\""):
+    aot.devices("v5e:2x2")
+
+
+def nano(**overrides):
+  """gpt2_nano's run, made smaller, with `overrides` ({"trainer.batch_size": 8, ...})."""
+  config = load_config_file("gpt2_nano")
+  config.model.num_layers = 2
+  for key, value in overrides.items():
+    section, name = key.rsplit(".", 1)
+    node = config
+    for part in section.split("."):
+      node = node[part]
+    node[name] = value
+  return to_run_config(config)
+
+
+def test_the_command_prints_and_writes_every_key(tmp_path):
+  pytest.importorskip("libtpu")
+  output = tmp_path / "plan.json"
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+                           "--topology=v5e-4", "--config.model.num_layers=2",
+                           f"--output={output}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  plan = json.loads(output.read_text())
+  assert set(KEYS) <= set(plan)
+  assert plan["chips"] == 4 and plan["fits"] and plan["tokens_per_step"] == 16 * 128
+  assert 0 < plan["temp_bytes_per_chip"] < plan["bytes_per_chip"] < plan["hbm_per_chip_bytes"]
+  assert plan["collective_bytes_per_step"]["all-reduce"] > 0  # The gradients, data parallel.
+  # The compiler's count has the optimizer and the loss besides the model's matmuls.
+  assert 1 <= plan["compiler_flops_per_step"] / plan["model_flops_per_step"] < 1.3
+  assert "fits" in result.stdout and "not a step time" in result.stdout
+
+
+def test_no_tensorflow_on_the_compile_side():
+  code = "import sys, levanter_flax.aot; assert 'tensorflow' not in sys.modules"
+  subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
+  pytest.importorskip("libtpu")
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+                           "--topology=v5e-4", "--config.model.num_layers=2",
+                           "--config.trainer.batch_size=65536"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert_one_line_error(result, "GiB per chip more than v5e-4's HBM; try ")
+  assert "does NOT fit" in result.stdout
+
+
+def test_a_mesh_of_another_size_than_the_topology_is_one_line():
+  pytest.importorskip("libtpu")
+  with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "):
+    aot.plan(nano(**{"trainer.device_mesh": {"data": 8}}), "v5e:2x2")
+
+
+def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
+  """The batch search against the TPU's HBM; the compiler refuses what does not fit."""
+  pytest.importorskip("libtpu")
+  budget = 32 << 20
+  plan = aot.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 256,
+                          "batch_search.memory_fraction": budget / aot.HBM_BYTES["TPU v5 lite"]}),
+                  "v5e:2x2")
+  assert plan["batch_size"] == 256 and plan["gradient_accumulation_steps"] > 1
+  assert plan["bytes_per_chip"] <= budget
+  whole = aot.plan(nano(**{"trainer.batch_size": 256}), "v5e:2x2")
+  assert whole["bytes_per_chip"] > budget
+
+
+def test_a_scanned_stack_is_counted_as_the_unrolled_one():
+  """The compiler counts a loop's body once; the plan extrapolates from 2 and 4 layers."""
+  pytest.importorskip("libtpu")
+  unrolled = aot.plan(nano(**{"model.num_layers": 6}), "v5e:2x2")
+  scanned = aot.plan(nano(**{"model.num_layers": 6, "model.compute.scan_layers": True}),
+                     "v5e:2x2")
+  assert scanned["compiler_flops_per_step"] == pytest.approx(
+      unrolled["compiler_flops_per_step"], rel=0.01)
+  assert scanned["model_flops_per_step"] == unrolled["model_flops_per_step"]
+
+
+def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
+  pytest.importorskip("libtpu")
+  run = nano(**{"trainer.device_mesh": {"data": 2, "model": 2}})
+  plan = aot.plan(run, "v5e:2x2", num_slices=2)
+  assert plan["chips"] == 8 and plan["mesh"] == {"data": 4, "model": 2}
+  across = {k: v for k, v in plan["collective_bytes_per_step"].items() if "across" in k and v}
+  assert set(across) == {"all-reduce across slices"}
+  # Once per step: each chip sends its share of the gradients, about a quarter of them (those the
+  # model axis replicates, norms and biases, are reduced whole).
+  shapes = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+  gradient_bytes = sum(x.size * 4 for x in jax.tree.leaves(shapes))
+  assert gradient_bytes / 4 <= across["all-reduce across slices"] < gradient_bytes / 2
