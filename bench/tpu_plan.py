@@ -1,0 +1,193 @@
+"""The TPU compiler's figures for the shipped large configs and for the seven techniques.
+
+    python bench/tpu_plan.py [--rows=targets,techniques] [--results=FILE.json] [--write_docs]
+
+Each row is `levanter_flax.aot`'s plan: the trainer's step compiled by libtpu for a TPU
+topology on this machine. Memory per chip and the counts are the compiled program's; the
+compiler's bound (`optimal_seconds`) is its idealized cost model, a relative signal between
+rows on the same libtpu, never a step time. Nothing runs on a TPU.
+
+Rows already in --results are kept (those that failed are tried again), so an interrupted
+run goes on where it stopped;
+--write_docs puts the tables into docs/Performance-Guide.md between its tpu_plan markers.
+"""
+import json
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+
+from levanter_flax import aot, batch_search, partitioning
+from levanter_flax.config import load_config_file, to_run_config
+from levanter_flax.errors import UserError
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GUIDE = REPO / "docs" / "Performance-Guide.md"
+BEGIN, END = "<!-- tpu_plan:begin -->", "<!-- tpu_plan:end -->"
+GIB = 1 << 30
+
+# The shipped large configs on the slices they are meant for: (config, topology, slices).
+TARGETS = [("gpt2.py:small", "v5e-8", 1), ("llama.py:1b", "v5e-16", 1),
+           ("llama.py:7b", "v5p-64", 1), ("mistral.py:7b", "v5p-64", 1),
+           ("mixtral.py:8x7b", "v5p-128", 1), ("llama.py:7b", "v5e-256", 2)]
+
+# Llama-2-7B on v5p-64 (32 chips), one 4096-token sequence per chip, full remat: the case
+# MaxText's own compile was measured on (7.8 GiB per chip, 175.6 TFLOP per chip per step).
+BASE = {"trainer.batch_size": 32, "trainer.gradient_accumulation_steps": 1,
+        "model.compute.attention_impl": "xla"}
+# Each technique switched one way and the other on BASE: (technique, setting, overrides).
+TECHNIQUES = [
+    ("baseline (2D mesh data=4 x model=8, ZeRO-3, full remat)", "", {}),
+    ("1. device mesh", "1D: data=32", {"trainer.device_mesh": {"data": 32, "model": 1}}),
+    ("2. ZeRO-3", "off: sharding.parameter_axis=None, optimizer_axis=None",
+     {"sharding.parameter_axis": None, "sharding.optimizer_axis": None}),
+    ("3. batch and accumulation", "batch 256 in 8 microbatches",
+     {"trainer.batch_size": 256, "trainer.gradient_accumulation_steps": 8}),
+    ("5. remat", "dots_with_no_batch_dims_saveable",
+     {"model.compute.remat": "dots_with_no_batch_dims_saveable"}),
+    ("5. remat", "none", {"model.compute.remat": "none"}),
+    ("attention", "splash, sequence 4096", {"model.compute.attention_impl": "splash"}),
+    ("attention", "xla, sequence 8192", {"model.seq_len": 8192}),
+    ("attention", "splash, sequence 8192",
+     {"model.seq_len": 8192, "model.compute.attention_impl": "splash"}),
+    ("context parallelism", "sequence 32768, xla, data=4 x model=8",
+     {"model.seq_len": 32768, "trainer.batch_size": 4}),
+    ("context parallelism", "sequence 32768, splash, sequence=4 x model=8",
+     {"model.seq_len": 32768, "trainer.batch_size": 4,
+      "model.compute.attention_impl": "splash",
+      "trainer.device_mesh": {"data": 1, "sequence": 4, "model": 8},
+      "sharding.parameter_axis": "sequence", "sharding.optimizer_axis": "sequence",
+      "sharding.activation_axis": None,
+      "sharding.logical_axis_rules": (("length", "sequence"),)}),
+]
+
+_ROWS = flags.DEFINE_list("rows", ["targets", "techniques"], "Which tables to compute.")
+_RESULTS = flags.DEFINE_string("results", str(REPO / "bench" / "tpu_plan.json"),
+                               "Rows computed so far; kept, and added to.")
+_WRITE_DOCS = flags.DEFINE_bool("write_docs", False, "Write the tables into the guide.")
+
+
+def run_of(config: str, overrides: dict):
+  node_config = load_config_file(str(REPO / "configs" / config))
+  for key, value in overrides.items():
+    *sections, name = key.split(".")
+    node = node_config
+    for section in sections:
+      node = node[section]
+    node[name] = value
+  return to_run_config(node_config)
+
+
+def largest_batch(run, topology: str, num_slices: int) -> int:
+  """The largest global batch (a power of two per data-parallel chip, no accumulation) whose
+  step fits the chip's HBM."""
+  devices = aot.devices(topology, num_slices)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh, devices, run.trainer.dcn_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  capacity = aot.HBM_BYTES[devices[0].device_kind]
+  per_chip = 0
+  while per_chip < 64 and batch_search.step_bytes(run, partitioner, max(1, 2 * per_chip)) \
+      <= capacity:
+    per_chip = max(1, 2 * per_chip)
+  return per_chip * partitioner.data_parallel_size
+
+
+def compute(key: str, config: str, topology: str, num_slices: int, overrides: dict,
+            with_batch: bool) -> dict:
+  start = time.time()
+  try:
+    run = run_of(config, overrides)
+    row = aot.plan(run, topology, num_slices)
+    if with_batch:
+      row["largest_batch"] = largest_batch(run, topology, num_slices)
+  except UserError as e:
+    row = {"error": str(e)}
+  row["seconds"] = round(time.time() - start)
+  print(key, json.dumps(row), flush=True)
+  return row
+
+
+def gib(n) -> str:
+  return "—" if n is None else f"{n / GIB:.2f}"
+
+
+def collectives(row: dict) -> str:
+  found = row.get("collective_bytes_per_step") or {}
+  return ", ".join(f"{k} {v / GIB:.2f}" for k, v in found.items() if v) or "—"
+
+
+def bound(row: dict) -> str:
+  seconds = row.get("compiler_bound_seconds")
+  return "—" if seconds is None else f"{seconds:.3f}"
+
+
+def targets_table(results: dict) -> list[str]:
+  lines = ["| config | target | HBM per chip (GiB needed / of) | fits | largest batch that fits "
+           "| collective GiB per chip per step | compiler's bound (s) |",
+           "|---|---|---|---|---|---|---|"]
+  for config, topology, slices in TARGETS:
+    row = results.get(f"target {config} {topology} {slices}")
+    where = topology + (f" × {slices}" if slices > 1 else "")
+    if row is None or "error" in row:
+      lines.append(f"| {config} | {where} | {row and row.get('error') or 'not computed'} "
+                   "| | | | |")
+      continue
+    lines.append(f"| {config} | {where} | {gib(row['bytes_per_chip'])} / "
+                 f"{gib(row['hbm_per_chip_bytes'])} | {'yes' if row['fits'] else 'NO'} | "
+                 f"{row.get('largest_batch', '—')} | {collectives(row)} | {bound(row)} |")
+  return lines
+
+
+def techniques_table(results: dict) -> list[str]:
+  lines = ["| technique | setting | HBM per chip (GiB) | temporaries (GiB) | fits | model "
+           "TFLOP per chip | collective GiB per chip per step | compiler's bound (s) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for technique, setting, _ in TECHNIQUES:
+    row = results.get(f"technique {technique} {setting}")
+    if row is None or "error" in row:
+      lines.append(f"| {technique} | {setting} | {row and row.get('error') or 'not computed'} "
+                   "| | | | | |")
+      continue
+    lines.append(f"| {technique} | {setting} | {gib(row['bytes_per_chip'])} | "
+                 f"{gib(row['temp_bytes_per_chip'])} | {'yes' if row['fits'] else 'NO'} | "
+                 f"{row['model_flops_per_step'] / row['chips'] / 1e12:.1f} | {collectives(row)} "
+                 f"| {bound(row)} |")
+  return lines
+
+
+def write_docs(results: dict) -> None:
+  text = GUIDE.read_text()
+  if BEGIN not in text or END not in text:
+    sys.exit(f"{GUIDE} has no {BEGIN} ... {END} section")
+  table = "\n".join([
+      "The TPU compiler's figures (libtpu 0.0.42, compiled on a CPU machine by "
+      "`python bench/tpu_plan.py`), not measurements on a TPU. The bound is the compiler's "
+      "idealized `optimal_seconds`: compare it between rows, never read it as a step time.",
+      "", "Shipped configs on their targets:", "", *targets_table(results), "",
+      "The techniques on llama_7b (Llama-2-7B's shape) on v5p-64 (32 chips), one 4096-token "
+      "sequence per chip unless the row says otherwise:", "", *techniques_table(results)])
+  head, rest = text.split(BEGIN, 1)
+  GUIDE.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv):
+  del argv
+  path = pathlib.Path(_RESULTS.value)
+  results = json.loads(path.read_text()) if path.exists() else {}
+  work = []
+  if "techniques" in _ROWS.value:
+    work += [(f"technique {name} {setting}", "llama.py:7b", "v5p-64", 1,
+              {**BASE, **overrides}, False) for name, setting, overrides in TECHNIQUES]
+  if "targets" in _ROWS.value:  # After the baseline: MaxText's case comes first.
+    work[1:1] = [(f"target {c} {t} {s}", c, t, s, {}, True) for c, t, s in TARGETS]
+  for key, *job in work:
+    if key not in results or "error" in results[key]:  # An error may be fixed since.
+      results[key] = compute(key, *job)
+      path.write_text(json.dumps(results, indent=1))
+  if _WRITE_DOCS.value:
+    write_docs(results)
+
+
+if __name__ == "__main__":
+  app.run(main)
