@@ -136,10 +136,26 @@ _DCN_KINDS = {"ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
               "ONE_TO_ONE": "collective-permute"}
 
 
-def _result_bytes(result_type: str) -> int:
-  """Bytes of an HLO array type, "bf16[8,128]{1,0}"; of the first one in a tuple."""
-  dtype, dims = _SHAPE.search(result_type).groups()
-  return math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
+def _array_bytes(hlo_type: str) -> int:
+  """Bytes of the arrays in an HLO type: "bf16[8,128]{1,0}", or every one of a tuple's."""
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
+             for dtype, dims in _SHAPE.findall(hlo_type))
+
+
+def _tuple_elements(hlo_type: str) -> list[str]:
+  """A tuple type's top-level elements; [hlo_type] for an array."""
+  if not hlo_type.startswith("("):
+    return [hlo_type]
+  elements, depth, start = [], 0, 1
+  for i, char in enumerate(hlo_type):
+    depth += char in "([{"
+    depth -= char in ")]}"
+    if (char == "," and depth == 1) or depth == 0:
+      elements.append(hlo_type[start:i])
+      start = i + 1
+    if depth == 0:
+      break
+  return elements
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -148,15 +164,18 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   totals = {kind: 0 for kind in COLLECTIVES}
   for line in hlo_text.splitlines():
     op = _OP.search(line)
-    if op:  # An async start's result is (operand, output, ...): the output.
-      parts = re.findall(r"[a-z0-9]+\[[\d,]*\]", op.group(1))
-      totals[op.group(2)] += _result_bytes(parts[1] if op.group(3) and len(parts) > 1
-                                           else op.group(1))
+    if op:
+      kind, result = op.group(2), op.group(1)
+      elements = _tuple_elements(result)
+      # An async start's result is (operands, outputs, ...); all-reduce-start's, the outputs.
+      if op.group(3) and kind != "all-reduce" and len(elements) > 1:
+        result = elements[1]
+      totals[kind] += _array_bytes(result)
       continue
     send = _DCN_SEND.search(line)
-    if send:
+    if send:  # (payload, u32[], token[]).
       key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
-      totals[key] = totals.get(key, 0) + _result_bytes(send.group(1))
+      totals[key] = totals.get(key, 0) + _array_bytes(_tuple_elements(f"({send.group(1)})")[0])
   return totals
 
 

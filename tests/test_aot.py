@@ -40,6 +40,20 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     aot.devices("v5e:2x2")
 
 
+def test_collective_bytes_count_tuples_async_outputs_and_what_crosses_slices():
+  hlo = "\n".join([
+      "%a = (f32[10]{0}, f32[5]{0}) all-reduce(%x, %y), channel_id=1",  # Combined: 15 floats.
+      "%b = ((bf16[2,3]{1,0}, bf16[4]{0}), (bf16[4,3]{1,0}, bf16[8]{0})) all-gather-start(%p)",
+      "%c = (f32[192]{0}, f32[6]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%p)",
+      "%d = bf16[64]{0} reduce-scatter(%z), dimensions={0}",
+      "%send = (f32[192,32]{0,1:T(8,128)}, u32[], token[]) send(%p, %t), is_host_transfer=true, "
+      "frontend_attributes={_xla_megascale_transfer_type=\"ALL_REDUCE\"}",
+      "%e = f32[7]{0} add(%all-gather, %all-reduce)"])
+  assert aot.collective_bytes(hlo) == {
+      "all-reduce": 60, "all-gather": (12 + 8) * 2, "collective-permute": 24,
+      "reduce-scatter": 128, "all-to-all": 0, "all-reduce across slices": 192 * 32 * 4}
+
+
 def nano(**overrides):
   """gpt2_nano's run, made smaller, with `overrides` ({"trainer.batch_size": 8, ...})."""
   config = load_config_file("gpt2_nano")
