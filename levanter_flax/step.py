@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from levanter_flax import models, optim, partitioning
+from levanter_flax.models import common
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
   from levanter_flax import settings
@@ -234,8 +235,14 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
 
   eos_id: mask attention per document, each ending at this token (data.document_masking;
   see objective); None: no mask.
+
+  model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
+  be this host's (a TPU step compiled ahead of time on a CPU).
   """
-  model = models.build(run.model)
+  platform = partitioner.mesh.devices.flat[0].platform
+  attention = common.attention_implementation(run.model, platform)
+  common.check_attention_platform(attention, platform)
+  model = models.build(common.with_compute(run.model, attention_impl=attention))
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
   init = functools.partial(init_state, model, optimizer)

@@ -32,9 +32,10 @@ def init_params(cfg, rng: jax.Array) -> dict:
   Flax draws a scanned stack's blocks from one key split per layer, and
   unrolled blocks from keys folded with their names, so a speed knob would
   change the run. Both are drawn as the scanned model draws them; unrolled,
-  the stack is then cut into its blocks.
+  the stack is then cut into its blocks. Initialising runs the model once, with XLA's
+  attention: the parameters are the same for every kernel, and it traces on any device.
   """
-  scanned = common.with_compute(cfg, scan_layers=True)
+  scanned = common.with_compute(cfg, scan_layers=True, attention_impl="xla")
   params = build(scanned).init(rng, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
   return params if cfg.compute.scan_layers else unstack_layers(cfg, params)
 

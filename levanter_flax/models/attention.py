@@ -12,22 +12,41 @@ Packed training windows hold several documents; with `segment_ids` (document
 masking) each token attends within its own document only, and the models
 restart positions per document (`document_positions`), so each document is
 computed as if it were alone in the window.
+
+On TPUs, training attention may run as Pallas splash attention (`splash_attention`), a
+blockwise kernel that skips the blocks its mask leaves out: it runs per device inside a
+shard_map over the mesh in context.
 """
+import concurrent.futures
+import functools
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec
+
+from levanter_flax.errors import UserError
+from levanter_flax.models.common import (SPLASH_BLOCK_MULTIPLE, check_attention_platform,
+                                         platform_in_context)
 
 
 def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     implementation: str, decode: bool = False,
-                     token_mask: jax.Array | None = None, window: int = 0,
+                     implementation: str, splash_blocks: tuple[int, int],
+                     decode: bool = False, token_mask: jax.Array | None = None, window: int = 0,
                      segment_ids: jax.Array | None = None) -> jax.Array:
   """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
 
-  segment_ids [batch, length] (training only): a token attends only to tokens of its own
-  segment (document masking). cuDNN takes the mask as an additive bias [batch, 1, length,
-  length].
+  implementation: xla, cudnn or splash (common.attention_implementation), for training;
+  splash_blocks: splash's (query, key/value) block sizes. segment_ids [batch, length]
+  (training only): a token attends only to tokens of its own segment (document masking).
+  cuDNN takes the mask as an additive bias [batch, 1, length, length].
   """
+  if not decode and implementation == "splash":
+    return splash_attention(q, k, v, window=window, segment_ids=segment_ids,
+                            block_sizes=splash_blocks)
   if not decode:
     mask = None if segment_ids is None else (segment_ids[:, None, :, None]
                                              == segment_ids[:, None, None, :])
@@ -55,6 +74,116 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
     visible &= slots[None, :] > query_slots - window
   mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
   return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],
+                     window: int = 0, segment_ids: jax.Array | None = None,
+                     interpret: bool = False) -> jax.Array:
+  """causal_attention's training path as Pallas splash attention, on each device's shard.
+
+  Shapes as causal_attention's. Inside a shard_map over the mesh in context (none: the whole
+  arrays), with the layout the logical axis rules in force give: the batch on its axes, the
+  heads on theirs (the key/value heads too where they divide), and the length on its axes
+  (context parallelism): each device keeps its share of the queries and gathers the keys and
+  values of the whole sequence, and the kernel, built for the query shards, masks by global
+  positions. Axes that do not divide their dimension are left out: that dimension is whole.
+
+  interpret: run the kernel in Pallas' interpreter, on any device (tests); otherwise the mesh
+  in context must be a TPU's.
+  """
+  if not interpret:
+    check_attention_platform("splash", platform_in_context())
+  batch, length, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  mesh = jax.sharding.get_abstract_mesh()
+  batch_axes = length_axes = head_axes = ()
+  if not mesh.empty:
+    batch_axes, length_axes, head_axes = (
+        _dividing_axes(mesh, axes, size) for axes, size in
+        zip(nn.logical_to_mesh_axes(("batch", "length", "heads")), (batch, length, num_heads)))
+  kv_head_axes = head_axes if num_kv_heads % _size(mesh, head_axes) == 0 else ()
+  q_shards = _size(mesh, length_axes)
+  kernel = _splash_kernel(
+      num_heads, length, window,
+      _splash_block(block_sizes[0], length // q_shards, "splash_block_q"),
+      _splash_block(block_sizes[1], length, "splash_block_kv"),
+      _size(mesh, head_axes), q_shards, interpret)
+  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)  # The kernel does not scale.
+
+  def attend(kernel, q, k, v, *segments):
+    """One device's queries against its keys and values, all [batch, length, heads, head_dim]."""
+    if k.shape[2] * (num_heads // num_kv_heads) != q.shape[2]:
+      # The query heads are split but the key/value heads are whole: each query head takes its own.
+      first = jax.lax.axis_index(head_axes) * q.shape[2]
+      kv_heads = (first + jnp.arange(q.shape[2])) // (num_heads // num_kv_heads)
+      k, v = jnp.take(k, kv_heads, axis=2), jnp.take(v, kv_heads, axis=2)
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # The kernel's [heads, length, head_dim].
+    segment_ids = splash.SegmentIds(*segments) if segments else None
+    return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v),
+                                        segment_ids))
+
+  segments = () if segment_ids is None else (segment_ids, segment_ids)
+  if mesh.empty:
+    return attend(kernel, q, k, v, *segments)
+  spec = lambda *axes: PartitionSpec(*(entry or None for entry in axes))
+  q_spec = spec(batch_axes, length_axes, head_axes, ())
+  kv_spec = spec(batch_axes, (), kv_head_axes, ())  # The whole sequence on every device.
+  segment_specs = () if segment_ids is None else (spec(batch_axes, length_axes),
+                                                  spec(batch_axes, ()))
+  kernel_spec = kernel.manual_sharding_spec(
+      jax.sharding.NamedSharding(mesh, spec(head_axes, length_axes)))
+  return jax.shard_map(attend, mesh=mesh, out_specs=q_spec, check_vma=False,
+                       in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, *segment_specs))(
+                           kernel, q, k, v, *segments)
+
+
+def _dividing_axes(mesh: jax.sharding.AbstractMesh, axes, size: int) -> tuple[str, ...]:
+  """A PartitionSpec entry's mesh axes as a tuple, or none if they do not divide size."""
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return axes if size % _size(mesh, axes) == 0 else ()
+
+
+def _size(mesh: jax.sharding.AbstractMesh, axes: tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _splash_block(size: int, length: int, key: str) -> int:
+  """A block of `size` rows (config.model.compute.<key>), clipped to the `length` it tiles."""
+  block = min(size, length)
+  if length % block or block % SPLASH_BLOCK_MULTIPLE:
+    raise UserError(f"config.model.compute.{key} ({size}) does not tile the {length} tokens of "
+                    f"a sequence (per sequence shard): splash attention needs a multiple of it, "
+                    f"or of {SPLASH_BLOCK_MULTIPLE} when shorter (config.model.seq_len; or set "
+                    f"config.model.compute.attention_impl='xla')")
+  return block
+
+
+@functools.cache
+def _splash_kernel(num_heads: int, length: int, window: int, block_q: int, block_kv: int,
+                   head_shards: int, q_shards: int, interpret: bool):
+  """The causal (or sliding-window) splash kernel for `head_shards` x `q_shards` devices.
+
+  Cached: every layer asks for the same one, and building it works through the mask's blocks
+  on the host (seconds for a long sequence). Its mask tables are kept as numpy arrays,
+  constants of any trace, which shard_map splits as the kernel's manual_sharding_spec says.
+  It is built in a thread of its own, where no trace and no mesh are in context (both are
+  per thread): the kernel makes its tables jax arrays, which in the caller's thread would be
+  a trace's values, or be placed on the mesh's devices, which an ahead-of-time compile for a
+  TPU on a CPU host does not have.
+  """
+  def build():
+    shape = (length, length)
+    # The XLA path's local_window_size=(window - 1, 0): a token and the window - 1 before it.
+    mask = (splash.LocalMask(shape, (window - 1, 0), offset=0) if window
+            else splash.CausalMask(shape))
+    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q,
+                               block_kv_dkv=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([mask] * num_heads),
+                                    block_sizes=blocks, head_shards=head_shards,
+                                    q_seq_shards=q_shards, interpret=interpret)
+    return jax.tree.map(np.asarray, kernel)
+  with concurrent.futures.ThreadPoolExecutor(1) as thread:
+    return thread.submit(build).result()
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:

@@ -19,7 +19,9 @@ REMAT_POLICIES = {
     # Like the above, but the saved matmul outputs wait in host memory.
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+# Splash attention's blocks tile the sequence in multiples of a TPU vector register's lanes.
+SPLASH_BLOCK_MULTIPLE = 128
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -45,8 +47,17 @@ class ComputeConfig:
   dtype: str = setting("float32", "Compute: float32, bfloat16 or float16")
   param_dtype: str = setting("float32", "Parameters and optimizer state; the loss is always "
                              "float32", STATE)
-  attention_impl: str = setting("auto", "xla, cudnn (flash attention on NVIDIA GPUs), or auto: "
-                                "cudnn there in 16-bit compute, else xla")
+  attention_impl: str = setting(
+      "auto", "xla (XLA's own, on any device), cudnn (cuDNN's flash attention, NVIDIA GPUs), "
+      "splash (Pallas splash attention, TPUs: blockwise, skipping the masked-out blocks), or "
+      "auto: splash on a TPU, cudnn on an NVIDIA GPU in 16-bit compute, else xla; decoding "
+      "always uses xla")
+  splash_block_q: int = setting(
+      512, "splash: query rows per kernel block, a multiple of 128 (clipped to the sequence "
+      "length, per sequence shard)")
+  splash_block_kv: int = setting(
+      512, "splash: key and value rows per kernel block, a multiple of 128 (clipped to the "
+      "sequence length)")
   scan_layers: bool = setting(False, "Run the blocks as one lax.scan over stacked parameters: "
                               "compile time stays flat as depth grows", STATE)
   cross_entropy_block_size: int = setting(
@@ -61,6 +72,10 @@ class ComputeConfig:
     if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
       raise UserError(f"config.model.compute.attention_impl must be one of "
                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}; got {self.attention_impl!r}")
+    for key in ("splash_block_q", "splash_block_kv"):
+      if getattr(self, key) <= 0 or getattr(self, key) % SPLASH_BLOCK_MULTIPLE:
+        raise UserError(f"config.model.compute.{key} must be a positive multiple of "
+                        f"{SPLASH_BLOCK_MULTIPLE}; got {getattr(self, key)}")
     if self.cross_entropy_block_size < 0:
       raise UserError(f"config.model.compute.cross_entropy_block_size must be >= 0 (0: off); "
                       f"got {self.cross_entropy_block_size}")
@@ -89,12 +104,36 @@ def check_config(cfg, sizes: tuple[str, ...]) -> None:
                     f"config.model.num_heads ({cfg.num_heads})")
 
 
-def attention_implementation(cfg) -> str:
-  """'auto' is cuDNN's flash attention on NVIDIA GPUs in 16-bit compute, XLA's elsewhere."""
+def platform_in_context() -> str:
+  """The platform of the mesh in context (jax.set_mesh, as Partitioner.activation_context
+  sets it), else the default backend's: a compile ahead of time for TPU devices runs on a CPU
+  host."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return device.platform if device else jax.default_backend()
+
+
+def attention_implementation(cfg, platform: str | None = None) -> str:
+  """cfg's attention kernel on `platform` (default: platform_in_context()). 'auto' is splash
+  on TPUs, cuDNN's flash attention on NVIDIA GPUs in 16-bit compute, XLA's elsewhere.
+
+  step.build resolves it for the devices of the mesh it compiles for; models applied
+  otherwise (sampling, tests) resolve it here.
+  """
   if cfg.compute.attention_impl != "auto":
     return cfg.compute.attention_impl
-  on_gpu = jax.default_backend() == "gpu"
-  return "cudnn" if on_gpu and cfg.compute.dtype in ("bfloat16", "float16") else "xla"
+  platform = platform or platform_in_context()
+  if platform == "tpu":
+    return "splash"
+  sixteen_bit = cfg.compute.dtype in ("bfloat16", "float16")
+  return "cudnn" if platform == "gpu" and sixteen_bit else "xla"
+
+
+def check_attention_platform(implementation: str, platform: str) -> None:
+  """Splash attention is a Mosaic kernel: it compiles for TPUs only."""
+  if implementation == "splash" and platform != "tpu":
+    raise UserError(f"config.model.compute.attention_impl 'splash' runs on TPU only; this "
+                    f"mesh's devices are {platform} (python -m levanter_flax.aot compiles for a "
+                    f"TPU from any machine)")
 
 
 def constrain(x: jax.Array, *logical_axes) -> jax.Array:

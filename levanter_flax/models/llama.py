@@ -175,8 +175,9 @@ class Attention(nn.Module):
     q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
     k = constrain(rotary_embedding(k, positions, frequencies), "batch", "length", "heads", None)
     v = constrain(v, "batch", "length", "heads", None)
-    # dot_product_attention shares each key/value head among num_heads / num_kv_heads queries.
+    # Each key/value head is shared among num_heads / num_kv_heads queries (XLA and splash alike).
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
+                           splash_blocks=(cfg.compute.splash_block_q, cfg.compute.splash_block_kv),
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
                            segment_ids=segment_ids)
     return _dense(cfg.hidden_dim, cfg, "o_proj")(out.reshape(batch, length, cfg.hidden_dim))
