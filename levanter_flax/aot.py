@@ -222,7 +222,11 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1) -> di
   capacity = HBM_BYTES.get(target[0].device_kind)
   if capacity is None:
     raise UserError(f"--topology={topology_name}: no HBM size known for {target[0].device_kind}")
-  mesh = partitioning.make_mesh(run.trainer.device_mesh, target, run.trainer.dcn_mesh)
+  try:
+    mesh = partitioning.make_mesh(run.trainer.device_mesh, target, run.trainer.dcn_mesh)
+  except UserError as e:
+    raise UserError(f"{e}: {topology_name} x {num_slices} slice(s) has {len(target)} chips") \
+        from None
   partitioner = partitioning.Partitioner(mesh, run.sharding)
   if run.trainer.batch_size == "auto":
     run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity))

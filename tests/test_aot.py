@@ -103,7 +103,8 @@ def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
 
 def test_a_mesh_of_another_size_than_the_topology_is_one_line():
   pytest.importorskip("libtpu")
-  with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "):
+  with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "
+                     r"devices: v5e:2x2 x 1 slice\(s\) has 4 chips"):
     aot.plan(nano(**{"trainer.device_mesh": {"data": 8}}), "v5e:2x2")
 
 
