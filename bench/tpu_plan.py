@@ -124,38 +124,42 @@ def bound(row: dict) -> str:
   return "—" if seconds is None else f"{seconds:.3f}"
 
 
-def targets_table(results: dict) -> list[str]:
-  lines = ["| config | target | HBM per chip (GiB needed / of) | fits | largest batch that fits "
-           "| collective GiB per chip per step | compiler's bound (s) |",
-           "|---|---|---|---|---|---|---|"]
-  for config, topology, slices in TARGETS:
-    row = results.get(f"target {config} {topology} {slices}")
-    where = topology + (f" × {slices}" if slices > 1 else "")
+def table(header: list[str], rows: list[tuple[list[str], dict]], cells) -> list[str]:
+  """A markdown table: per row, its labels, then cells(result) or why there is none."""
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for labels, row in rows:
     if row is None or "error" in row:
-      lines.append(f"| {config} | {where} | {row and row.get('error') or 'not computed'} "
-                   "| | | | |")
-      continue
-    lines.append(f"| {config} | {where} | {gib(row['bytes_per_chip'])} / "
-                 f"{gib(row['hbm_per_chip_bytes'])} | {'yes' if row['fits'] else 'NO'} | "
-                 f"{row.get('largest_batch', '—')} | {collectives(row)} | {bound(row)} |")
+      values = [row["error"] if row else "not computed"] + [""] * (len(header) - len(labels) - 1)
+    else:
+      values = cells(row)
+    lines.append("| " + " | ".join(labels + values) + " |")
   return lines
+
+
+def fits(row: dict) -> str:
+  return "yes" if row["fits"] else "NO"
+
+
+def targets_table(results: dict) -> list[str]:
+  return table(
+      ["config", "target", "HBM per chip (GiB needed / of)", "fits", "largest batch that fits",
+       "collective GiB per chip per step", "compiler's bound (s)"],
+      [([config, topology + (f" × {slices}" if slices > 1 else "")],
+        results.get(f"target {config} {topology} {slices}"))
+       for config, topology, slices in TARGETS],
+      lambda row: [f"{gib(row['bytes_per_chip'])} / {gib(row['hbm_per_chip_bytes'])}", fits(row),
+                   str(row.get("largest_batch", "—")), collectives(row), bound(row)])
 
 
 def techniques_table(results: dict) -> list[str]:
-  lines = ["| technique | setting | HBM per chip (GiB) | temporaries (GiB) | fits | model "
-           "TFLOP per chip | collective GiB per chip per step | compiler's bound (s) |",
-           "|---|---|---|---|---|---|---|---|"]
-  for technique, setting, _ in TECHNIQUES:
-    row = results.get(f"technique {technique} {setting}")
-    if row is None or "error" in row:
-      lines.append(f"| {technique} | {setting} | {row and row.get('error') or 'not computed'} "
-                   "| | | | | |")
-      continue
-    lines.append(f"| {technique} | {setting} | {gib(row['bytes_per_chip'])} | "
-                 f"{gib(row['temp_bytes_per_chip'])} | {'yes' if row['fits'] else 'NO'} | "
-                 f"{row['model_flops_per_step'] / row['chips'] / 1e12:.1f} | {collectives(row)} "
-                 f"| {bound(row)} |")
-  return lines
+  return table(
+      ["technique", "setting", "HBM per chip (GiB)", "temporaries (GiB)", "fits",
+       "model TFLOP per chip", "collective GiB per chip per step", "compiler's bound (s)"],
+      [([name, setting], results.get(f"technique {name} {setting}"))
+       for name, setting, _ in TECHNIQUES],
+      lambda row: [gib(row["bytes_per_chip"]), gib(row["temp_bytes_per_chip"]), fits(row),
+                   f"{row['model_flops_per_step'] / row['chips'] / 1e12:.1f}", collectives(row),
+                   bound(row)])
 
 
 def write_docs(results: dict) -> None:
