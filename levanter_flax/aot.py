@@ -59,6 +59,9 @@ _TOPOLOGY = flags.DEFINE_string(
     "topology", None, f"The TPU slice to compile for: a Cloud TPU name or jax's, e.g. {_EXAMPLES}.")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
+_COMPILER_COSTS = flags.DEFINE_bool(
+    "compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned layers, two more "
+    "compiles (2 and 4 layers unrolled), as long as the first")
 
 
 def topology(name: str) -> tuple[str, str]:
@@ -108,18 +111,14 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-  """What the compiler counts of one step, for the whole topology."""
+  """What the compiler's cost model says of one step, for the whole topology."""
   flops: float
   optimal_seconds: float
-  collective_bytes: dict[str, int]  # Per kind, per chip; "<kind> across slices" too.
 
   def scaled(self, other: "Costs", factor: float) -> "Costs":
-    """self + factor * (other - self), every figure."""
+    """self + factor * (other - self), each figure."""
     line = lambda a, b: a + factor * (b - a)
-    keys = set(self.collective_bytes) | set(other.collective_bytes)
-    return Costs(line(self.flops, other.flops), line(self.optimal_seconds, other.optimal_seconds),
-                 {k: round(line(self.collective_bytes.get(k, 0), other.collective_bytes.get(k, 0)))
-                  for k in sorted(keys)})
+    return Costs(line(self.flops, other.flops), line(self.optimal_seconds, other.optimal_seconds))
 
 
 _SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f16|bf16|f32|f64|f8e4m3fn|"
@@ -160,31 +159,92 @@ def _tuple_elements(hlo_type: str) -> list[str]:
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Bytes of each kind of collective's results on one chip per step, from compiled HLO text;
-  of a multi-slice program, also what each kind sends across slices ("<kind> across slices")."""
+  of a multi-slice program, also what each kind sends across slices ("<kind> across slices").
+
+  Each collective counts as often as the program runs it: in a while loop's body (a scanned
+  layer stack), as many times as its condition's bound. One collective may appear in several
+  computations (TPU's async collective fusions copy it): its channel_id counts it once.
+  """
+  found: dict[str, tuple[str, int, int]] = {}  # channel (or line) -> (key, bytes, runs).
+  computations, entry = _computations(hlo_text)
+  for name, runs in _runs(computations, entry).items():
+    for index, line in enumerate(computations[name]):
+      op, send = _OP.search(line), _DCN_SEND.search(line)
+      if op:
+        key, result = op.group(2), op.group(1)
+        elements = _tuple_elements(result)
+        # An async start's result is (operands, outputs, ...); all-reduce-start's, the outputs.
+        if op.group(3) and key != "all-reduce" and len(elements) > 1:
+          result = elements[1]
+      elif send:  # (payload, u32[], token[]).
+        key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
+        result = _tuple_elements(f"({send.group(1)})")[0]
+      else:
+        continue
+      channel = re.search(r"channel_id=(\d+)", line)
+      identity = f"{key} {channel.group(1)}" if channel else f"{name} {index}"
+      earlier = found.get(identity, (key, 0, 0))
+      found[identity] = (key, max(earlier[1], _array_bytes(result)), max(earlier[2], runs))
   totals = {kind: 0 for kind in COLLECTIVES}
-  for line in hlo_text.splitlines():
-    op = _OP.search(line)
-    if op:
-      kind, result = op.group(2), op.group(1)
-      elements = _tuple_elements(result)
-      # An async start's result is (operands, outputs, ...); all-reduce-start's, the outputs.
-      if op.group(3) and kind != "all-reduce" and len(elements) > 1:
-        result = elements[1]
-      totals[kind] += _array_bytes(result)
-      continue
-    send = _DCN_SEND.search(line)
-    if send:  # (payload, u32[], token[]).
-      key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
-      totals[key] = totals.get(key, 0) + _array_bytes(_tuple_elements(f"({send.group(1)})")[0])
+  for key, size, runs in found.values():
+    totals[key] = totals.get(key, 0) + size * runs
   return totals
+
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition)=%([^\s,)}]+)")
+_LOOP_BOUND = re.compile(r"s32\[\](?:\{[^}]*\})? constant\((\d+)\)")
+_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], Optional[str]]:
+  """The HLO module's computations (name -> instruction lines) and the entry's name."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      entry = current if header.group(1) else entry
+    elif line.rstrip() == "}":  # Not "}}, ...": a Pallas kernel's config spans lines.
+      current = None
+    elif current is not None:
+      computations[current].append(line)
+  return computations, entry
+
+
+def _runs(computations: dict[str, list[str]], entry: Optional[str]) -> dict[str, int]:
+  """How many times a step runs each computation reached from the entry (all once, if the
+  text has no entry)."""
+  if entry is None:
+    return {name: 1 for name in computations}
+  runs: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    runs[name] = runs.get(name, 0) + times
+    for line in computations.get(name, ()):
+      calls = _CALLEE.findall(line)
+      callees = [callee for _, callee in calls]
+      for group in _CALLEES.findall(line):
+        callees += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+      trips = 1
+      condition = dict(calls).get("condition")
+      if condition:  # A while loop: its body runs up to its condition's bound.
+        bound = _LOOP_BOUND.search("\n".join(computations.get(condition, ())))
+        trips = int(bound.group(1)) if bound else 1
+      for callee in callees:
+        if callee in computations:
+          visit(callee, times * (trips if callee == dict(calls).get("body") else 1))
+
+  visit(entry, 1)
+  return runs
 
 
 def _costs(compiled, chip_count: int) -> Costs:
   analysis = compiled.cost_analysis()
   analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
   return Costs(flops=float(analysis.get("flops", 0.0)) * chip_count,
-               optimal_seconds=float(analysis.get("optimal_seconds", 0.0)),
-               collective_bytes=collective_bytes(compiled.as_text()))
+               optimal_seconds=float(analysis.get("optimal_seconds", 0.0)))
 
 
 def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner) -> step.ShardedSteps:
@@ -200,7 +260,8 @@ def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
 
 def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
                compiled) -> Costs:
-  """The step's costs; for scanned layers, extrapolated from unrolled compiles of 2 and 4."""
+  """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
+  extrapolated from unrolled compiles of 2 and 4 layers."""
   chip_count = partitioner.mesh.size
   if not run.model.compute.scan_layers:
     return _costs(compiled, chip_count)
@@ -214,8 +275,13 @@ def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
   return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
 
 
-def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1) -> dict[str, Any]:
-  """Compiles the run's train step for the topology; the plan's figures, JSON-ready."""
+def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
+         compiler_costs: bool = True) -> dict[str, Any]:
+  """Compiles the run's train step for the topology; the plan's figures, JSON-ready.
+
+  compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers);
+  else those are None for scanned layers.
+  """
   target = devices(topology_name, num_slices)
   # A compile-only executable cannot be read back from the persistent cache: do not write it.
   jax.config.update("jax_enable_compilation_cache", False)
@@ -264,16 +330,18 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1) -> di
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
-  costs = step_costs(run, partitioner, compiled)
+  costs = (step_costs(run, partitioner, compiled)
+           if compiler_costs or not run.model.compute.scan_layers else None)
   return {
       **result,
       "bytes_per_chip": needed,
       "argument_bytes_per_chip": memory.argument_size_in_bytes,
       "temp_bytes_per_chip": memory.temp_size_in_bytes,
       "fits": needed <= capacity,
-      "compiler_flops_per_step": costs.flops,
-      "compiler_bound_seconds": costs.optimal_seconds if costs.optimal_seconds > 0 else None,
-      "collective_bytes_per_step": costs.collective_bytes,
+      "compiler_flops_per_step": costs.flops if costs else None,
+      "compiler_bound_seconds": costs.optimal_seconds if costs and costs.optimal_seconds > 0
+                                else None,
+      "collective_bytes_per_step": collective_bytes(compiled.as_text()),
   }
 
 
@@ -305,13 +373,15 @@ def describe(result: dict[str, Any]) -> str:
          "short"),
       f"model FLOPs per step {result['model_flops_per_step']:.4g}",
   ]
-  if result["compiler_flops_per_step"] is None:
+  if not result["fits"] and not result["collective_bytes_per_step"]:
     lines.append("the compiler refused the step for want of memory: no counts")
     return "\n".join(lines)
+  flops = result["compiler_flops_per_step"]
   lines += [
-      f"the compiler counts {result['compiler_flops_per_step']:.4g} FLOPs per step",
       "collective bytes per chip per step: " + (", ".join(
           f"{k} {gib(v)}" for k, v in result["collective_bytes_per_step"].items() if v) or "none"),
+      f"the compiler counts {flops:.4g} FLOPs per step" if flops is not None else
+      "the compiler's FLOPs and bound: not counted (--nocompiler_costs)",
       "compiler's idealized bound: " + (f"{bound:.4g} s (a relative signal between compiles, "
                                         "not a step time)" if bound else "none given"),
   ]
@@ -323,7 +393,7 @@ def main(argv):
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
     run = to_run_config(flags.FLAGS.config)
-    result = plan(run, _TOPOLOGY.value, _NUM_SLICES.value)
+    result = plan(run, _TOPOLOGY.value, _NUM_SLICES.value, _COMPILER_COSTS.value)
   except UserError as e:
     exit_with_error(str(e))
   print(describe(result))

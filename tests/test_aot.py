@@ -40,17 +40,35 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     aot.devices("v5e:2x2")
 
 
-def test_collective_bytes_count_tuples_async_outputs_and_what_crosses_slices():
+def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slices():
   hlo = "\n".join([
-      "%a = (f32[10]{0}, f32[5]{0}) all-reduce(%x, %y), channel_id=1",  # Combined: 15 floats.
-      "%b = ((bf16[2,3]{1,0}, bf16[4]{0}), (bf16[4,3]{1,0}, bf16[8]{0})) all-gather-start(%p)",
-      "%c = (f32[192]{0}, f32[6]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%p)",
-      "%d = bf16[64]{0} reduce-scatter(%z), dimensions={0}",
-      "%send = (f32[192,32]{0,1:T(8,128)}, u32[], token[]) send(%p, %t), is_host_transfer=true, "
-      "frontend_attributes={_xla_megascale_transfer_type=\"ALL_REDUCE\"}",
-      "%e = f32[7]{0} add(%all-gather, %all-reduce)"])
+      "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+      "  %g = bf16[64]{0} all-gather(%x), channel_id=7, dimensions={0}",  # 3 times: 384 bytes.
+      "}",
+      "%fused (param_0: bf16[32]) -> bf16[64] {",  # An async fusion's copy of channel 7.
+      "  %g2 = bf16[64]{0} all-gather(%param_0), channel_id=7, dimensions={0}",
+      "}",
+      "%cond (p: (s32[], f32[4])) -> pred[] {",
+      "  %bound = s32[]{:T(128)} constant(3)",
+      "  ROOT %lt = pred[] compare(%i, %bound), direction=LT",
+      "}",
+      "ENTRY %main (a: f32[10]) -> f32[7] {",
+      "  %a = (f32[10]{0}, f32[5]{0}) all-reduce(%x, %y), channel_id=1",  # Combined: 15 floats.
+      "  %b = ((bf16[2,3]{1,0}, bf16[4]{0}), (bf16[4,3]{1,0}, bf16[8]{0})) all-gather-start(%p), "
+      "channel_id=2",
+      "  %c = (f32[192]{0}, f32[6]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%p), "
+      "channel_id=3",
+      "  %d = bf16[64]{0} reduce-scatter(%z), channel_id=4, dimensions={0}",
+      "  %send = (f32[192,32]{0,1:T(8,128)}, u32[], token[]) send(%p, %t), channel_id=5, "
+      "is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type=\"ALL_REDUCE\"}",
+      "  %k = f32[4]{0} custom-call(%q), custom_call_target=\"tpu_custom_call\", backend_config={",
+      "}}, metadata={}",  # A Pallas kernel's config spans lines.
+      "  %w = (s32[], f32[4]) while(%t0), condition=%cond, body=%body",
+      "  %f = bf16[64]{0} fusion(%h), kind=kCustom, calls=%fused",
+      "  ROOT %e = f32[7]{0} add(%all-gather, %all-reduce)",
+      "}"])
   assert aot.collective_bytes(hlo) == {
-      "all-reduce": 60, "all-gather": (12 + 8) * 2, "collective-permute": 24,
+      "all-reduce": 60, "all-gather": (12 + 8) * 2 + 3 * 128, "collective-permute": 24,
       "reduce-scatter": 128, "all-to-all": 0, "all-reduce across slices": 192 * 32 * 4}
 
 
@@ -122,14 +140,23 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
 
 
 def test_a_scanned_stack_is_counted_as_the_unrolled_one():
-  """The compiler counts a loop's body once; the plan extrapolates from 2 and 4 layers."""
+  """The compiler counts a loop's body once: its FLOPs are extrapolated from unrolled compiles
+  of 2 and 4 layers, its collectives counted as often as the loop runs."""
   pytest.importorskip("libtpu")
-  unrolled = aot.plan(nano(**{"model.num_layers": 6}), "v5e:2x2")
-  scanned = aot.plan(nano(**{"model.num_layers": 6, "model.compute.scan_layers": True}),
-                     "v5e:2x2")
+  layout = {"model.num_layers": 6, "trainer.device_mesh": {"data": 2, "model": 2},
+            "sharding.parameter_axis": "data"}
+  unrolled = aot.plan(nano(**layout), "v5e:2x2")
+  scanned = aot.plan(nano(**layout, **{"model.compute.scan_layers": True}), "v5e:2x2")
   assert scanned["compiler_flops_per_step"] == pytest.approx(
       unrolled["compiler_flops_per_step"], rel=0.01)
   assert scanned["model_flops_per_step"] == unrolled["model_flops_per_step"]
+  for kind in ("all-gather", "all-reduce"):  # ZeRO-3's gathers, tensor parallelism's sums.
+    assert scanned["collective_bytes_per_step"][kind] == pytest.approx(
+        unrolled["collective_bytes_per_step"][kind], rel=0.03)
+  quick = aot.plan(nano(**layout, **{"model.compute.scan_layers": True}), "v5e:2x2",
+                   compiler_costs=False)
+  assert quick["compiler_flops_per_step"] is None and quick["compiler_bound_seconds"] is None
+  assert quick["collective_bytes_per_step"] == scanned["collective_bytes_per_step"]
 
 
 def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
