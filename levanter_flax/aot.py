@@ -55,15 +55,6 @@ _GENERATIONS = {"v4": (_SHAPES_3D, 2), "v5p": (_SHAPES_3D, 2), "v5e": (_SHAPES_2
 _EXAMPLES = "v4-32, v5e-256, v5p-128, v6e-64, v5e:16x16 or v5p:4x4x4"
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, f"The TPU slice to compile for: a Cloud TPU name or jax's, e.g. {_EXAMPLES}.")
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
-_OUTPUT = flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
-_COMPILER_COSTS = flags.DEFINE_bool(
-    "compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned layers, two more "
-    "compiles (2 and 4 layers unrolled), as long as the first")
-
-
 def topology(name: str) -> tuple[str, str]:
   """(generation, jax's topology name "v5p:4x4x4") for a Cloud TPU name or jax's own.
 
@@ -393,12 +384,12 @@ def main(argv):
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
     run = to_run_config(flags.FLAGS.config)
-    result = plan(run, _TOPOLOGY.value, _NUM_SLICES.value, _COMPILER_COSTS.value)
+    result = plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices, flags.FLAGS.compiler_costs)
   except UserError as e:
     exit_with_error(str(e))
   print(describe(result))
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+  if flags.FLAGS.output:
+    with open(flags.FLAGS.output, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)
   if not result["fits"]:
     short = (result["bytes_per_chip"] - result["hbm_per_chip_bytes"]) / GIB
@@ -406,7 +397,13 @@ def main(argv):
                     f"HBM; try {advice(run, result)}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # Its flags only then: bench/tpu_plan.py imports this module.
   define_config_flag("A config file in configs/.")
+  flags.DEFINE_string("topology", None, "The TPU slice to compile for: a Cloud TPU name or "
+                      f"jax's, e.g. {_EXAMPLES}.")
+  flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
+  flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
+  flags.DEFINE_bool("compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned "
+                    "layers, two more compiles (2 and 4 layers unrolled), as long as the first")
   flags.mark_flags_as_required(["config", "topology"])
   app.run(main, flags_parser=parse_flags)
