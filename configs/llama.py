@@ -4,7 +4,7 @@
 nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
     python -m levanter_flax.main --config=configs/llama.py:nano
 1b: 1.1B, TinyLlama's shape (22 layers, width 2048, 32 query and 4 key/value heads), data
-    parallel on one GPU node.
+    parallel with ZeRO-3, on one GPU node or a v5e-16 (4.4 GiB a chip, bench/tpu_plan.py).
 7b: 32 layers, width 4096, 32 heads, SwiGLU 11008, context 4096, on a 2D mesh: ZeRO-3 over
     `data` shards parameters and optimizer state across the data axis, and `model` splits each
     layer Megatron-style within a host (8 GPUs or a TPU host). Multi-host: see launch/README.md.
@@ -41,6 +41,9 @@ def _large(model):
 def llama_1b():
   config = _large(llama_model_config())  # 0.5M tokens a batch at seq_len 2048.
   config.trainer.gradient_accumulation_steps = 4
+  # ZeRO-3: whole, its parameters and Adam state (12 bytes a parameter) fill a 16 GiB v5e chip.
+  config.sharding.parameter_axis = "data"
+  config.sharding.optimizer_axis = "data"
   config.trainer.num_train_steps = 100_000
   config.optimizer.learning_rate = 4e-4
   return config
