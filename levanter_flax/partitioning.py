@@ -151,16 +151,26 @@ def make_mesh(device_mesh: Sequence[tuple[str, int]],
   sizes = _sizes("trainer.device_mesh", device_mesh, len(devices) // num_slices,
                  "devices per slice" if num_slices > 1 else "devices")
   if num_slices == 1:
-    return Mesh(mesh_utils.create_device_mesh(sizes, devices), names)
+    return Mesh(_torus_aware(mesh_utils.create_device_mesh, sizes, devices), names)
   unknown = [name for name, _ in dcn_mesh if name not in names]
   if unknown:
     raise UserError(f"trainer.dcn_mesh {dict(dcn_mesh)}: {', '.join(unknown)} is not an axis of "
                     f"trainer.device_mesh {dict(device_mesh)}")
   spans = dict(zip((n for n, _ in dcn_mesh), _sizes("trainer.dcn_mesh", dcn_mesh, num_slices,
                                                      "slices")))
-  device_array = mesh_utils.create_hybrid_device_mesh(
-      sizes, [spans.get(name, 1) for name in names], devices)
+  device_array = _torus_aware(mesh_utils.create_hybrid_device_mesh, sizes,
+                              [spans.get(name, 1) for name in names], devices)
   return Mesh(device_array, names)
+
+
+def _torus_aware(create, *args) -> np.ndarray:
+  """`create`'s device array, whose axes follow the TPU torus's where they can; where a mesh
+  axis cannot be one physical axis or a product of whole ones (8 x 8 on a 4x4x4 torus), an
+  axis split between mesh axes (jax's allow_split_physical_axes) rather than no mesh."""
+  try:
+    return create(*args)
+  except NotImplementedError:
+    return create(*args, allow_split_physical_axes=True)
 
 
 def _sizes(key: str, axes: Sequence[tuple[str, int]], total: int, what: str) -> list[int]:

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from conftest import REPO, load_config_file
-from levanter_flax import aot, models
+from levanter_flax import aot, models, partitioning
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from test_main import NANO, assert_one_line_error
@@ -124,6 +124,14 @@ def test_a_mesh_of_another_size_than_the_topology_is_one_line():
   with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "
                      r"devices: v5e:2x2 x 1 slice\(s\) has 4 chips"):
     aot.plan(nano(**{"trainer.device_mesh": {"data": 8}}), "v5e:2x2")
+
+
+def test_a_mesh_the_torus_cannot_hold_axis_by_axis_is_still_built():
+  """Mixtral's data x expert = 8 x 8 on v5p-128's 4x4x4 chips: jax's torus-following layout
+  has no such split; the mesh splits a physical axis instead."""
+  pytest.importorskip("libtpu")
+  mesh = partitioning.make_mesh((("data", -1), ("expert", 8)), aot.devices("v5p-128"))
+  assert dict(mesh.shape) == {"data": 8, "expert": 8}
 
 
 def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
