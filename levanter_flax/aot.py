@@ -249,6 +249,13 @@ def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
     return steps.train_step.lower(*steps.abstract_inputs(run.trainer.batch_size)).compile()
 
 
+def _compiler_error(error: Exception) -> str:
+  """The line of a compile error that names the cause: MLIR's error with its source line."""
+  text = str(error)
+  detail = re.search(r"(\S+\.py:\d+:\d+: error: [^\n]*)", text)
+  return detail.group(1) if detail else text.strip().splitlines()[0]
+
+
 def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
                compiled) -> Costs:
   """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
@@ -310,7 +317,8 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
   except jax.errors.JaxRuntimeError as e:
     temporaries = batch_search.out_of_memory_bytes(e)
     if temporaries is None:
-      raise
+      raise UserError(f"the TPU compiler rejected the step for {topology_name}: "
+                      f"{_compiler_error(e)}") from None
     # The compiler refuses a step that does not fit: no program, so no counts, and the memory
     # from its message and the state's layout.
     arguments = partitioning.per_device_bytes(*steps.abstract_inputs(trainer.batch_size)[:1],
