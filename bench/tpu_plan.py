@@ -141,7 +141,8 @@ def table(header: list[str], rows: list[tuple[list[str], dict]], cells) -> list[
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for labels, row in rows:
     if row is None or "error" in row:
-      values = [row["error"] if row else "not computed"] + [""] * (len(header) - len(labels) - 1)
+      why = row["error"].replace(f"{REPO}/", "") if row else "not computed"
+      values = [why] + [""] * (len(header) - len(labels) - 1)
     else:
       values = cells(row)
     lines.append("| " + " | ".join(labels + values) + " |")
