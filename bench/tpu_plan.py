@@ -66,7 +66,7 @@ TECHNIQUES = [
     ("context parallelism", "sequence 32768, splash, data=4 x model=8 (heads split, not the "
      "sequence)", {**LONG, "trainer.device_mesh": {"data": 4, "model": 8}}),
     ("context parallelism", "sequence 32768, splash, data=4 x sequence=8",
-     {**LONG, "trainer.device_mesh": {"data": 4, "sequence": 8},
+     {**LONG, "trainer.device_mesh": {"data": 4, "sequence": 8, "model": 1},
       "sharding.parameter_axis": "data,sequence", "sharding.optimizer_axis": "data,sequence",
       "sharding.logical_axis_rules": (("length", "sequence"),)}),
 ]
