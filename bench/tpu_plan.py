@@ -102,7 +102,7 @@ def largest_batch(config: str, topology: str, num_slices: int, overrides: dict, 
   fits = lambda n: batch_search.step_bytes(run, partitioner, n) <= capacity
   per_rank = max(1, row["batch_size"] // row["gradient_accumulation_steps"]
                  // partitioner.data_parallel_size)
-  if row["fits"] and row["gradient_accumulation_steps"] == 1:
+  if fits(per_rank):
     while per_rank < 1024 and fits(2 * per_rank):
       per_rank *= 2
   else:
