@@ -182,7 +182,11 @@ def write_docs(results: dict) -> None:
   table = "\n".join([
       "The TPU compiler's figures (libtpu 0.0.42, compiled on a CPU machine by "
       "`python bench/tpu_plan.py`), not measurements on a TPU. The bound is the compiler's "
-      "idealized `optimal_seconds`: compare it between rows, never read it as a step time.",
+      "idealized `optimal_seconds`: compare it between rows, never read it as a step time; "
+      "— where it was not computed (`--nocompiler_costs`, for a scanned stack) or is not "
+      "positive. The largest batch is without accumulation, the config's microbatch doubled "
+      "(or halved) per data-parallel rank while it fits; a step that does not fit was refused "
+      "by the compiler, its memory from the compiler's message.",
       "", "Shipped configs on their targets:", "", *targets_table(results), "",
       "The techniques on llama_7b (Llama-2-7B's shape) on v5p-64 (32 chips), one 4096-token "
       "sequence per chip, each row one change against the baseline:", "",
