@@ -14,10 +14,12 @@ accumulation, so what the compiler reports is what the pod would run:
 - `optimal_seconds` is the compiler's idealized cost model, not a step time:
   a relative signal between two compiles on the same libtpu only.
 
-A scanned layer stack is one while loop whose body the compiler counts once;
-its counts come from unrolled compiles of 2 and 4 layers, extrapolated to the
-model's depth (each layer costs the same). Nothing here touches a TPU, the
-network or the workdir; TensorFlow is never imported.
+A scanned layer stack is one while loop whose body the compiler's cost model
+counts once: its FLOPs and bound come from unrolled compiles of 2 and 4 layers,
+extrapolated to the model's depth (each layer costs the same), and its
+collectives from the real program's HLO, the loop's body counted as often as it
+runs. Nothing here touches a TPU, the network or the workdir; TensorFlow is
+never imported.
 """
 import dataclasses
 import importlib.util
@@ -31,9 +33,9 @@ import jax
 from absl import app, flags, logging
 
 from levanter_flax import batch_search, models, partitioning, settings, step
-from levanter_flax.models import common
 from levanter_flax.config import define_config_flag, parse_flags, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.models import common
 
 GIB = 1 << 30
 # HBM per chip by jax's device_kind: compile-only devices report no memory of their own.
@@ -54,6 +56,7 @@ _GENERATIONS = {"v4": (_SHAPES_3D, 2), "v5p": (_SHAPES_3D, 2), "v5e": (_SHAPES_2
                 "v6e": (_SHAPES_2D, 1)}
 _EXAMPLES = "v4-32, v5e-256, v5p-128, v6e-64, v5e:16x16 or v5p:4x4x4"
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
 
 def topology(name: str) -> tuple[str, str]:
   """(generation, jax's topology name "v5p:4x4x4") for a Cloud TPU name or jax's own.
@@ -321,8 +324,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
                       f"{_compiler_error(e)}") from None
     # The compiler refuses a step that does not fit: no program, so no counts, and the memory
     # from its message and the state's layout.
-    arguments = partitioning.per_device_bytes(*steps.abstract_inputs(trainer.batch_size)[:1],
-                                              steps.state_shardings)
+    arguments = partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings)
     return {**result, "bytes_per_chip": arguments + temporaries,
             "argument_bytes_per_chip": arguments, "temp_bytes_per_chip": temporaries,
             "fits": False, "compiler_flops_per_step": None, "compiler_bound_seconds": None,
