@@ -143,8 +143,6 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
                   "v5e:2x2")
   assert plan["batch_size"] == 256 and plan["gradient_accumulation_steps"] > 1
   assert plan["bytes_per_chip"] <= budget
-  whole = aot.plan(nano(**{"trainer.batch_size": 256}), "v5e:2x2")
-  assert whole["bytes_per_chip"] > budget
 
 
 def test_a_scanned_stack_is_counted_as_the_unrolled_one():
@@ -161,16 +159,14 @@ def test_a_scanned_stack_is_counted_as_the_unrolled_one():
   for kind in ("all-gather", "all-reduce"):  # ZeRO-3's gathers, tensor parallelism's sums.
     assert scanned["collective_bytes_per_step"][kind] == pytest.approx(
         unrolled["collective_bytes_per_step"][kind], rel=0.03)
-  quick = aot.plan(nano(**layout, **{"model.compute.scan_layers": True}), "v5e:2x2",
-                   compiler_costs=False)
-  assert quick["compiler_flops_per_step"] is None and quick["compiler_bound_seconds"] is None
-  assert quick["collective_bytes_per_step"] == scanned["collective_bytes_per_step"]
 
 
 def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
   pytest.importorskip("libtpu")
-  run = nano(**{"trainer.device_mesh": {"data": 2, "model": 2}})
-  plan = aot.plan(run, "v5e:2x2", num_slices=2)
+  run = nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
+                "model.compute.scan_layers": True})
+  plan = aot.plan(run, "v5e:2x2", num_slices=2, compiler_costs=False)  # No unrolled compiles.
+  assert plan["compiler_flops_per_step"] is None and plan["compiler_bound_seconds"] is None
   assert plan["chips"] == 8 and plan["mesh"] == {"data": 4, "model": 2}
   across = {k: v for k, v in plan["collective_bytes_per_step"].items() if "across" in k and v}
   assert set(across) == {"all-reduce across slices"}
