@@ -91,8 +91,8 @@ def test_the_command_prints_and_writes_every_key(tmp_path):
   result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
                            "--topology=v5e-4", "--config.model.num_layers=2",
                            # XLA's attention: the compiler counts no FLOPs inside a Pallas kernel.
-                           "--config.model.compute.attention_impl=xla", f"--output={output}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                           "--config.model.compute.attention_impl=xla", f"--output={output}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   plan = json.loads(output.read_text())
   assert set(KEYS) <= set(plan)
