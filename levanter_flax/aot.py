@@ -399,8 +399,11 @@ def main(argv):
     exit_with_error(str(e))
   print(describe(result))
   if flags.FLAGS.output:
-    with open(flags.FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    try:
+      with open(flags.FLAGS.output, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    except OSError as e:
+      exit_with_error(f"--output={flags.FLAGS.output}: cannot write it: {e.strerror or e}")
   if not result["fits"]:
     short = (result["bytes_per_chip"] - result["hbm_per_chip_bytes"]) / GIB
     exit_with_error(f"the step needs {short:.2f} GiB per chip more than {result['topology']}'s "
