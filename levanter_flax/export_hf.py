@@ -1,19 +1,45 @@
-r"""Writes a run's newest checkpoint as a Hugging Face checkpoint (config.json + model.safetensors).
+r"""Writes a run's newest checkpoint as a Hugging Face checkpoint that stands alone.
 
-    python -m levanter_flax.export_hf --workdir=runs/llama_nano --output_dir=/tmp/llama_nano_hf
+    python -m levanter_flax.export_hf --workdir=runs/llama_nano --output_dir=/tmp/llama_nano_hf \
+        [--dtype=bfloat16] [--max_shard_size=5GB]
 
-transformers then loads it with AutoModelForCausalLM.from_pretrained(output_dir). A non-empty
-output directory is refused unless --overwrite is given; a training run's workdir never is one.
+The weights (in the run's model.compute.param_dtype unless --dtype says otherwise; over
+--max_shard_size in shards with their index), config.json and generation_config.json with the
+token ids, and the run's tokenizer (the tokenizer.json its datasets were tokenized with, and the
+tokenizer_config.json beside it, else a minimal one), so that transformers' from_pretrained,
+AutoTokenizer and pipeline("text-generation") need nothing else. A non-empty output directory
+is refused unless --overwrite is given; a training run's workdir never is one.
 """
-from absl import app, flags
+import json
+import re
+from typing import Any
+
+from absl import app, flags, logging
 from etils import epath
 
 from levanter_flax import cli, hf, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 
-# What a previous export (or another HF checkpoint) leaves that hf.load would also read.
-_STALE = ("*.safetensors", "*.safetensors.index.json")
+# What a previous export (or another HF checkpoint) leaves that would mix with ours.
+_STALE = ("*.safetensors", "*.safetensors.index.json", "generation_config.json",
+          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# Beside a tokenizer.json, what AutoTokenizer reads with it: special tokens, the chat template.
+_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+# transformers' units of --max_shard_size (utils.hub.convert_file_size_to_int); a lower-case
+# "b" in the decimal ones means bits.
+_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def parse_size(text: str, flag: str) -> int:
+  """Bytes of a size as transformers writes them: "5GB", "500MB", "2GiB" or an int of bytes."""
+  match = re.fullmatch(r"(\d+)([KMG]I?B)?", text.strip(), re.IGNORECASE)
+  if not match or int(match[1]) <= 0:
+    raise UserError(f"{flag}={text!r} is not a size: give a positive int of bytes or one with a "
+                    f"unit, e.g. 5GB, 500MB, 2GiB")
+  number, unit = int(match[1]), (match[2] or "")
+  size = number * _UNITS.get(unit.upper(), 1)
+  return size // 8 if unit.endswith("b") and not unit.upper().endswith("IB") else size
 
 
 def check_output_dir(output_dir: epath.Path, workdir: epath.Path, overwrite: bool) -> None:
@@ -32,14 +58,60 @@ def check_output_dir(output_dir: epath.Path, workdir: epath.Path, overwrite: boo
                     f"config.json and *.safetensors")
 
 
-def remove_stale_weights(output_dir: epath.Path) -> None:
-  """Deletes old weight files first, so that no shard of another export stays beside ours."""
+def remove_stale_files(output_dir: epath.Path) -> None:
+  """Deletes old weight and tokenizer files first, so that none of another export's stays beside
+  ours (a byte-tokenized run writes no tokenizer to replace them)."""
   for pattern in _STALE:
     for path in output_dir.glob(pattern):
       try:
         path.unlink()
       except OSError as e:
         raise UserError(f"cannot remove the old {path}: {e.strerror or e}") from None
+
+
+def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
+                    ) -> tuple[dict[str, bytes], dict[str, Any]]:
+  """(file name -> contents, token ids) of the run's tokenizer for AutoTokenizer: the
+  tokenizer.json its datasets were tokenized with (sample.run_tokenizer checks it against their
+  manifests), with the tokenizer_config.json beside it or else a minimal one.
+
+  The EOS is the one that ended every training document. The run's documents each began after
+  one, so without a tokenizer_config.json naming another it is the BOS too, as in GPT-2's.
+  """
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from levanter_flax.sample import run_tokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = run_tokenizer(workdir, saved)
+  ids = {"eos_token_id": tokenizer.eos_id}
+  if tokenizer.kind != "huggingface":
+    logging.warning("The run's tokenizer is %s (%s): no tokenizer files written; give "
+                    "transformers one of your own", tokenizer.kind, saved["data.tokenizer"])
+    return {}, ids
+  path = paths.resolve(saved["data.tokenizer"], "data.tokenizer")
+  files = {"tokenizer.json": path.read_bytes()}
+  vocab = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
+  eos = vocab.id_to_token(tokenizer.eos_id)
+  for name in _TOKENIZER_CONFIGS:
+    if (path.parent / name).is_file():
+      files[name] = (path.parent / name).read_bytes()
+  if "tokenizer_config.json" not in files:
+    files["tokenizer_config.json"] = (json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
+        "model_max_length": seq_len, "clean_up_tokenization_spaces": False}, indent=2)
+        + "\n").encode()
+    return files, {**ids, "bos_token_id": tokenizer.eos_id}
+  try:
+    config = json.loads(files["tokenizer_config.json"])
+  except ValueError as e:
+    raise UserError(f"cannot read {path.parent / 'tokenizer_config.json'}: {e}") from None
+  for key in ("bos_token", "pad_token", "eos_token"):
+    token = config.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    token_id = vocab.token_to_id(token) if isinstance(token, str) else None
+    if key == "eos_token" and token_id not in (None, tokenizer.eos_id):
+      ids[f"{key}_id"] = [tokenizer.eos_id, token_id]  # Both end a generation.
+    elif key != "eos_token":
+      ids[f"{key}_id"] = token_id
+  return files, ids
 
 
 def main(argv: list[str]) -> None:
@@ -50,9 +122,12 @@ def main(argv: list[str]) -> None:
     output_dir = paths.resolve(flag.output_dir, "--output_dir")
     workdir = paths.resolve(flag.workdir, "--workdir")
     check_output_dir(output_dir, workdir, flag.overwrite)
-    model_cfg, params, _ = run_params(workdir)
-    remove_stale_weights(output_dir)  # Only once there is something to write instead.
-    hf.save(model_cfg, params, output_dir)
+    max_shard_size = parse_size(flag.max_shard_size, "--max_shard_size")
+    model_cfg, params, saved = run_params(workdir)
+    files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
+    remove_stale_files(output_dir)  # Only once there is something to write instead.
+    hf.save(model_cfg, params, output_dir, dtype=flag.dtype or model_cfg.compute.param_dtype,
+            max_shard_size=max_shard_size, token_ids=token_ids, files=files)
   except UserError as e:
     exit_with_error(str(e))
   print(f"Wrote {model_cfg.architecture} to {flag.output_dir}")
@@ -62,6 +137,10 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A training run's workdir.", required=True)
   flags.DEFINE_string("output_dir", None, "Where config.json and model.safetensors go.",
                       required=True)
-  flags.DEFINE_bool("overwrite", False, "Replace the config.json and *.safetensors of a "
-                    "non-empty --output_dir (its other files stay).")
+  flags.DEFINE_bool("overwrite", False, "Replace the config.json, *.safetensors and tokenizer "
+                    "files of a non-empty --output_dir (its other files stay).")
+  flags.DEFINE_enum("dtype", None, hf.DTYPES, "The weights' dtype; default: the run's "
+                    "model.compute.param_dtype.")
+  flags.DEFINE_string("max_shard_size", "5GB", "Larger weights are written in shards of at most "
+                      "this size, as transformers does: 5GB, 500MB, 2GiB or bytes.")
   app.run(main, flags_parser=cli.parse_flags)

@@ -6,8 +6,11 @@ module reads and writes the files. HF names each layer's tensors: a scanned
 model's stacked layers (models.unstack_layers) are cut into them on export, and
 stacked from them (models.stack_layers) on import. A config value that would
 change the logits and that we do not compute is refused by key, never ignored;
-so are tensors that are not floating point (quantized checkpoints). bfloat16
-tensors load too.
+so are tensors that are not floating point (quantized checkpoints). float32,
+float16 and bfloat16 tensors load, in one file or in shards named by
+model.safetensors.index.json (a hub cache's snapshot, whose files are symlinks
+into its blobs/, too); an export is written in any of the three, sharded as
+transformers shards, with the token ids that generation needs.
 """
 import dataclasses
 import json
@@ -80,23 +83,45 @@ def _read_tensor(file: epath.Path, name: str, shown: epath.Path) -> np.ndarray:
     return np.asarray(f.get_tensor(name).astype(jnp.float32))
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(directory: epath.Path) -> list[str]:
+  """The names of the safetensors files that hold the weights: the ones the index names
+  (transformers' sharded checkpoints), else every *.safetensors in the directory."""
+  if not (directory / INDEX).exists():
+    names = sorted(file.name for file in directory.glob("*.safetensors"))
+    if not names:
+      raise UserError(f"{directory} holds no *.safetensors file")
+    return names
+  try:
+    weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+    names = sorted(set(weight_map.values()))
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(f"cannot read {directory / INDEX}: expected an object with a 'weight_map' "
+                    f"of tensor -> file ({type(e).__name__}: {e})") from None
+  for name in names:
+    if not isinstance(name, str) or "/" in name or not (directory / name).exists():
+      raise UserError(f"{directory / INDEX} names the file {name!r}, which is not in {directory}")
+  return names
+
+
 def load(directory: epath.Path, scan_layers: bool = False) -> tuple[Any, dict]:
   """(model config, params) of an HF checkpoint directory, as float32 numpy arrays; with
   scan_layers, laid out as the scanned model's."""
   cfg = read_config(directory)
-  if not list(directory.glob("*.safetensors")):
-    raise UserError(f"{directory} holds no *.safetensors file")
+  names = _weight_files(directory)
   with paths.local_copy(directory, "*.safetensors") as local:  # safetensors maps real files.
-    params = _params(cfg, directory, local)
+    params = _params(cfg, directory, [local / name for name in names])
   if not scan_layers:
     return cfg, params
   cfg = common.with_compute(cfg, scan_layers=True)
   return cfg, models.stack_layers(cfg, params)
 
 
-def _params(cfg: Any, directory: epath.Path, local: epath.Path) -> dict:
+def _params(cfg: Any, directory: epath.Path, files: list[epath.Path]) -> dict:
   index = {}  # name -> (file, shape)
-  for file in sorted(local.glob("*.safetensors")):
+  for file in files:
     for name, shape in _tensor_index(file, directory / file.name).items():
       if name in index:  # A stale shard next to a newer checkpoint: which one is meant?
         raise UserError(f"tensor {name} is in both {directory / index[name][0].name} and "
@@ -129,29 +154,75 @@ def _tensor(index: dict, theirs: str, transposed: bool, expected: tuple[int, ...
   return np.ascontiguousarray(value.T) if transposed else value
 
 
-def save(cfg: Any, params: dict, directory: epath.Path) -> None:
-  """Writes config.json and model.safetensors that transformers' from_pretrained reads; params
-  in cfg's layout, scanned or not."""
+# What an export's weights may be stored as: the floating point types transformers and we load.
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def save(cfg: Any, params: dict, directory: epath.Path, *, dtype: str = "float32",
+         max_shard_size: int = 5 * 10**9, token_ids: dict[str, Any] | None = None,
+         files: dict[str, bytes] | None = None) -> None:
+  """Writes what transformers' from_pretrained reads: config.json, generation_config.json and
+  the weights, cast to `dtype`, in model.safetensors or, over max_shard_size bytes, in shards
+  and their index (as save_pretrained shards). params in cfg's layout, scanned or not.
+
+  token_ids: eos_token_id, bos_token_id, pad_token_id (those known), for both configs;
+  generation stops at the EOS only if it is named. files: more files (name -> contents) to write
+  beside them, e.g. the tokenizer's.
+  """
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
   if cfg.compute.scan_layers:
     params = models.unstack_layers(cfg, params)
   paths.make_dirs(directory, "output directory")
   tensors = {}
   for ours, (theirs, transposed) in models.family(cfg).hf.tensor_names(cfg).items():
-    value = np.asarray(_get(params, ours), np.float32)
+    value = np.asarray(_get(params, ours)).astype(stored)
     for name, part in ([(theirs, value)] if isinstance(theirs, str) else zip(theirs, value)):
       tensors[name] = np.ascontiguousarray(part.T if transposed else part)
+  shards = _shards(tensors, max_shard_size)
+  token_ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
+  # transformers 5 reads "dtype", earlier ones "torch_dtype": the dtype a model loads in.
+  config = {**models.family(cfg).hf.config_to_hf(cfg), **token_ids, "dtype": dtype,
+            "torch_dtype": dtype}
+  contents = {"config.json": _json(config), "generation_config.json": _json(token_ids),
+              **(files or {})}
+  if len(shards) > 1:
+    contents[INDEX] = _json({"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+                          "weight_map": {name: file for file, shard in shards.items()
+                                         for name in sorted(shard)}})
   try:
     with paths.staged(directory) as local:
-      save_file(tensors, str(local / "model.safetensors"), metadata={"format": "pt"})
-      (local / "config.json").write_text(json.dumps(models.family(cfg).hf.config_to_hf(cfg), indent=2))
-      for name in ("model.safetensors", "config.json"):
+      for file, shard in shards.items():
+        save_file(shard, str(local / file), metadata={"format": "pt"})
+      for name, data in contents.items():
+        (local / name).write_bytes(data)
+      for name in [*shards, *contents]:
         # save_file creates its file 0600; a checkpoint is for others to read (and serve).
         os.chmod(local / name, 0o644)
   except (OSError, SafetensorError) as e:  # The latter wraps I/O errors, e.g. a full disk.
     raise UserError(f"cannot write the checkpoint into {directory}: "
                     f"{getattr(e, 'strerror', None) or e}") from None
+
+
+def _shards(tensors: dict[str, np.ndarray], max_shard_size: int) -> dict[str, dict]:
+  """File name -> tensors: in order, a new shard whenever the next tensor would take this one
+  over max_shard_size bytes (a larger tensor is a shard of its own), named as transformers
+  names them; one shard is model.safetensors."""
+  shards, size = [{}], 0
+  for name, value in tensors.items():
+    if shards[-1] and size + value.nbytes > max_shard_size:
+      shards, size = shards + [{}], 0
+    shards[-1][name], size = value, size + value.nbytes
+  if len(shards) == 1:
+    return {"model.safetensors": shards[0]}
+  return {f"model-{i:05d}-of-{len(shards):05d}.safetensors": shard
+          for i, shard in enumerate(shards, 1)}
+
+
+def _json(value: dict) -> bytes:
+  return (json.dumps(value, indent=2) + "\n").encode()
 
 
 def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
