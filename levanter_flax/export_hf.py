@@ -81,37 +81,40 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
   import tokenizers  # pylint: disable=g-import-not-at-top
   from levanter_flax.sample import run_tokenizer  # pylint: disable=g-import-not-at-top
   tokenizer = run_tokenizer(workdir, saved)
-  ids = {"eos_token_id": tokenizer.eos_id}
   if tokenizer.kind != "huggingface":
-    logging.warning("The run's tokenizer is %s (%s): no tokenizer files written; give "
-                    "transformers one of your own", tokenizer.kind, saved["data.tokenizer"])
-    return {}, ids
+    logging.warning("The run's %s tokenizer (data.tokenizer=%s) is no tokenizer.json: no "
+                    "tokenizer files written; give transformers one of your own", tokenizer.kind,
+                    saved["data.tokenizer"])
+    return {}, {"eos_token_id": tokenizer.eos_id}
   path = paths.resolve(saved["data.tokenizer"], "data.tokenizer")
   files = {"tokenizer.json": path.read_bytes()}
   vocab = tokenizers.Tokenizer.from_str(files["tokenizer.json"].decode())
-  eos = vocab.id_to_token(tokenizer.eos_id)
   for name in _TOKENIZER_CONFIGS:
     if (path.parent / name).is_file():
       files[name] = (path.parent / name).read_bytes()
   if "tokenizer_config.json" not in files:
+    eos = vocab.id_to_token(tokenizer.eos_id)
     files["tokenizer_config.json"] = (json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
         "model_max_length": seq_len, "clean_up_tokenization_spaces": False}, indent=2)
         + "\n").encode()
-    return files, {**ids, "bos_token_id": tokenizer.eos_id}
+    return files, {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.eos_id}
   try:
     config = json.loads(files["tokenizer_config.json"])
   except ValueError as e:
     raise UserError(f"cannot read {path.parent / 'tokenizer_config.json'}: {e}") from None
-  for key in ("bos_token", "pad_token", "eos_token"):
-    token = config.get(key)
-    token = token.get("content") if isinstance(token, dict) else token
-    token_id = vocab.token_to_id(token) if isinstance(token, str) else None
-    if key == "eos_token" and token_id not in (None, tokenizer.eos_id):
-      ids[f"{key}_id"] = [tokenizer.eos_id, token_id]  # Both end a generation.
-    elif key != "eos_token":
-      ids[f"{key}_id"] = token_id
-  return files, ids
+  # Its own EOS (a chat template's end of turn, say) ends a generation too.
+  theirs = _token_id(vocab, config.get("eos_token"))
+  eos_ids = [tokenizer.eos_id] + [theirs] * (theirs not in (None, tokenizer.eos_id))
+  return files, {"eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+                 "bos_token_id": _token_id(vocab, config.get("bos_token")),
+                 "pad_token_id": _token_id(vocab, config.get("pad_token"))}
+
+
+def _token_id(vocab, token) -> int | None:
+  """The id of a tokenizer_config.json's special token: a string, or an object with content."""
+  token = token.get("content") if isinstance(token, dict) else token
+  return vocab.token_to_id(token) if isinstance(token, str) else None
 
 
 def main(argv: list[str]) -> None:

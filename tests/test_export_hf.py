@@ -173,7 +173,8 @@ def test_a_byte_tokenizer_run_exports_without_tokenizer_files(tmp_path, caplog):
   data = write_dataset(tmp_path / "data", ["some text"], ["more text"])
   saved = {"data.tokenizer": "byte", "data.dataset": str(data), "data.mixture": []}
   assert export_hf.tokenizer_files(tmp_path, saved, 32) == ({}, {"eos_token_id": 256})
-  assert "The run's tokenizer is byte (byte): no tokenizer files written" in caplog.text
+  assert ("The run's byte tokenizer (data.tokenizer=byte) is no tokenizer.json: no tokenizer "
+          "files written") in caplog.text
 
 
 @pytest.mark.parametrize("flag, message", [
