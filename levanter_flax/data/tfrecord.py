@@ -31,7 +31,7 @@ def _raw(tokens: np.ndarray, dtype: str) -> bytes:
   return np.asarray(tokens).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
-def _example(raw: bytes, raw_weights: bytes | None) -> bytes:
+def _example(raw: bytes, raw_weights: bytes | None = None) -> bytes:
   tf = import_tensorflow()
   feature = lambda value: tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
   features = {FEATURE: feature(raw)}
