@@ -73,7 +73,11 @@ class ChatTemplate:
 
 def _compile(source: str, origin: str):
   """The template in transformers' environment (utils/chat_template_utils.py)."""
-  import jinja2  # pylint: disable=g-import-not-at-top
+  try:
+    import jinja2  # pylint: disable=g-import-not-at-top  # Only chat sources need it.
+  except ImportError:
+    raise UserError("--source=chat renders Jinja chat templates: pip install "
+                    "'levanter_flax[chat]' (jinja2)") from None
   from jinja2 import ext, sandbox  # pylint: disable=g-import-not-at-top
 
   class Generation(ext.Extension):
@@ -198,14 +202,13 @@ def _weights(offsets: np.ndarray, spans: list) -> np.ndarray:
 
 
 class Encoder:
-  """A chat or prompt_completion record -> (tokens, loss weights of the tokens and of the EOS
-  the loader appends), or None for a conversation with no assistant turn (skipped)."""
+  """A chat or prompt_completion record -> its text, tokens, and loss weights (the tokens' and
+  the EOS's the loader appends), or None for a conversation with no assistant turn (skipped)."""
 
   def __init__(self, kind: str, tokenizer, template: Optional[ChatTemplate]):
     self._kind, self._tokenizer, self._template = kind, tokenizer, template
 
   def __call__(self, record: dict, where: str) -> Optional[tuple[str, np.ndarray, np.ndarray]]:
-    """(the text, its tokens, their weights with the EOS's last), or None to skip it."""
     if self._kind == "chat":
       messages = _checked_messages(record, where)
       if not any(m["role"] == "assistant" for m in messages):
