@@ -3,8 +3,8 @@ chat and prompt/completion records from JSON lines.
 
 Each reader yields (key, text) pairs, or (key, Record) for the record kinds.
 The key names the document (a path, file:line, or dataset index) in error
-messages and decides its split, so the
-split does not depend on how many workers read the source.
+messages and decides its split, so the split does not depend on how many
+workers read the source.
 """
 import contextlib
 import dataclasses
