@@ -5,6 +5,15 @@
 
 Then point a config at it: --config.data.dataset=/data/my_corpus (and
 --config.data.tokenizer=/data/my_corpus/tokenizer.json for a trained tokenizer).
+
+Chat data (JSON lines of {"messages": [{"role": ..., "content": ...}, ...]}),
+rendered with the tokenizer's chat template, the loss on the assistant turns only:
+
+  python -m levanter_flax.prepare --source=chat --input='chats/*.jsonl' \
+      --tokenizer=qwen/tokenizer.json --output_dir=/data/my_chats
+
+--source=prompt_completion reads {"prompt": ..., "completion": ...} lines: the
+loss on the completion and the EOS after it.
 Killed and restarted with the same flags, it keeps the shards already written.
 """
 import codecs
@@ -20,7 +29,8 @@ from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError, exit_with_error
 
 _SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
-_INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet: files or globs, local or gs:// "
+_INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet/chat/prompt_completion: files or "
+                           "globs, local or gs:// "
                            "(.gz and .zst are read compressed); "
                            "tfds: the dataset name, e.g. lm1b or wikipedia/20230601.en.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where the shards and manifest go.")
@@ -53,6 +63,10 @@ _BEAM_PIPELINE_OPTIONS = flags.DEFINE_string(
     "beam_pipeline_options", "", "--engine=beam: Beam's own options, e.g. '--runner=DataflowRunner "
     "--project=P --region=R --temp_location=gs://B/tmp --setup_file=./setup.py'. Default: the "
     "local FnApiRunner with --num_workers processes.")
+_CHAT_TEMPLATE = flags.DEFINE_string(
+    "chat_template", "", "--source=chat: a Jinja chat template file; default: the tokenizer's, "
+    "from chat_template.jinja or the chat_template of tokenizer_config.json beside its "
+    "tokenizer.json.")
 flags.mark_flags_as_required(["source", "output_dir"])
 
 
@@ -86,6 +100,8 @@ def options_from_flags() -> prepare.PrepareOptions:
     raise UserError("pass either --tokenizer or --train_tokenizer, not both")
   if _BEAM_PIPELINE_OPTIONS.value and _ENGINE.value != "beam":
     raise UserError("--beam_pipeline_options needs --engine=beam")
+  if _CHAT_TEMPLATE.value and _SOURCE.value != "chat":
+    raise UserError("--chat_template needs --source=chat")
   return prepare.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
@@ -100,7 +116,8 @@ def options_from_flags() -> prepare.PrepareOptions:
       validation_fraction=_VALIDATION_FRACTION.value,
       engine=_ENGINE.value,
       num_workers=_NUM_WORKERS.value,
-      beam_pipeline_options=split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value))
+      beam_pipeline_options=split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value),
+      chat_template=_CHAT_TEMPLATE.value)
 
 
 def main(argv: list[str]) -> None:

@@ -83,8 +83,16 @@ def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
   return jnp.cumsum(tokens == eos_id, axis=1)
 
 
-def objective(model: nn.Module, params, tokens: jax.Array,
-              eos_id: int | None = None) -> tuple[jax.Array, Metrics]:
+def total_weight(loss_weights: jax.Array) -> jax.Array:
+  """The weight of a batch's targets (tokens[:, 1:]), or 1 if none weighs: the divisor of its
+  weighted mean, which is then 0."""
+  total = loss_weights[:, 1:].sum()
+  return jnp.where(total > 0, total, 1.0)
+
+
+def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = None,
+              loss_weights: jax.Array | None = None, weight_total: jax.Array | None = None,
+              auxiliary_share: float = 1.0) -> tuple[jax.Array, Metrics]:
   """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
   loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
   over the layers that sow it. The training loss adds each part times the model config's
@@ -92,10 +100,23 @@ def objective(model: nn.Module, params, tokens: jax.Array,
 
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
   attention within it, positions from 0.
+
+  With loss_weights (float32, tokens' shape: each token's weight as a target, so that of
+  tokens[:, 0] is never read: chat data weighs the assistant's tokens only), "loss" is the
+  weighted sum of the cross-entropies over `weight_total`, by default these tokens'
+  (`total_weight`): their weighted mean. A microbatch passes its whole batch's total weight and
+  its share of the batch (`auxiliary_share`, which scales the auxiliary losses), so that the
+  microbatches' objectives sum to the batch's, however its weight falls among them.
   """
   losses, sown = _token_losses(model, params, tokens, eos_id)
   auxiliary = _sown_losses(sown)
-  loss = losses.mean()
+  if loss_weights is None:
+    loss = losses.mean()
+  else:
+    if weight_total is None:
+      weight_total = total_weight(loss_weights)
+    loss = (losses * loss_weights[:, 1:]).sum() / weight_total
+    auxiliary = {name: value * auxiliary_share for name, value in auxiliary.items()}
   total = loss + sum(getattr(model.config, f"{name}_coef") * value
                      for name, value in auxiliary.items())
   return total, {"loss": loss, **auxiliary}
@@ -128,28 +149,41 @@ def _sown_losses(sown) -> Metrics:
 
 
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
-                               eos_id: int | None = None):
+                               eos_id: int | None = None, loss_weights: jax.Array | None = None):
   """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
   microbatches by a lax.scan.
 
   Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
   every device of the batch axis, and peak activation memory is that of one
   microbatch. Equal-sized microbatches make the mean of means the batch mean.
+  With loss_weights the microbatches weigh what their tokens weigh: each sums
+  its weighted losses over the whole batch's total weight (see objective), and
+  the sums are the batch's weighted mean, as without accumulation.
   """
-  def parts_and_grads(p, t):
-    (_, parts), grads = jax.value_and_grad(lambda p: objective(model, p, t, eos_id),
-                                           has_aux=True)(p)
+  weighted = loss_weights is not None
+  weight_total = total_weight(loss_weights) if weighted else None
+
+  def parts_and_grads(p, t, w):
+    (_, parts), grads = jax.value_and_grad(
+        lambda p: objective(model, p, t, eos_id, w, weight_total, 1 / num_microbatches),
+        has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
-    return parts_and_grads(params, tokens)
+    return parts_and_grads(params, tokens, loss_weights)
   batch, length = tokens.shape
-  microbatches = tokens.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
-  microbatches = nn.with_logical_constraint(microbatches, (None, "batch", "length"))
+
+  def split(rows):
+    microbatches = rows.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
+    return nn.with_logical_constraint(microbatches, (None, "batch", "length"))
+  microbatches = (split(tokens), split(loss_weights) if weighted else None)
 
   def add(totals, microbatch):
-    return jax.tree.map(jnp.add, totals, parts_and_grads(params, microbatch)), None
-  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(parts_and_grads, params, microbatches[0]))
+    return jax.tree.map(jnp.add, totals, parts_and_grads(params, *microbatch)), None
+  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+      parts_and_grads, params, *jax.tree.map(lambda m: m[0], microbatches)))
   totals, _ = jax.lax.scan(add, zeros, microbatches)
+  if weighted:  # Each microbatch's share is in its sums already.
+    return totals
   return jax.tree.map(lambda total: total / num_microbatches, totals)
 
 
@@ -164,15 +198,18 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     The step still counts (its batch is consumed), and train/nonfinite says it
     was skipped; the loop then warns or halts per trainer.nan_policy.
     """
+    weights = batch.get("loss_weights")
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
-                                              num_microbatches, eos_id)
+                                              num_microbatches, eos_id, weights)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
     hessian_tokens = batch["tokens"][::num_microbatches]
+    hessian_weights = None if weights is None else weights[::num_microbatches]
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params,
-        loss_fn=lambda params: objective(model, params, hessian_tokens, eos_id)[0])
+        loss_fn=lambda params: objective(model, params, hessian_tokens, eos_id,
+                                         hessian_weights)[0])
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
@@ -185,17 +222,31 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
         "train/update_norm": optax.tree.norm(updates),
         "train/learning_rate": schedule(state.step),
         "train/nonfinite": 1.0 - finite.astype(jnp.float32),
+        "train/loss_tokens": loss_tokens(batch),
     }
     return new_state, metrics
   return train_step
 
 
-def make_eval_step(model: nn.Module,
-                   eos_id: int | None = None) -> Callable[[Any, Batch], jax.Array]:
+def loss_tokens(batch: Batch) -> jax.Array:
+  """How many targets train/loss averages: every token but each row's first, or their weight."""
+  if "loss_weights" in batch:
+    return batch["loss_weights"][:, 1:].sum()
+  rows, length = batch["tokens"].shape
+  return jnp.float32(rows * (length - 1))
+
+
+def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any, Batch], Any]:
   """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
-  the windows of its eval set, leaving out the rows that only pad the last batch."""
+  the windows of its eval set, leaving out the rows that only pad the last batch. A batch with
+  "loss_weights" gives (each window's weighted sum of losses, its weight), float32[batch] each:
+  its windows weigh differently."""
   def eval_step(params, batch: Batch):
-    return _token_losses(model, params, batch["tokens"], eos_id)[0].mean(axis=1)
+    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
+    if "loss_weights" not in batch:
+      return losses.mean(axis=1)
+    weights = batch["loss_weights"][:, 1:]
+    return (losses * weights).sum(axis=1), weights.sum(axis=1)
   return eval_step
 
 
@@ -206,6 +257,7 @@ class ShardedSteps:
   state_shardings: TrainState  # NamedShardings.
   batch_sharding: jax.sharding.NamedSharding
   seq_len: int  # Tokens per sequence of a batch.
+  loss_weights: bool  # Whether a batch has "loss_weights" (a dataset of the run has them).
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
@@ -214,9 +266,11 @@ class ShardedSteps:
   def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
     """train_step's arguments as ShapeDtypeStructs with their shardings, for global batches of
     `batch_size` sequences: what an ahead-of-time compile takes, allocating nothing."""
-    tokens = jax.ShapeDtypeStruct((batch_size, self.seq_len), jnp.int32,
-                                  sharding=self.batch_sharding)
-    return self.abstract_state, {"tokens": tokens}
+    shape = (batch_size, self.seq_len)
+    batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
+    if self.loss_weights:
+      batch["loss_weights"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.batch_sharding)
+    return self.abstract_state, batch
 
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
@@ -225,7 +279,7 @@ class ShardedSteps:
 
 
 def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-          eos_id: int | None = None) -> ShardedSteps:
+          eos_id: int | None = None, loss_weights: bool = False) -> ShardedSteps:
   """The run's init, train and eval steps, laid out with `partitioner` and jitted with
   explicit shardings.
 
@@ -234,7 +288,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   and run.sharding: call (and trace) the functions inside its activation_context().
 
   eos_id: mask attention per document, each ending at this token (data.document_masking;
-  see objective); None: no mask.
+  see objective); None: no mask. loss_weights: the batches carry "loss_weights" (a dataset of
+  the run has them: loader.has_loss_weights); abstract_inputs says so.
 
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
@@ -261,6 +316,7 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       state_shardings=shardings,
       batch_sharding=batch,
       seq_len=run.model.seq_len,
+      loss_weights=loss_weights,
       init=jax.jit(init, out_shardings=shardings),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),

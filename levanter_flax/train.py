@@ -86,7 +86,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     checkpointer = opened.enter_context(contextlib.closing(
         Checkpointer(workdir / "checkpoints", run.checkpoint, before_save=lock.check_all)))
     start = resume.resolve(run, workdir, partitioner, checkpointer)
-    steps = step.build(start.run, partitioner, start.eos_id)
+    steps = step.build(start.run, partitioner, start.eos_id,
+                       loss_weights=loader.has_loss_weights(start.sources))
     num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
@@ -139,7 +140,9 @@ def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str,
 
 def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset]):
   """params -> eval/loss, its standard error, perplexity, bits per byte and the tokens scored,
-  per source for a mixture. Each source's eval set is read now, before training."""
+  per source for a mixture. Each source's eval set is read now, before training. A source with
+  loss weights scores its weighted tokens only, and has no bits per byte (its text bytes are
+  the whole conversations')."""
   evaluated = [s for s in sources if s.has_validation]
   if not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
@@ -155,14 +158,14 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
   def evaluate(params) -> dict[str, float]:
     results = {}
     for windows in eval_sets:
-      loss, stderr = eval_set.evaluate(windows, steps.eval_step, params, batch_size,
-                                       steps.batch_sharding)
+      loss, stderr, tokens = eval_set.evaluate(windows, steps.eval_step, params, batch_size,
+                                               steps.batch_sharding)
       prefix = "eval" if len(sources) == 1 else f"eval/{windows.source.name}"
-      bits_per_byte = loss / np.log(2) * windows.source.validation_tokens_per_byte
       results |= {f"{prefix}/loss": loss, f"{prefix}/loss_stderr": stderr,
-                  f"{prefix}/perplexity": float(np.exp(loss)),
-                  f"{prefix}/bits_per_byte": float(bits_per_byte),
-                  f"{prefix}/tokens": float(windows.scored_tokens)}
+                  f"{prefix}/perplexity": float(np.exp(loss)), f"{prefix}/tokens": tokens}
+      if not windows.source.has_loss_weights:
+        bits_per_byte = loss / np.log(2) * windows.source.validation_tokens_per_byte
+        results[f"{prefix}/bits_per_byte"] = float(bits_per_byte)
     if len(sources) > 1 and evaluated:
       weights = [s.weight for s in evaluated]
       results["eval/loss"] = float(np.average([results[f"eval/{s.name}/loss"] for s in evaluated],

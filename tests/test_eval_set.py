@@ -51,9 +51,9 @@ def test_a_sampled_eval_scores_what_the_whole_split_does_not_its_first_documents
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   whole = eval_set.build(source_of(directory), seq_len=32, eval_tokens="all",
                          vocab_size=model_cfg.vocab_size, process_index=0, process_count=1)
-  whole_loss, _ = eval_set.evaluate(whole, eval_step, params, 8, device)
+  whole_loss, _, _ = eval_set.evaluate(whole, eval_step, params, 8, device)
   first = dataclasses.replace(whole, num_windows=40, windows=whole.windows[:40])
-  first_loss, _ = eval_set.evaluate(first, eval_step, params, 8, device)
+  first_loss, _, _ = eval_set.evaluate(first, eval_step, params, 8, device)
   assert abs(sampled["eval/loss"] - whole_loss) < 3 * sampled["eval/loss_stderr"]
   assert abs(sampled["eval/loss"] - whole_loss) < 0.1 * whole_loss
   assert whole_loss - first_loss > 0.5  # What reading the split in file order got wrong.

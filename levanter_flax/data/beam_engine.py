@@ -27,7 +27,7 @@ import time
 from absl import logging
 
 from levanter_flax import paths
-from levanter_flax.data import prepare
+from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError
 
 # The local runner; without --runner Beam 2.77's DirectRunner first downloads Prism.
@@ -100,17 +100,20 @@ def _one_line(error: Exception, limit: int = 600) -> str:
 def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: str) -> None:
   """A remote runner's workers see only object storage, and each should read its own files."""
   spec = options.source
-  if spec.kind in ("text", "jsonl", "parquet") and num_files < options.num_shards:
+  file_kinds = ("text", "jsonl", "parquet", *sources.RECORD_KINDS)
+  if spec.kind in file_kinds and num_files < options.num_shards:
     raise UserError(f"{num_files} input files for --num_shards={options.num_shards}: with fewer "
                     f"files than shards every {runner} worker reads every file; use at most "
                     f"{num_files} shards or split the input")
   given = [("--output_dir", str(options.output_dir))]
-  if spec.kind in ("text", "jsonl", "parquet"):
+  if spec.kind in file_kinds:
     given += [("--input", pattern) for pattern in spec.inputs]
   if spec.kind == "tfds":
     given.append(("--tfds_data_dir", spec.tfds_data_dir))
   if options.tokenizer != "byte":
     given.append(("--tokenizer", options.tokenizer))
+  if options.chat_template:
+    given.append(("--chat_template", options.chat_template))
   for flag, value in given:
     if not paths.is_remote(value):
       raise UserError(f"{flag}={value or '(default)'} is on this machine, which {runner}'s "

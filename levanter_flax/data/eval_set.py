@@ -10,6 +10,9 @@ count. Every eval scores the same windows, so curves and sweeps compare.
 Each process holds a contiguous share of the set and decodes only the shards
 under it; a global eval batch is every process's next rows, the last one
 padded with rows that are scored and then left out.
+
+A dataset with loss weights (chat and instruction data) scores only its
+weighted tokens: the loss is their mean, whichever windows they fall in.
 """
 import dataclasses
 import functools
@@ -40,11 +43,7 @@ class EvalSet:
   windows: np.ndarray
   process_index: int
   process_count: int
-
-  @property
-  def scored_tokens(self) -> int:
-    """Tokens the set predicts: every window's but its first."""
-    return self.num_windows * (self.windows.shape[1] - 1)
+  loss_weights: np.ndarray | None = None  # float32, windows' shape; None: all 1.
 
   def _share_sizes(self) -> np.ndarray:
     return np.array([len(s) for s in np.array_split(np.arange(self.num_windows),
@@ -58,8 +57,13 @@ class EvalSet:
     padded = np.zeros((self.num_batches(rows_per_process) * rows_per_process,
                        self.windows.shape[1]), np.int32)
     padded[:len(self.windows)] = self.windows
+    weights = None
+    if self.loss_weights is not None:
+      weights = np.zeros(padded.shape, np.float32)
+      weights[:len(self.loss_weights)] = self.loss_weights
     for start in range(0, len(padded), rows_per_process):
-      yield {"tokens": padded[start:start + rows_per_process]}
+      rows = slice(start, start + rows_per_process)
+      yield {"tokens": padded[rows], **({} if weights is None else {"loss_weights": weights[rows]})}
 
   def scored(self, process_rows: list[np.ndarray]) -> np.ndarray:
     """Which rows of the global batches, concatenated, hold a window of the set (the rest pad),
@@ -111,10 +115,13 @@ def build(source: PreparedDataset, *, seq_len: int, eval_tokens: int | str, voca
   chosen = spread(available, count)
   share = np.array_split(chosen, process_count)[process_index]
   windows = _read_windows(source, share, seq_len, _decoder(source))
+  weights = None
+  if source.has_loss_weights:  # Read together: [share, seq_len, 2].
+    windows, weights = windows[..., 0], windows[..., 1].astype(np.float32)
   if len(windows):
     integrity.check_token_ids(windows, vocab_size,
                               lambda rows: {f"{source.directory} (validation)"})
-  return EvalSet(source, count, windows, process_index, process_count)
+  return EvalSet(source, count, windows, process_index, process_count, weights)
 
 
 def _stream_tokens(source: PreparedDataset) -> int:
@@ -128,11 +135,12 @@ def _shard_lengths(source: PreparedDataset) -> list[int]:
 
 def _read_windows(source: PreparedDataset, indices: np.ndarray, seq_len: int,
                   decode) -> np.ndarray:
-  """Windows `indices` (ascending) of the validation stream, decoding each shard under them once."""
+  """Windows `indices` (ascending) of the validation stream, decoding each shard under them once;
+  int32[indices, seq_len], and [..., 2] with loss weights (`decode`'s per token)."""
   ends = np.cumsum(_shard_lengths(source))
   starts = ends - _shard_lengths(source)
   decoded: dict[int, np.ndarray] = {}
-  windows = np.zeros((len(indices), seq_len), np.int32)
+  windows = np.zeros((len(indices), seq_len, *[2] * source.has_loss_weights), np.int32)
   for row, index in enumerate(indices):
     first, last = index * seq_len, (index + 1) * seq_len
     shards = range(int(np.searchsorted(ends, first, side="right")),
@@ -147,8 +155,8 @@ def _read_windows(source: PreparedDataset, indices: np.ndarray, seq_len: int,
 
 
 def _decoder(source: PreparedDataset):
-  """shard index -> that validation shard's tokens, EOS after each document, checked against
-  its manifest entry."""
+  """shard index -> that validation shard's tokens, EOS after each document (with loss weights:
+  [tokens, 2], each token and its weight), checked against its manifest entry."""
   # In a graph, as in the train stream: eagerly, an empty TensorArray cannot be concatenated.
   decode = tf.function(functools.partial(integrity.decode_shard, manifest=source.manifest),
                        autograph=False)
@@ -159,26 +167,47 @@ def _decoder(source: PreparedDataset):
     problem = integrity.decode_mismatch(
         source.manifest["splits"]["validation"][shard], int(decoded.records),
         int(tf.size(decoded.tokens)), decoded.token_bytes.numpy(), path, "validation",
-        source.manifest["token_dtype"])
+        source.manifest["token_dtype"],
+        None if decoded.weight_bytes is None else decoded.weight_bytes.numpy())
     if problem:
       raise UserError(f"{problem}; prepare the data again (damaged validation shards always "
                       f"stop the run: an eval over other data would not compare)")
-    return decoded.tokens.numpy()
+    if decoded.loss_weights is None:
+      return decoded.tokens.numpy()
+    return np.stack([decoded.tokens.numpy(), decoded.loss_weights.numpy().astype(np.int32)], 1)
   return checked
 
 
 def evaluate(eval_set: EvalSet, eval_step, params, batch_size: int,
-             sharding: jax.sharding.Sharding) -> tuple[float, float]:
-  """(mean loss over the set's windows, its standard error), the same on every process.
+             sharding: jax.sharding.Sharding) -> tuple[float, float, float]:
+  """(mean loss over the set's scored tokens, its standard error, how many tokens), the same
+  on every process.
 
   Every window predicts seq_len - 1 tokens, so the mean over windows is the
   mean over tokens; windows are the units of the error, as their tokens are
-  not independent.
+  not independent. With loss weights the windows score different numbers of
+  tokens: the mean is their total over their weight, its error a ratio
+  estimate's (the delta method), which is the former's when every window's
+  weight is the same.
   """
   rows = process_rows(sharding, batch_size, eval_set.process_count)
-  losses = [eval_step(params, batch) for batch, _ in loader.global_arrays(
+  outputs = [eval_step(params, batch) for batch, _ in loader.global_arrays(
       ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)]
-  per_window = np.concatenate(jax.device_get(losses)).astype(np.float64)
-  per_window = per_window[eval_set.scored(rows)]
-  stderr = per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1 else math.nan
-  return float(per_window.mean()), float(stderr)
+  scored = eval_set.scored(rows)
+  if eval_set.loss_weights is None:
+    per_window = np.concatenate(jax.device_get(outputs)).astype(np.float64)[scored]
+    stderr = (per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1
+              else math.nan)
+    tokens = eval_set.num_windows * (eval_set.windows.shape[1] - 1)
+    return float(per_window.mean()), float(stderr), float(tokens)
+  sums, weights = (np.concatenate(parts).astype(np.float64)[scored]
+                   for parts in zip(*jax.device_get(outputs)))
+  total = weights.sum()
+  if not total:
+    raise UserError(f"the eval set of {eval_set.source.directory} holds no token with a loss "
+                    f"weight; raise config.trainer.eval_tokens")
+  loss = sums.sum() / total
+  count = len(sums)
+  stderr = (math.sqrt(count / (count - 1) * np.sum((sums - loss * weights) ** 2)) / total
+            if count > 1 else math.nan)
+  return float(loss), float(stderr), float(total)

@@ -12,7 +12,7 @@ import numpy as np
 from absl import logging
 
 from levanter_flax.data import import_tensorflow, schedule, tfrecord
-from levanter_flax.data.manifest import PreparedDataset
+from levanter_flax.data.manifest import PreparedDataset, has_loss_weights
 from levanter_flax.data.position import ReaderGroups
 from levanter_flax.errors import UserError
 
@@ -28,35 +28,51 @@ class DecodedShard(NamedTuple):
   tokens: Any  # int32: every readable document, EOS after each.
   records: Any  # The documents read.
   token_bytes: Any  # Their raw token bytes joined, as the manifest's checksum covers them.
+  # A weighted dataset's (else None): uint8, tokens' shape, each token's loss weight.
+  loss_weights: Any = None
+  weight_bytes: Any = None  # Their raw bytes joined, as the manifest's checksum covers them.
 
 
 def decode_shard(path, manifest: dict) -> DecodedShard:
   """Unreadable records end the shard early rather than the run, and a batch of
-  records with one that does not parse, or whose bytes are not whole tokens,
-  is left out: the counts then differ from the manifest, which the caller
-  checks. The documents' bytes are joined and decoded in one op.
+  records with one that does not parse, or whose bytes are not whole tokens
+  (or, with loss weights, not one weight per token and EOS), is left out: the
+  counts then differ from the manifest, which the caller checks. The
+  documents' bytes are joined and decoded in one op.
   """
   dtype, eos = getattr(tf, manifest["token_dtype"]), manifest["tokenizer"]["eos_id"]
+  weighted = has_loss_weights(manifest)
 
-  def whole_tokens(raw):
-    return tf.boolean_mask(raw, tf.strings.length(raw) % dtype.size == 0)
+  def whole_tokens(raw, *raw_weights):
+    """(raw, [raw weights]) of the records whose bytes are whole tokens [and their weights]."""
+    whole = tf.strings.length(raw) % dtype.size == 0
+    if weighted:
+      whole &= tf.strings.length(raw_weights[0]) == tf.strings.length(raw) // dtype.size + 1
+    return tuple(tf.boolean_mask(part, whole) for part in (raw, *raw_weights))
 
-  def add(parts, raw):
-    joined, lengths = parts
-    return (joined.write(joined.size(), tf.strings.reduce_join(raw)),
-            lengths.write(lengths.size(), tf.strings.length(raw) // dtype.size))
+  def add(parts, raw_parts):
+    joined, lengths = parts[:-1], parts[-1]
+    return (*(array.write(array.size(), tf.strings.reduce_join(raw))
+              for array, raw in zip(joined, raw_parts)),
+            lengths.write(lengths.size(), tf.strings.length(raw_parts[0]) // dtype.size))
+  parse = tfrecord.token_and_weight_bytes if weighted else lambda r: (tfrecord.token_bytes(r),)
   batches = (tf.data.TFRecordDataset(path).ignore_errors().batch(_RECORDS_PER_DECODE)
-             .map(tfrecord.token_bytes).ignore_errors().map(whole_tokens))
-  joined, lengths = batches.reduce(
-      (tf.TensorArray(tf.string, size=0, dynamic_size=True, element_shape=[]),
+             .map(parse).ignore_errors().map(whole_tokens))
+  joined = lambda: tf.TensorArray(tf.string, size=0, dynamic_size=True, element_shape=[])
+  *joined, lengths = batches.reduce(
+      (*(joined() for _ in range(1 + weighted)),
        tf.TensorArray(tf.int32, size=0, dynamic_size=True, infer_shape=False,
                       element_shape=[None])), add)
-  token_bytes = tf.strings.reduce_join(joined.stack())
+  token_bytes = tf.strings.reduce_join(joined[0].stack())
   tokens = tf.io.decode_raw(token_bytes, dtype, little_endian=True)
   lengths = lengths.concat()
   documents = tf.RaggedTensor.from_row_lengths(tf.cast(tokens, tf.int32), lengths)
   with_eos = tf.concat([documents, tf.fill([tf.size(lengths), 1], eos)], axis=1)
-  return DecodedShard(with_eos.flat_values, tf.size(lengths), token_bytes)
+  if not weighted:
+    return DecodedShard(with_eos.flat_values, tf.size(lengths), token_bytes)
+  weight_bytes = tf.strings.reduce_join(joined[1].stack())
+  return DecodedShard(with_eos.flat_values, tf.size(lengths), token_bytes,
+                      tf.io.decode_raw(weight_bytes, tf.uint8), weight_bytes)
 
 
 class ShardCheck:
@@ -79,13 +95,15 @@ class ShardCheck:
     self.error: Optional[UserError] = None
     self._damaged: set[tuple[int, int]] = set()
 
-  def __call__(self, source_index: int, shard, records, tokens, token_bytes) -> bool:
+  def __call__(self, source_index: int, shard, records, tokens, token_bytes,
+               weight_bytes=None) -> bool:
     """Whether the shard decoded to what the manifest says."""
     source, shard = self._sources[source_index], int(shard)
     entry = source.manifest["splits"]["train"][shard]
     problem = decode_mismatch(entry, int(records), int(tokens), token_bytes.numpy(),
                               source.directory / entry["file"], "train",
-                              source.manifest["token_dtype"])
+                              source.manifest["token_dtype"],
+                              None if weight_bytes is None else weight_bytes.numpy())
     if not problem:
       return True
     if self._policy == "fail":
@@ -111,9 +129,10 @@ class ShardCheck:
 
 
 def decode_mismatch(entry: dict, records: int, tokens: int, token_bytes: bytes, path, split: str,
-                    dtype: str) -> str:
+                    dtype: str, weight_bytes: Optional[bytes] = None) -> str:
   """'' if a shard decoded to the records, tokens (EOS included) and token checksum its
-  manifest entry lists (datasets prepared before checksums list none)."""
+  manifest entry lists (datasets prepared before checksums list none), and, with loss
+  weights, to its weights' checksum."""
   expected = (entry["num_documents"], entry["num_tokens"] + entry["num_documents"])
   if (records, tokens) != expected:
     # Shards of another token dtype decode to twice or half the tokens, EOS aside.
@@ -128,6 +147,10 @@ def decode_mismatch(entry: dict, records: int, tokens: int, token_bytes: bytes, 
     return (f"{split} shard {path} is not the one its manifest lists: its tokens' CRC32C is "
             f"{google_crc32c.value(token_bytes)}, the manifest's {checksum} (the same counts, "
             f"other tokens: a shard of other data, or damaged)")
+  if weight_bytes is not None and google_crc32c.value(weight_bytes) != entry["loss_weights_crc32c"]:
+    return (f"{split} shard {path} is not the one its manifest lists: its loss weights' CRC32C is "
+            f"{google_crc32c.value(weight_bytes)}, the manifest's {entry['loss_weights_crc32c']} "
+            f"(damaged, or prepared otherwise)")
   return ""
 
 

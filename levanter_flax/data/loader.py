@@ -8,7 +8,9 @@ manifest (`integrity.ShardCheck`). The order is fixed by `schedule`, so the
 stream restarts at any DataPosition after reading at most one shard per group.
 A mixture draws each window from one source by the schedule's blocks.
 `TrainBatches` turns per-process batches into global arrays sharded over the
-activation axis and tracks the position.
+activation axis and tracks the position. When a dataset has loss weights
+(chat and instruction data), every batch carries "loss_weights" (float32,
+the tokens' shape: each token's weight as a target), 1 for pretraining data.
 """
 import collections
 import dataclasses
@@ -41,6 +43,12 @@ _BATCHES_PREFETCHED = 4  # Elements ready ahead of the device copies.
 _BATCHES_PER_READ = 8
 
 
+def has_loss_weights(sources: list[PreparedDataset]) -> bool:
+  """Whether a run's batches carry "loss_weights": when any of its datasets has them (chat and
+  instruction data; the others' weights are then all 1)."""
+  return any(source.has_loss_weights for source in sources)
+
+
 def load_datasets(cfg: DataConfig) -> list[PreparedDataset]:
   """The run's datasets, preparing the built-in one if needed; checks their tokenizer."""
   entries = cfg.mixture or (("train", cfg.dataset, 1.0),)
@@ -63,28 +71,41 @@ def load_datasets(cfg: DataConfig) -> list[PreparedDataset]:
 
 
 def _shard_windows(files: list[str], manifest: dict, seq_len: int, check: ShardCheck,
-                   source_index: int):
+                   source_index: int, weighted_run: bool):
   """A tf function: (shard, seed, skip) -> that shard's windows, shuffled, minus the first `skip`.
 
   `check` compares what was decoded with the manifest on the host; a shard
-  that does not match yields no window at all.
+  that does not match yields no window at all. In a run with loss weights
+  (`weighted_run`) each window has its "loss_weights" (uint8), all 1 for a
+  dataset without them.
   """
   files = tf.constant(files)
+  cut = lambda stream, count: tf.reshape(stream[:count * seq_len], [count, seq_len])
 
   def load(shard, seed, skip):
-    stream, records, token_bytes = decode_shard(tf.gather(files, shard), manifest)
-    intact = tf.py_function(functools.partial(check, source_index),
-                            [shard, records, tf.size(stream), token_bytes], tf.bool)
+    decoded = decode_shard(tf.gather(files, shard), manifest)
+    stream = decoded.tokens
+    checked = [shard, decoded.records, tf.size(stream), decoded.token_bytes]
+    if decoded.weight_bytes is not None:
+      checked.append(decoded.weight_bytes)
+    intact = tf.py_function(functools.partial(check, source_index), checked, tf.bool)
     num_windows = tf.where(intact, tf.shape(stream)[0] // seq_len, 0)
-    windows = tf.reshape(stream[:num_windows * seq_len], [num_windows, seq_len])
-    windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
-    return {"tokens": windows, "source": tf.fill(tf.shape(windows)[:1], source_index)}
+    windows = cut(stream, num_windows)
+    if decoded.loss_weights is None:
+      windows = tf.random.experimental.stateless_shuffle(windows, seed)[skip:]
+      weights = tf.ones_like(windows, tf.uint8)
+    else:  # Shuffled together: [windows, 2, seq_len].
+      weights = tf.cast(cut(decoded.loss_weights, num_windows), tf.int32)
+      both = tf.random.experimental.stateless_shuffle(tf.stack([windows, weights], 1), seed)[skip:]
+      windows, weights = both[:, 0], tf.cast(both[:, 1], tf.uint8)
+    element = {"tokens": windows, "source": tf.fill(tf.shape(windows)[:1], source_index)}
+    return element | {"loss_weights": weights} if weighted_run else element
   return load
 
 
 def _train_windows(source: PreparedDataset, index: int, *, seq_len: int, seed: int, start: int,
-                   group: int, num_groups: int, check: ShardCheck,
-                   decode_ahead: int) -> "tf.data.Dataset":
+                   group: int, num_groups: int, check: ShardCheck, decode_ahead: int,
+                   weighted_run: bool) -> "tf.data.Dataset":
   """One source's endless window stream for one reader group, from its window `start`: an
   element per shard read, its windows [count, seq_len] and their "source"."""
   shards = source.manifest["splits"]["train"][group::num_groups]
@@ -117,7 +138,7 @@ def _train_windows(source: PreparedDataset, index: int, *, seq_len: int, seed: i
   # A group with fewer shards than decode_ahead would decode the same shard for several
   # epochs at once: one epoch ahead is enough, since a whole epoch is read while it decodes.
   windows = _host_blocks(chunks, chunk_specs).take_while(no_error).map(
-      _shard_windows(files, source.manifest, seq_len, check, index),
+      _shard_windows(files, source.manifest, seq_len, check, index, weighted_run),
       num_parallel_calls=min(decode_ahead, len(shards)), deterministic=True)
   return windows
 
@@ -130,7 +151,8 @@ def train_dataset(sources: list[PreparedDataset], *, seq_len: int, local_batch_s
   """The seeded, endless stream of this process's batches from `position` on.
 
   Elements: tokens int32[local_batch_size, seq_len], each group's rows in
-  turn, and each row's source index; with batches_per_element, that many
+  turn, each row's source index, and when any source has loss weights their
+  "loss_weights" (uint8, tokens' shape); with batches_per_element, that many
   consecutive batches stacked ([batches_per_element, local_batch_size, ...]).
   Every shard read is checked against its manifest entry by `check` (by
   default, a damaged shard stops the stream).
@@ -139,9 +161,11 @@ def train_dataset(sources: list[PreparedDataset], *, seq_len: int, local_batch_s
   rows = groups.rows_per_group(local_batch_size, "config.trainer.batch_size")
   # Whole shards are decoded ahead: the same few in all, however many groups this process reads.
   decode_ahead = max(1, _SHARDS_DECODED_AHEAD // len(groups.mine))
+  weighted_run = has_loss_weights(sources)
   batches = _concat_groups([_group_batches(sources, seq_len=seq_len, seed=seed, position=position,
                                            group=g, num_groups=groups.count, check=check,
-                                           decode_ahead=decode_ahead, rows=rows)
+                                           decode_ahead=decode_ahead, rows=rows,
+                                           weighted_run=weighted_run)
                             for g in groups.mine])
   if batches_per_element:
     batches = batches.batch(batches_per_element)
@@ -162,14 +186,14 @@ def _pipeline_options() -> "tf.data.Options":
 
 def _group_batches(sources: list[PreparedDataset], *, seq_len: int, seed: int, position: DataPosition,
                    group: int, num_groups: int, check: ShardCheck, decode_ahead: int,
-                   rows: int) -> "tf.data.Dataset":
+                   rows: int, weighted_run: bool) -> "tf.data.Dataset":
   """One reader group's batches of `rows` windows, every source mixed in by the schedule."""
   mixture = schedule.Mixture([s.name for s in sources], [s.weight for s in sources], seed)
   derived = mixture.consumed(position.windows)
   streams = [_train_windows(source, index, seq_len=seq_len, seed=seed,
                             start=position.per_source.get(source.name, int(derived[index])),
                             group=group, num_groups=num_groups, check=check,
-                            decode_ahead=decode_ahead)
+                            decode_ahead=decode_ahead, weighted_run=weighted_run)
              for index, source in enumerate(sources)]
   if len(streams) == 1:
     # Slices of each shard's windows, not one element per window: a tenth of the host's work.
@@ -273,7 +297,8 @@ class TrainBatches:
           per_source={s.name: position.per_source.get(s.name, 0) + int(n)
                       for s, n in zip(self._sources, counts)},
           reader_groups=self.groups.count)
-      yield {"tokens": batch["tokens"]}, position
+      yield {"tokens": batch["tokens"], **({"loss_weights": batch["loss_weights"].astype(
+          np.float32)} if "loss_weights" in batch else {})}, position
     raise self._check.error or UserError("the train stream ended unexpectedly")
 
   def _batches_one_by_one(self) -> Iterator[dict]:

@@ -16,12 +16,21 @@ from levanter_flax.data.tokenizers import TokenizerIdentity
 from levanter_flax.errors import UserError
 
 FORMAT_VERSION = 2
+# A dataset with loss weights (chat and instruction data; tfrecord.py): a version of its own, so
+# that a trainer from before weights refuses it rather than train on every token.
+WEIGHTED_FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 
 # What the trainer reads from a manifest, and of which type.
 _TOKENIZER_FIELDS = {"kind": str, "sha256": str, "vocab_size": int, "eos_id": int}
 _SHARD_FIELDS = {"file": str, "num_documents": int, "num_tokens": int, "num_text_bytes": int}
+_WEIGHTED_SHARD_FIELDS = {"loss_weights_crc32c": int, "num_loss_tokens": int}
+
+
+def has_loss_weights(manifest: dict) -> bool:
+  """Whether the dataset's documents carry loss weights (else every token's is 1)."""
+  return manifest.get("format_version") == WEIGHTED_FORMAT_VERSION
 
 
 def _lacks(value, where: str, fields: dict[str, type]) -> str:
@@ -44,6 +53,9 @@ def _manifest_problem(manifest: dict) -> str:
       return f"'splits' has no {split} list"
     for i, shard in enumerate(splits[split]):
       if problem := _lacks(shard, f"splits.{split}[{i}]", _SHARD_FIELDS):
+        return problem
+      if has_loss_weights(manifest) and (
+          problem := _lacks(shard, f"splits.{split}[{i}]", _WEIGHTED_SHARD_FIELDS)):
         return problem
       if not isinstance(shard.get("tokens_crc32c", 0), int):  # Absent before checksums.
         return f"splits.{split}[{i}] has a tokens_crc32c that is not an integer"
@@ -71,9 +83,10 @@ def load_manifest(directory: epath.Path) -> dict:
     raise UserError(f"cannot read dataset manifest {path}: {e}") from e
   if not isinstance(manifest, dict):
     raise UserError(f"dataset manifest {path} is not a JSON object; prepare the data again")
-  if manifest.get("format_version") != FORMAT_VERSION:
+  if manifest.get("format_version") not in (FORMAT_VERSION, WEIGHTED_FORMAT_VERSION):
     raise UserError(f"{path} has format_version {manifest.get('format_version')}; "
-                    f"this trainer reads version {FORMAT_VERSION}; prepare the data again")
+                    f"this trainer reads versions {FORMAT_VERSION} and {WEIGHTED_FORMAT_VERSION} "
+                    f"(with loss weights); prepare the data again")
   if problem := _manifest_problem(manifest):
     raise UserError(f"dataset manifest {path} is malformed: {problem}; prepare the data again")
   for split in SPLITS:
@@ -106,6 +119,10 @@ class PreparedDataset:
   def manifest_sha256(self) -> str:
     """Which data this is: prepared again or replaced under the same path, it differs."""
     return hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+
+  @property
+  def has_loss_weights(self) -> bool:
+    return has_loss_weights(self.manifest)
 
   @property
   def has_validation(self) -> bool:

@@ -24,8 +24,8 @@ from absl import logging
 from etils import epath
 
 from levanter_flax import lifetime, locks, paths
-from levanter_flax.data import import_tensorflow, sources, tfrecord
-from levanter_flax.data.manifest import FORMAT_VERSION, MANIFEST, SPLITS
+from levanter_flax.data import chat, import_tensorflow, sources, tfrecord
+from levanter_flax.data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, WEIGHTED_FORMAT_VERSION
 from levanter_flax.data.tokenizers import identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
 
@@ -50,6 +50,12 @@ class PrepareOptions:
   engine: str = "local"  # One of ENGINES.
   num_workers: int = 1  # local: processes; beam: the local runner's worker processes.
   beam_pipeline_options: tuple[str, ...] = ()  # Passed to Beam; see beam_engine.
+  chat_template: str = ""  # chat: a Jinja file, instead of the tokenizer's own template.
+
+  @property
+  def weighted(self) -> bool:
+    """Whether the shards carry loss weights (chat and instruction data)."""
+    return self.source.kind in sources.RECORD_KINDS
 
   def arguments(self) -> dict:
     """What decides the shards' contents; a restart must repeat them exactly."""
@@ -58,6 +64,8 @@ class PrepareOptions:
       del args[where_and_how_fast]
     if not self.train_tokenizer_vocab_size:
       del args["tokenizer_sample_bytes"]
+    if not self.chat_template:  # As recorded before chat sources.
+      del args["chat_template"]
     return json.loads(json.dumps(args))  # Tuples become lists, as they read back.
 
 
@@ -78,6 +86,32 @@ def _write_json_atomically(path: epath.Path, value) -> None:
   paths.write_atomically(path, json.dumps(value, indent=2))
 
 
+def chat_template(options: PrepareOptions, tokenizer) -> chat.ChatTemplate | None:
+  """The template a chat source is rendered with; None for other sources."""
+  if options.source.kind != "chat":
+    return None
+  return chat.load_template(options.tokenizer, options.chat_template, tokenizer.eos_text)
+
+
+def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.SourceStats):
+  """(key, text, tokens, loss weights or None) per document; a conversation without an
+  assistant turn is counted and left out."""
+  if not options.weighted:
+    for key, text in documents:
+      yield key, text, tokenizer.encode(text), None
+    return
+  encode = chat.Encoder(options.source.kind, tokenizer, chat_template(options, tokenizer))
+  for key, record in documents:
+    encoded = encode(record.fields, record.where)
+    if encoded is None:
+      stats.conversations_without_assistant_skipped += 1
+    elif not encoded[0].strip():
+      stats.empty_documents_skipped += 1
+    else:
+      stats.documents += 1
+      yield key, *encoded
+
+
 def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> dict:
   """Tokenizes this shard's documents into its train and validation TFRecord files.
 
@@ -88,17 +122,23 @@ def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str,
   stats = sources.SourceStats()
   text_bytes = {"train": 0, "validation": 0}
   directory, num_shards = options.output_dir, options.num_shards
-  with tfrecord.ShardWriter(directory / _shard_name("train", index, num_shards), dtype) as train, \
-       tfrecord.ShardWriter(directory / _shard_name("validation", index, num_shards), dtype) as val:
-    for key, text in sources.documents(options.source, files, index, num_shards, stats):
+  documents = sources.documents(options.source, files, index, num_shards, stats)
+  with tfrecord.ShardWriter(directory / _shard_name("train", index, num_shards), dtype,
+                            options.weighted) as train, \
+       tfrecord.ShardWriter(directory / _shard_name("validation", index, num_shards), dtype,
+                            options.weighted) as val:
+    for key, text, tokens, weights in _encoded(options, tokenizer, documents, stats):
       split = "validation" if is_validation(key, options.validation_fraction) else "train"
-      (val if split == "validation" else train).write(tokenizer.encode(text))
+      (val if split == "validation" else train).write(tokens, weights)
       text_bytes[split] += len(text.encode("utf-8"))
   done = {"stats": dataclasses.asdict(stats)}
   for split, writer in (("train", train), ("validation", val)):
     done[split] = {"file": writer.path.name, "num_documents": writer.num_documents,
                    "num_tokens": writer.num_tokens, "num_text_bytes": text_bytes[split],
                    "tokens_crc32c": writer.tokens_crc32c}
+    if options.weighted:
+      done[split] |= {"loss_weights_crc32c": writer.loss_weights_crc32c,
+                      "num_loss_tokens": writer.num_loss_tokens}
   _write_json_atomically(directory / _done_name(index, num_shards), done)
   return done
 
@@ -314,7 +354,9 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
   if not stats.documents:
     _discard_shards(options.output_dir)
     raise UserError(f"source {where} holds no non-empty documents "
-                    f"({stats.empty_documents_skipped} empty ones skipped)")
+                    f"({stats.empty_documents_skipped} empty ones skipped"
+                    + (f", {stats.conversations_without_assistant_skipped} conversations without "
+                       f"an assistant turn" if options.source.kind == "chat" else "") + ")")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
   for split, shards in splits.items():
     if not sum(s["num_documents"] for s in shards) and (split == "train" or
@@ -324,13 +366,15 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
                       f"adjust --validation_fraction ({options.validation_fraction}) and run "
                       f"again (this attempt's shards are removed)")
   manifest = {
-      "format_version": FORMAT_VERSION,
+      "format_version": WEIGHTED_FORMAT_VERSION if options.weighted else FORMAT_VERSION,
       "tokenizer": dataclasses.asdict(tokenizer),
       "token_dtype": tfrecord.token_dtype(tokenizer.vocab_size),
       "source": {**options.arguments()["source"], "num_input_files": num_files,
                  **dataclasses.asdict(stats)},
       "splits": splits,
   }
+  if template := chat_template(options, load_tokenizer(tokenizer_spec)):
+    manifest["chat_template"] = {"file": template.origin, "sha256": template.sha256}
   if options.train_tokenizer_vocab_size:
     manifest["tokenizer_training"] = json.loads((options.output_dir / TOKENIZER_SAMPLE).read_text())
   _write_json_atomically(options.output_dir / MANIFEST, manifest)
@@ -347,6 +391,13 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
     logging.warning("Prepared %s: %d of its %d train shards are empty; --num_shards=%d or fewer "
                     "may fill every one", options.output_dir, empty, len(train),
                     len(train) - empty)
+  if options.weighted:
+    logging.info("Prepared %s: %s train tokens carry loss weight (%s)", options.output_dir,
+                 f"{sum(s['num_loss_tokens'] for s in train):,}",
+                 "the assistant turns" if options.source.kind == "chat" else "the completions")
+  if skipped := source["conversations_without_assistant_skipped"]:
+    logging.warning("Prepared %s: %d conversations without an assistant turn were skipped",
+                    options.output_dir, skipped)
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
                     "%d empty documents were skipped (counts in its %s)", options.output_dir,
@@ -363,11 +414,13 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   files = sources.resolve_files(options.source, os.fspath(options.output_dir))
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
+  wanted = options.arguments() | _input_fingerprint(options, files)
+  if options.weighted:
+    wanted |= _check_weighted(options)
   pipeline = None
   if options.engine == "beam":
     from levanter_flax.data import beam_engine  # pylint: disable=g-import-not-at-top  # Optional.
     pipeline = beam_engine.pipeline(options, len(files))
-  wanted = options.arguments() | _input_fingerprint(options, files)
   if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
     _check_arguments(options, wanted, record=False)
     return options.output_dir
@@ -387,6 +440,25 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
     manifest = json.loads((options.output_dir / MANIFEST).read_text())
   _log_summary(options, manifest)
   return options.output_dir
+
+
+def _check_weighted(options: PrepareOptions) -> dict:
+  """A chat or prompt_completion source's own checks; what else decides its shards."""
+  kind = options.source.kind
+  if options.train_tokenizer_vocab_size:
+    raise UserError(f"a {kind} source needs a given --tokenizer (with its chat template), not "
+                    f"--train_tokenizer")
+  tokenizer = load_tokenizer(options.tokenizer)
+  if not hasattr(tokenizer, "encode_with_offsets"):
+    raise UserError(f"a {kind} source needs a Hugging Face tokenizer.json or 'byte': "
+                    f"--tokenizer {options.tokenizer} cannot say which characters each token "
+                    f"covers, so the loss weights cannot be placed")
+  if template := chat_template(options, tokenizer):
+    return {"chat_template_sha256": template.sha256}
+  if options.chat_template:
+    raise UserError(f"--chat_template is for --source=chat; {kind} joins prompt and completion "
+                    f"as plain text")
+  return {}
 
 
 def builtin_directory(cache_dir: str, tokenizer: str, validation_fraction: float,

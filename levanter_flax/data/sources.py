@@ -1,8 +1,10 @@
-"""Where documents come from: text files, JSON lines, Parquet, a TFDS dataset, or the stdlib.
+"""Where documents come from: text files, JSON lines, Parquet, a TFDS dataset, or the stdlib;
+chat and prompt/completion records from JSON lines.
 
-Each reader yields (key, text) pairs. The key names the document (a path,
-file:line, or dataset index) in error messages and decides its split, so the
-split does not depend on how many workers read the source.
+Each reader yields (key, text) pairs, or (key, Record) for the record kinds.
+The key names the document (a path, file:line, or dataset index) in error
+messages and decides its split, so the split does not depend on how many
+workers read the source.
 """
 import contextlib
 import dataclasses
@@ -24,7 +26,9 @@ from levanter_flax import paths
 from levanter_flax.data import import_tensorflow
 from levanter_flax.errors import UserError
 
-KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds")
+KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds", "chat", "prompt_completion")
+# JSON lines read whole, each turned into tokens with loss weights (chat.py), not plain text.
+RECORD_KINDS = ("chat", "prompt_completion")
 DECODE_POLICIES = ("replace", "error")
 
 
@@ -39,11 +43,19 @@ class SourceSpec:
   on_decode_error: str = "replace"  # Non-UTF-8 bytes: replace them, or stop.
 
 
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """A JSON-lines record of a chat or prompt_completion source, and where it is (file:line)."""
+  where: str
+  fields: dict
+
+
 @dataclasses.dataclass
 class SourceStats:
   documents: int = 0
   empty_documents_skipped: int = 0
   invalid_utf8_documents: int = 0
+  conversations_without_assistant_skipped: int = 0  # chat: nothing to learn from them.
 
   def add(self, other: "SourceStats") -> None:
     for field in dataclasses.fields(self):
@@ -224,6 +236,11 @@ def _jsonl_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], 
         record = json.loads(_decode(line, where, spec, stats))
       except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+      if spec.kind in RECORD_KINDS:
+        if not isinstance(record, dict):
+          raise UserError(f"{where}: a {spec.kind} record must be a JSON object")
+        yield key, Record(where, record)
+        continue
       if not isinstance(record, dict) or spec.text_field not in record:
         raise UserError(f"{where}: JSON record has no field {spec.text_field!r} "
                         f"(set --text_field)")
@@ -242,7 +259,7 @@ def _file_documents(spec: SourceSpec, path: str, root: str, keep: Callable[[], b
   if spec.kind == "parquet":
     yield from _parquet_documents(spec, path, root, keep, stats)
     return
-  if spec.kind == "jsonl":
+  if spec.kind in ("jsonl", *RECORD_KINDS):
     try:
       yield from _jsonl_documents(spec, path, root, keep, stats)
     except _READ_ERRORS as e:
@@ -302,6 +319,9 @@ def documents(spec: SourceSpec, files: list[str], part: int, num_parts: int,
       keep = lambda: next(counter) % num_parts == part
       selected = (doc for path in files for doc in _file_documents(spec, path, root, keep, stats))
   for key, text in selected:
+    if isinstance(text, Record):  # Counted once it is encoded (chat.Encoder may skip it).
+      yield key, text
+      continue
     if not text.strip():
       stats.empty_documents_skipped += 1
       continue

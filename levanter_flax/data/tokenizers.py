@@ -37,10 +37,16 @@ class ByteTokenizer:
   """UTF-8 bytes as tokens 0..255, plus an end-of-document token."""
   vocab_size = 257
   eos_id = 256
+  eos_text = ""  # No text stands for it.
   kind, sha256 = "byte", ""
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, int[tokens, 2]: each one's character span [start, end) in `text`)."""
+    chars = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+    return self.encode(text), np.stack([chars, chars + 1], axis=1).reshape(-1, 2)
 
   def decode(self, ids) -> str:
     return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -65,9 +71,16 @@ class HuggingFaceTokenizer:
     if not found:
       raise UserError(f"tokenizer {path} has none of the end-of-document tokens {EOS_CANDIDATES}")
     self.eos_id = found[0]
+    self.eos_text = self._tokenizer.id_to_token(self.eos_id)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, int[tokens, 2]: each one's character span [start, end) in `text`)."""
+    encoding = self._tokenizer.encode(text, add_special_tokens=False)
+    return (np.asarray(encoding.ids, dtype=np.int32),
+            np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2))
 
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in ids])
