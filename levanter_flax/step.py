@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from levanter_flax import models, optim, partitioning
-from levanter_flax.models import common
+from levanter_flax.models import common, lora
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
   from levanter_flax import settings
@@ -23,16 +23,36 @@ Metrics = dict[str, jax.Array]
 
 @flax.struct.dataclass
 class TrainState:
+  """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
+  base model's params are `frozen`: no gradient, no optimizer state, and not in the
+  checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
+  (resume.py)."""
   step: jax.Array
   params: Any
   opt_state: Any
+  frozen: Any = None
+
+  @property
+  def model_params(self) -> Any:
+    """What the model applies: the params, with the frozen base if there is one."""
+    return lora.merged(self.frozen, self.params)
+
+  @property
+  def checkpointed(self) -> "TrainState":
+    """What a checkpoint holds: all but the frozen base."""
+    return self.replace(frozen=None)
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
                rng: jax.Array) -> TrainState:
+  """Fresh state; with LoRA the base is frozen and only the adapters train."""
   params = models.init_params(model.config, rng)
+  frozen = None
+  if model.config.lora.rank:
+    lora.check_targets(model.config, params)
+    frozen, params = lora.split(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params))
+                    opt_state=optimizer.init(params), frozen=frozen)
 
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
@@ -84,16 +104,16 @@ def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
 
 
 def objective(model: nn.Module, params, tokens: jax.Array,
-              eos_id: int | None = None) -> tuple[jax.Array, Metrics]:
+              eos_id: int | None = None, rngs: dict | None = None) -> tuple[jax.Array, Metrics]:
   """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
   loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
   over the layers that sow it. The training loss adds each part times the model config's
   `<name>_coef` (router_aux_loss_coef) to the cross-entropy.
 
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
-  attention within it, positions from 0.
+  attention within it, positions from 0. rngs: the model's ("dropout": LoRA's in training).
   """
-  losses, sown = _token_losses(model, params, tokens, eos_id)
+  losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
   auxiliary = _sown_losses(sown)
   loss = losses.mean()
   total = loss + sum(getattr(model.config, f"{name}_coef") * value
@@ -102,13 +122,13 @@ def objective(model: nn.Module, params, tokens: jax.Array,
 
 
 def _token_losses(model: nn.Module, params, tokens: jax.Array,
-                  eos_id: int | None) -> tuple[jax.Array, Any]:
+                  eos_id: int | None, rngs: dict | None = None) -> tuple[jax.Array, Any]:
   """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
   what the model sowed)."""
   block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
-                            mutable=["losses"])
+                            mutable=["losses"], rngs=rngs)
   if block_size:
     hidden, sown = apply(return_hidden=True)
     return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
@@ -128,17 +148,22 @@ def _sown_losses(sown) -> Metrics:
 
 
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
-                               eos_id: int | None = None):
+                               eos_id: int | None = None, frozen=None,
+                               dropout_key: jax.Array | None = None):
   """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
   microbatches by a lax.scan.
+
+  The gradient is of `params` alone: a LoRA model's `frozen` base is applied with them but
+  gets none. dropout_key: LoRA's dropout, folded with each microbatch's index.
 
   Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
   every device of the batch axis, and peak activation memory is that of one
   microbatch. Equal-sized microbatches make the mean of means the batch mean.
   """
-  def parts_and_grads(p, t):
-    (_, parts), grads = jax.value_and_grad(lambda p: objective(model, p, t, eos_id),
-                                           has_aux=True)(p)
+  def parts_and_grads(p, t, index=0):
+    rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
+    (_, parts), grads = jax.value_and_grad(
+        lambda p: objective(model, lora.merged(frozen, p), t, eos_id, rngs), has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
     return parts_and_grads(params, tokens)
@@ -146,33 +171,40 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   microbatches = tokens.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
   microbatches = nn.with_logical_constraint(microbatches, (None, "batch", "length"))
 
-  def add(totals, microbatch):
-    return jax.tree.map(jnp.add, totals, parts_and_grads(params, microbatch)), None
+  def add(totals, indexed):
+    index, microbatch = indexed
+    return jax.tree.map(jnp.add, totals, parts_and_grads(params, microbatch, index)), None
   zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(parts_and_grads, params, microbatches[0]))
-  totals, _ = jax.lax.scan(add, zeros, microbatches)
+  totals, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
   return jax.tree.map(lambda total: total / num_microbatches, totals)
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1,
-                    eos_id: int | None = None
+                    eos_id: int | None = None, seed: int = 0
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """eos_id: mask attention per document (see objective)."""
+  """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
+  key is folded with the step, so that a resumed run drops what an uninterrupted one would."""
+  uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
+
   def train_step(state: TrainState, batch: Batch):
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
 
     The step still counts (its batch is consumed), and train/nonfinite says it
     was skipped; the loop then warns or halts per trainer.nan_policy.
     """
+    dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
+                   else None)
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
-                                              num_microbatches, eos_id)
+                                              num_microbatches, eos_id, state.frozen, dropout_key)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
     hessian_tokens = batch["tokens"][::num_microbatches]
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params,
-        loss_fn=lambda params: objective(model, params, hessian_tokens, eos_id)[0])
+        loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
+                                         hessian_tokens, eos_id)[0])
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
@@ -193,7 +225,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
 def make_eval_step(model: nn.Module,
                    eos_id: int | None = None) -> Callable[[Any, Batch], jax.Array]:
   """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
-  the windows of its eval set, leaving out the rows that only pad the last batch."""
+  the windows of its eval set, leaving out the rows that only pad the last batch. The params
+  are the model's whole (TrainState.model_params)."""
   def eval_step(params, batch: Batch):
     return _token_losses(model, params, batch["tokens"], eos_id)[0].mean(axis=1)
   return eval_step
@@ -219,7 +252,8 @@ class ShardedSteps:
     return self.abstract_state, {"tokens": tokens}
 
   def layout_table(self) -> str:
-    return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
+    return partitioning.layout_table(self.abstract_state.model_params,
+                                     self.state_shardings.model_params,
                                      self.abstract_state.opt_state, self.state_shardings.opt_state,
                                      self.unmatched_params)
 
@@ -250,11 +284,12 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   shardings = TrainState(
       step=partitioner.replicated,
       params=partitioner.param_shardings(shapes.params),
-      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params))
+      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params),
+      frozen=None if shapes.frozen is None else partitioner.param_shardings(shapes.frozen))
   batch = partitioner.batch_sharding()
   replicated = partitioner.replicated
   train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
-                               eos_id)
+                               eos_id, run.trainer.seed)
   return ShardedSteps(
       abstract_state=jax.tree.map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
@@ -264,9 +299,9 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       init=jax.jit(init, out_shardings=shardings),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
-      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.params, batch),
+      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.model_params, batch),
                         out_shardings=replicated),
-      unmatched_params=frozenset(partitioner.unmatched(shapes.params)),
+      unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
 
 
