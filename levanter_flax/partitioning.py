@@ -211,7 +211,7 @@ _KERNEL = "kernel$"
 def with_adapter_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, tuple], ...]:
   """`rules` with, after each rule of a matrix kernel (a regex ending in kernel$, two axes),
   the rules of its LoRA adapters (models/lora.py): A [in, rank] split like the kernel's input
-  axis, B [rank, out] like its output axis; the rank is never split."""
+  axis, B [rank, out] like its output axis; the rank has no rule (ZeRO may split it)."""
   derived = []
   for pattern, spec in rules:
     derived.append((pattern, spec))
