@@ -1,6 +1,9 @@
 """LoRA (config.model.lora): adapters trained on a frozen base, exported merged or for peft."""
 import json
+import re
 import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import read_metrics, train_losses
+from conftest import REPO, train_losses
 from levanter_flax import hf, models, partitioning, step
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
@@ -18,7 +21,6 @@ from levanter_flax.errors import UserError
 from levanter_flax.models import lora
 from levanter_flax.train import train_and_evaluate
 from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
-from test_main import NANO, TINY
 from test_resume import run_killed_after_checkpoint
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
@@ -174,3 +176,11 @@ def test_a_target_regex_that_matches_nothing_is_named(tiny_gpt2, tmp_path):
   tiny_gpt2.model.lora.targets = "("
   with pytest.raises(UserError, match=r"config.model.lora.targets: '\(' is not a valid regex"):
     to_run_config(tiny_gpt2)
+
+
+def test_llama_1b_lora_rank_8_optimizer_state_is_at_most_2_percent_of_full_fine_tuning():
+  result = subprocess.run([sys.executable, "memory.py", "--lora_rank=8"], cwd=REPO / "bench",
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  percent = float(re.search(r"LoRA rank 8 .* full .*: ([\d.]+)%", result.stdout).group(1))
+  assert 0 < percent <= 2
