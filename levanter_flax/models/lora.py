@@ -8,9 +8,9 @@ input axis and B like its output axis. The families' projections are all `Dense`
 expert weights are not, and cannot be targeted.
 
 The step trains the adapters alone: `split` cuts a model's params into the frozen base and the
-adapters, `merged` joins them again for the forward pass, and with the adapters left out (the
-base alone, `base_only`) the same module computes the base model: what a reference model
-needs (DPO).
+adapters, `merged` joins them again for the forward pass. The base model alone (a reference
+model, as DPO's) is the family's module for `without_lora(cfg)` applied to the frozen half:
+step.objective(models.build(without_lora(cfg)), state.frozen, tokens).
 """
 import dataclasses
 import re
