@@ -56,7 +56,7 @@ def main():
   parser.add_argument("--num_steps", type=int, default=1, help="Timed steps after a warm-up.")
   parser.add_argument("--skip_timing", action="store_true", help="Compile only: bytes, no times.")
   parser.add_argument("--lora_rank", type=int, default=0,
-                      help="> 0: llama_1b's AdamW state with LoRA at this rank vs full fine-tuning.")
+                      help="> 0: llama_1b's AdamW state, LoRA at this rank vs full fine-tuning.")
   args = parser.parse_args()
   if args.lora_rank:
     lora_bytes, full_bytes = lora_optimizer_state_fraction(LLAMA_1B, args.lora_rank)

@@ -523,7 +523,7 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
     if model_cfg.lora.rank:  # The adapters, on the base the run saved when it started.
       try:
         params = lora.merged(_restore_to_host(workdir / FROZEN_BASE), params)
-      except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore: many kinds.
         raise UserError(f"cannot read {workdir / FROZEN_BASE}, the frozen base model of this "
                         f"LoRA run: {_first_line(e)}") from None
     return model_cfg, params, saved

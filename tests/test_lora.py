@@ -105,7 +105,8 @@ def test_adapters_alone_train_on_a_frozen_hf_base_and_export_merged_or_to_peft(
 def test_only_the_adapters_change_and_their_optimizer_state_is_all_there_is(tiny_gpt2):
   tiny_gpt2.model.lora.rank = 2
   run = to_run_config(tiny_gpt2)
-  partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh), run.sharding)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
   steps = step.build(run, partitioner)
   tokens = np.random.default_rng(0).integers(0, 384, (8, 64)).astype(np.int32)
   with partitioner.activation_context():
