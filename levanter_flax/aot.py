@@ -313,7 +313,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "hbm_per_chip_bytes": capacity,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * models.flops_per_token(run.model,
-                                                              steps.abstract_state.params),
+                                                              steps.abstract_state.model_params),
   }
   try:
     compiled = _compile(run, partitioner, steps)

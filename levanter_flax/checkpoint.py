@@ -17,7 +17,12 @@ from etils import epath
 
 from levanter_flax import checks, paths
 from levanter_flax.errors import UserError
+from levanter_flax.models import lora
 from levanter_flax.schema import setting
+
+# A LoRA run's frozen base, in its workdir: written once when the run starts, not in every
+# checkpoint.
+FROZEN_BASE = "lora_base"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +444,30 @@ def _free_name(directory: epath.Path, name: str) -> epath.Path:
   return candidate
 
 
+def save_frozen(directory: epath.Path, frozen: Any) -> None:
+  """A LoRA run's frozen base, written whole (orbax renames a finished temporary directory)
+  when the run starts from step 0, replacing any earlier start's."""
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(directory, frozen, force=True)
+      checkpointer.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-except  # Whatever the filesystem raised.
+    raise UserError(f"cannot write {directory}, the LoRA run's frozen base: "
+                    f"{_first_line(e)}") from None
+
+
+def restore_frozen(directory: epath.Path, abstract: Any) -> Any:
+  """save_frozen's base, on the shardings in `abstract`."""
+  try:
+    (directory / "_METADATA").stat()
+    with ocp.StandardCheckpointer() as checkpointer:
+      return checkpointer.restore(directory, abstract)
+  except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+    raise UserError(f"cannot read {directory}, the frozen base model that this LoRA run's "
+                    f"checkpoints adapt (written when the run started): {_first_line(e)}"
+                    ) from None
+
+
 def load_other_run(path: epath.Path, abstract_state: Any) -> tuple[Any, dict]:
   """(state, data position) from one checkpoint of another run: path is <workdir>/checkpoints/<step>."""
   if not (path / "state").is_dir():
@@ -484,30 +513,39 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
   for step in steps:
     path = workdir / "checkpoints" / str(step)
     try:
-      params = _restore_params_to_host(path / "state")
+      params = _restore_to_host(path / "state", "params")
     except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
       verdict = _classified(e, path)
       if isinstance(verdict, UserError):
         raise verdict from None
       logging.warning("Checkpoint %s is damaged (%s); using the one before it", path, verdict)
       continue
+    if model_cfg.lora.rank:  # The adapters, on the base the run saved when it started.
+      try:
+        params = lora.merged(_restore_to_host(workdir / FROZEN_BASE), params)
+      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore: many kinds.
+        raise UserError(f"cannot read {workdir / FROZEN_BASE}, the frozen base model of this "
+                        f"LoRA run: {_first_line(e)}") from None
     return model_cfg, params, saved
   raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
 
 
-def _restore_params_to_host(path: epath.Path) -> Any:
-  """A saved state's params alone, as host numpy arrays: sampling and export run on one
-  machine whatever mesh the run trained on (orbax would restore onto the saved one), and
-  neither needs the optimizer state or a device big enough for the whole model.
+def _restore_to_host(path: epath.Path, item: Optional[str] = None) -> Any:
+  """A saved tree (`item` of it alone: a state's params), as host numpy arrays: sampling and
+  export run on one machine whatever mesh the run trained on (orbax would restore onto the
+  saved one), and neither needs the optimizer state or a device big enough for the whole
+  model.
 
   Through the handler: a Checkpointer would also look for step metadata in the item's
   directory, which has none, and warn that it does not exist."""
   (path / "_METADATA").stat()  # As in Checkpointer._restore: missing, or the storage's error.
   handler = ocp.PyTreeCheckpointHandler()
-  params = handler.metadata(path).tree["params"]
-  on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), params)
-  return handler.restore(path, args=ocp.args.PyTreeRestore(
-      item={"params": params}, restore_args={"params": on_host}, partial_restore=True))["params"]
+  tree = handler.metadata(path).tree
+  tree = {item: tree[item]} if item else tree
+  on_host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restored = handler.restore(path, args=ocp.args.PyTreeRestore(
+      item=tree, restore_args=on_host, partial_restore=True))
+  return restored[item] if item else restored
 
 
 # What absl appends to a status's message, one per payload: ` [name='value']`.

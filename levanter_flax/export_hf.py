@@ -9,17 +9,23 @@ token ids, and the run's tokenizer (the tokenizer.json its datasets were tokeniz
 tokenizer_config.json beside it, else a minimal one), so that transformers' from_pretrained,
 AutoTokenizer and pipeline("text-generation") need nothing else. A non-empty output directory
 is refused unless --overwrite is given; a training run's workdir never is one.
+A LoRA run (config.model.lora.rank > 0) is exported with --merge_lora (the model with the
+adapters merged into its weights, the same format) or --adapter (a PEFT adapter:
+peft.PeftModel.from_pretrained(base, output_dir)).
 """
 import json
+import os
 import re
 from typing import Any
 
+import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from levanter_flax import cli, hf, paths
+from levanter_flax import cli, hf, models, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.models import lora
 
 # What a previous export (or another HF checkpoint) leaves that would mix with ours.
 _STALE = ("*.safetensors", "*.safetensors.index.json", "generation_config.json",
@@ -117,6 +123,54 @@ def _token_id(vocab, token) -> int | None:
   return vocab.token_to_id(token) if isinstance(token, str) else None
 
 
+def merge_lora(model_cfg, params, workdir: epath.Path, merge: bool, adapter: bool):
+  """(model config, params) to write as an HF checkpoint: a LoRA run's merged (--merge_lora);
+  the flags refused where they do not fit the run."""
+  rank = model_cfg.lora.rank
+  if merge and adapter:
+    raise UserError("pass --merge_lora or --adapter, not both")
+  if (merge or adapter) and not rank:
+    raise UserError(f"--{'adapter' if adapter else 'merge_lora'}: the run in {workdir} has no "
+                    f"LoRA adapters (config.model.lora.rank is 0)")
+  if rank and not (merge or adapter):
+    raise UserError(f"the run in {workdir} trains LoRA adapters (config.model.lora.rank {rank}): "
+                    f"pass --merge_lora for the merged model or --adapter for a PEFT adapter")
+  return lora.merge_into_base(model_cfg, params) if merge else (model_cfg, params)
+
+
+def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path) -> None:
+  """A PEFT LoRA adapter: adapter_config.json and adapter_model.safetensors, each targeted
+  module's lora_A [rank, in] and lora_B [rank, out] under peft's names, which HF's tensor names
+  give (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight)."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  if model_cfg.compute.scan_layers:
+    params = models.unstack_layers(model_cfg, params)
+  names = models.family(model_cfg).hf.tensor_names(model_cfg)
+  tensors, modules = {}, set()
+  for module, (a, b) in lora.adapters_of(params).items():
+    path = names[f"{module}/kernel"][0].removesuffix(".weight")
+    for name, matrix in (("lora_A", a), ("lora_B", b)):  # peft's are Linear weights: [out, in].
+      tensors[f"base_model.model.{path}.{name}.weight"] = np.ascontiguousarray(
+          np.asarray(matrix, np.float32).T)
+    modules.add(".".join(path.split(".")[-2:]))  # Every layer alike: attn.c_attn, mlp.up_proj.
+  adapter_config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": model_cfg.lora.rank,
+      "lora_alpha": model_cfg.lora.alpha, "lora_dropout": model_cfg.lora.dropout,
+      "target_modules": sorted(modules), "bias": "none", "use_rslora": False,
+      "fan_in_fan_out": model_cfg.architecture == "gpt2",  # GPT-2's Conv1D weights are [in, out].
+      "base_model_name_or_path": saved.get("trainer.init_from_hf") or None,
+      "inference_mode": True}
+  paths.make_dirs(output_dir, "output directory")
+  try:
+    with paths.staged(output_dir) as local:
+      save_file(tensors, str(local / "adapter_model.safetensors"), metadata={"format": "pt"})
+      (local / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+      for name in ("adapter_model.safetensors", "adapter_config.json"):
+        os.chmod(local / name, 0o644)
+  except OSError as e:
+    raise UserError(f"cannot write the adapter into {output_dir}: {e.strerror or e}") from None
+
+
 def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
@@ -127,10 +181,15 @@ def main(argv: list[str]) -> None:
     check_output_dir(output_dir, workdir, flag.overwrite)
     max_shard_size = parse_size(flag.max_shard_size, "--max_shard_size")
     model_cfg, params, saved = run_params(workdir)
-    files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
-    remove_stale_files(output_dir)  # Only once there is something to write instead.
-    hf.save(model_cfg, params, output_dir, dtype=flag.dtype or model_cfg.compute.param_dtype,
-            max_shard_size=max_shard_size, token_ids=token_ids, files=files)
+    model_cfg, params = merge_lora(model_cfg, params, workdir, flag.merge_lora, flag.adapter)
+    if flag.adapter:
+      remove_stale_files(output_dir)
+      write_adapter(model_cfg, params, saved, output_dir)
+    else:
+      files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
+      remove_stale_files(output_dir)  # Only once there is something to write instead.
+      hf.save(model_cfg, params, output_dir, dtype=flag.dtype or model_cfg.compute.param_dtype,
+              max_shard_size=max_shard_size, token_ids=token_ids, files=files)
   except UserError as e:
     exit_with_error(str(e))
   print(f"Wrote {model_cfg.architecture} to {flag.output_dir}")
@@ -146,4 +205,8 @@ if __name__ == "__main__":
                     "model.compute.param_dtype.")
   flags.DEFINE_string("max_shard_size", "5GB", "Larger weights are written in shards of at most "
                       "this size, as transformers does: 5GB, 500MB, 2GiB or bytes.")
+  flags.DEFINE_bool("merge_lora", False, "A LoRA run: write the model with its adapters merged "
+                    "into the weights (W + A B alpha / rank).")
+  flags.DEFINE_bool("adapter", False, "A LoRA run: write its adapters as a PEFT adapter "
+                    "(adapter_config.json + adapter_model.safetensors) instead of a model.")
   app.run(main, flags_parser=cli.parse_flags)

@@ -205,6 +205,22 @@ def path_name(path) -> str:
   return "/".join(parts)
 
 
+_KERNEL = "kernel$"
+
+
+def with_adapter_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, tuple], ...]:
+  """`rules` with, after each rule of a matrix kernel (a regex ending in kernel$, two axes),
+  the rules of its LoRA adapters (models/lora.py): A [in, rank] split like the kernel's input
+  axis, B [rank, out] like its output axis; the rank has no rule (ZeRO may split it)."""
+  derived = []
+  for pattern, spec in rules:
+    derived.append((pattern, spec))
+    if pattern.endswith(_KERNEL) and len(spec) == 2:
+      stem = pattern[:-len(_KERNEL)]
+      derived += [(stem + "lora_a$", (spec[0], None)), (stem + "lora_b$", (None, spec[1]))]
+  return tuple(derived)
+
+
 def _axes_of(entry: AxisNames) -> tuple[str, ...]:
   if entry is None:
     return ()
@@ -231,7 +247,7 @@ class Partitioner:
     # The one table for parameters (the rules' logical names) and activations.
     self.logical_axes = {**role_presets(config), **dict(config.logical_axis_rules)}
     self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
-                        for pattern, spec in config.rules)
+                        for pattern, spec in with_adapter_rules(config.rules))
 
   def _check_axis(self, axis: str, where: str) -> None:
     if axis not in self.mesh.shape:

@@ -21,7 +21,8 @@ from jax.experimental import multihost_utils
 
 from levanter_flax import (batch_search, config, distributed, hf, partitioning, paths, report,
                            step)
-from levanter_flax.checkpoint import Checkpointer, abstract_like, load_other_run
+from levanter_flax.checkpoint import (FROZEN_BASE, Checkpointer, abstract_like, load_other_run,
+                                      restore_frozen, save_frozen)
 from levanter_flax.data import eval_set, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import DataPosition, ReaderGroups, default_reader_groups
@@ -238,26 +239,42 @@ def initial_state(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
 def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.ShardedSteps,
                                checkpointer: Checkpointer, sources: list[PreparedDataset],
                                config_changes: list[str]) -> tuple[step.TrainState, Progress]:
-  trainer = run.trainer
   abstract = abstract_like(steps.abstract_state, steps.state_shardings)
   restored = checkpointer.restore_newest_usable(
-      abstract, Progress.from_json, run.checkpoint.start_fresh_if_unusable, config_changes)
+      abstract.checkpointed, Progress.from_json, run.checkpoint.start_fresh_if_unusable,
+      config_changes)
   if restored:
     state, progress = restored
     logging.info("Resuming from checkpoint at step %d; %s", int(state.step), progress)
+    if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
+      state = state.replace(frozen=restore_frozen(workdir / FROZEN_BASE, abstract.frozen))
     return state, progress
   _warn_if_logged_before(workdir, checkpointer)
+  state, progress = _initial_state(run, steps, sources, abstract)
+  if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
+    save_frozen(workdir / FROZEN_BASE, state.frozen)
+  return state, progress
+
+
+def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset],
+                   abstract: step.TrainState) -> tuple[step.TrainState, Progress]:
+  """A run's first state: init, the params (LoRA: the frozen base) of a Hugging Face
+  checkpoint (init_from_hf), or another run's (checkpoint.load_path)."""
+  trainer = run.trainer
   fresh = (steps.init(jax.random.key(trainer.seed)),
            Progress(DataPosition.start(sources, run.data.reader_groups)))
   if trainer.init_from_hf:
     logging.info("Starting from the Hugging Face checkpoint %s", trainer.init_from_hf)
-    params = _params_from_hf(trainer.init_from_hf, run.model, steps)
+    if abstract.frozen is not None:  # LoRA: the checkpoint is the base; the adapters are fresh.
+      frozen = _params_from_hf(trainer.init_from_hf, run.model, abstract.frozen)
+      return fresh[0].replace(frozen=frozen), fresh[1]
+    params = _params_from_hf(trainer.init_from_hf, run.model, abstract.params)
     return fresh[0].replace(params=params), fresh[1]
   load = run.checkpoint
   if not load.load_path:
     return fresh
   state, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
-                               abstract)
+                               abstract.checkpointed)
   logging.info("Starting from %s of %s", load.load_items, load.load_path)
   if load.load_items == "state":
     try:
@@ -269,12 +286,12 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   return fresh[0].replace(params=state.params), fresh[1]
 
 
-def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
-  """An HF checkpoint's weights, checked against this model and laid out on the mesh."""
+def _params_from_hf(path: str, model_cfg, expected):
+  """An HF checkpoint's weights, checked against `expected` (this model's params, LoRA's frozen
+  base: ShapeDtypeStructs with shardings) and laid out on the mesh."""
   hf_cfg, params = hf.load(paths.resolve(path, "config.trainer.init_from_hf"),
                            model_cfg.compute.scan_layers)
   differences = hf.differences(hf_cfg, model_cfg)
-  expected = steps.abstract_state.params
   if not differences and jax.tree.structure(params) == jax.tree.structure(expected):
     differences = [f"{partitioning.path_name(p)} {x.shape} (checkpoint) != {e.shape} (config)"
                    for (p, x), e in zip(jax.tree_util.tree_flatten_with_path(params)[0],
@@ -283,7 +300,7 @@ def _params_from_hf(path: str, model_cfg, steps: step.ShardedSteps):
     raise UserError(f"config.trainer.init_from_hf {path} does not fit this model: "
                     f"{'; '.join(differences)}")
   return jax.device_put(jax.tree.map(lambda x, e: x.astype(e.dtype), params, expected),
-                        steps.state_shardings.params)
+                        jax.tree.map(lambda e: e.sharding, expected))
 
 
 def _logged_history(workdir: epath.Path) -> Optional[report.Run]:

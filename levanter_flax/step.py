@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from levanter_flax import models, optim, partitioning
-from levanter_flax.models import common
+from levanter_flax.models import common, lora
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
   from levanter_flax import settings
@@ -23,16 +23,36 @@ Metrics = dict[str, jax.Array]
 
 @flax.struct.dataclass
 class TrainState:
+  """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
+  base model's params are `frozen`: no gradient, no optimizer state, and not in the
+  checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
+  (resume.py)."""
   step: jax.Array
   params: Any
   opt_state: Any
+  frozen: Any = None
+
+  @property
+  def model_params(self) -> Any:
+    """What the model applies: the params, with the frozen base if there is one."""
+    return lora.merged(self.frozen, self.params)
+
+  @property
+  def checkpointed(self) -> "TrainState":
+    """What a checkpoint holds: all but the frozen base."""
+    return self.replace(frozen=None)
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
                rng: jax.Array) -> TrainState:
+  """Fresh state; with LoRA the base is frozen and only the adapters train."""
   params = models.init_params(model.config, rng)
+  frozen = None
+  if model.config.lora.rank:
+    lora.check_targets(model.config, params)
+    frozen, params = lora.split(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params))
+                    opt_state=optimizer.init(params), frozen=frozen)
 
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
@@ -92,14 +112,15 @@ def total_weight(loss_weights: jax.Array) -> jax.Array:
 
 def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = None,
               loss_weights: jax.Array | None = None, weight_total: jax.Array | None = None,
-              auxiliary_share: float = 1.0) -> tuple[jax.Array, Metrics]:
+              auxiliary_share: float = 1.0, rngs: dict | None = None
+              ) -> tuple[jax.Array, Metrics]:
   """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
   loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
   over the layers that sow it. The training loss adds each part times the model config's
   `<name>_coef` (router_aux_loss_coef) to the cross-entropy.
 
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
-  attention within it, positions from 0.
+  attention within it, positions from 0. rngs: the model's ("dropout": LoRA's in training).
 
   With loss_weights (float32, tokens' shape: each token's weight as a target, so that of
   tokens[:, 0] is never read: chat data weighs the assistant's tokens only), "loss" is the
@@ -108,7 +129,7 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   its share of the batch (`auxiliary_share`, which scales the auxiliary losses), so that the
   microbatches' objectives sum to the batch's, however its weight falls among them.
   """
-  losses, sown = _token_losses(model, params, tokens, eos_id)
+  losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
   auxiliary = _sown_losses(sown)
   if loss_weights is None:
     loss = losses.mean()
@@ -123,13 +144,13 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
 
 
 def _token_losses(model: nn.Module, params, tokens: jax.Array,
-                  eos_id: int | None) -> tuple[jax.Array, Any]:
+                  eos_id: int | None, rngs: dict | None = None) -> tuple[jax.Array, Any]:
   """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
   what the model sowed)."""
   block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
-                            mutable=["losses"])
+                            mutable=["losses"], rngs=rngs)
   if block_size:
     hidden, sown = apply(return_hidden=True)
     return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
@@ -149,9 +170,13 @@ def _sown_losses(sown) -> Metrics:
 
 
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
-                               eos_id: int | None = None, loss_weights: jax.Array | None = None):
+                               eos_id: int | None = None, loss_weights: jax.Array | None = None,
+                               frozen=None, dropout_key: jax.Array | None = None):
   """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
   microbatches by a lax.scan.
+
+  The gradient is of `params` alone: a LoRA model's `frozen` base is applied with them but
+  gets none. dropout_key: LoRA's dropout, folded with each microbatch's index.
 
   Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
   every device of the batch axis, and peak activation memory is that of one
@@ -163,9 +188,11 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   weighted = loss_weights is not None
   weight_total = total_weight(loss_weights) if weighted else None
 
-  def parts_and_grads(p, t, w):
+  def parts_and_grads(p, t, w, index=0):
+    rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
     (_, parts), grads = jax.value_and_grad(
-        lambda p: objective(model, p, t, eos_id, w, weight_total, 1 / num_microbatches),
+        lambda p: objective(model, lora.merged(frozen, p), t, eos_id, w, weight_total,
+                            1 / num_microbatches, rngs),
         has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
@@ -177,11 +204,12 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
     return nn.with_logical_constraint(microbatches, (None, "batch", "length"))
   microbatches = (split(tokens), split(loss_weights) if weighted else None)
 
-  def add(totals, microbatch):
-    return jax.tree.map(jnp.add, totals, parts_and_grads(params, *microbatch)), None
+  def add(totals, indexed):
+    index, microbatch = indexed
+    return jax.tree.map(jnp.add, totals, parts_and_grads(params, *microbatch, index)), None
   zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
       parts_and_grads, params, *jax.tree.map(lambda m: m[0], microbatches)))
-  totals, _ = jax.lax.scan(add, zeros, microbatches)
+  totals, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
   if weighted:  # Each microbatch's share is in its sums already.
     return totals
   return jax.tree.map(lambda total: total / num_microbatches, totals)
@@ -189,9 +217,12 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1,
-                    eos_id: int | None = None
+                    eos_id: int | None = None, seed: int = 0
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """eos_id: mask attention per document (see objective)."""
+  """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
+  key is folded with the step, so that a resumed run drops what an uninterrupted one would."""
+  uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
+
   def train_step(state: TrainState, batch: Batch):
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
 
@@ -199,8 +230,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     was skipped; the loop then warns or halts per trainer.nan_policy.
     """
     weights = batch.get("loss_weights")
+    dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
+                   else None)
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
-                                              num_microbatches, eos_id, weights)
+                                              num_microbatches, eos_id, weights, state.frozen,
+                                              dropout_key)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
@@ -208,8 +242,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     hessian_weights = None if weights is None else weights[::num_microbatches]
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params,
-        loss_fn=lambda params: objective(model, params, hessian_tokens, eos_id,
-                                         hessian_weights)[0])
+        loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
+                                         hessian_tokens, eos_id, hessian_weights)[0])
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
@@ -240,7 +274,7 @@ def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any
   """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
   the windows of its eval set, leaving out the rows that only pad the last batch. A batch with
   "loss_weights" gives (each window's weighted sum of losses, its weight), float32[batch] each:
-  its windows weigh differently."""
+  its windows weigh differently. The params are the model's whole (TrainState.model_params)."""
   def eval_step(params, batch: Batch):
     losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
     if "loss_weights" not in batch:
@@ -273,7 +307,8 @@ class ShardedSteps:
     return self.abstract_state, batch
 
   def layout_table(self) -> str:
-    return partitioning.layout_table(self.abstract_state.params, self.state_shardings.params,
+    return partitioning.layout_table(self.abstract_state.model_params,
+                                     self.state_shardings.model_params,
                                      self.abstract_state.opt_state, self.state_shardings.opt_state,
                                      self.unmatched_params)
 
@@ -305,11 +340,12 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   shardings = TrainState(
       step=partitioner.replicated,
       params=partitioner.param_shardings(shapes.params),
-      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params))
+      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params),
+      frozen=None if shapes.frozen is None else partitioner.param_shardings(shapes.frozen))
   batch = partitioner.batch_sharding()
   replicated = partitioner.replicated
   train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
-                               eos_id)
+                               eos_id, run.trainer.seed)
   return ShardedSteps(
       abstract_state=jax.tree.map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
@@ -320,9 +356,9 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       init=jax.jit(init, out_shardings=shardings),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
-      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.params, batch),
+      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.model_params, batch),
                         out_shardings=replicated),
-      unmatched_params=frozenset(partitioner.unmatched(shapes.params)),
+      unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
 
 

@@ -88,7 +88,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     start = resume.resolve(run, workdir, partitioner, checkpointer)
     steps = step.build(start.run, partitioner, start.eos_id,
                        loss_weights=loader.has_loss_weights(start.sources))
-    num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.params))
+    num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.model_params))
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
     logging.info("Parameter layout:\n%s", steps.layout_table())
@@ -133,7 +133,7 @@ def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str,
   step_num = int(state.step)
   logging.warning("Step %d's eval was not logged (the run stopped between its checkpoint and its "
                   "eval); evaluating it now", step_num)
-  eval_metrics = evaluate(state.params)
+  eval_metrics = evaluate(state.model_params)
   writer.write_scalars(step_num, eval_metrics)
   return eval_metrics
 
@@ -243,7 +243,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
   evaluate = _make_evaluate(run, steps, sources)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
-      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.params),
+      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.model_params),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
@@ -306,11 +306,12 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       if due:  # Before eval: a failing eval must not cost the step's checkpoint.
         nonfinite.flush()  # A halt due saves nothing from after the non-finite step.
         with _phase(report_progress, "checkpoint"):
-          checkpointer.save(step_num, state, nonfinite.progress(position).to_json(), due)
+          checkpointer.save(step_num, state.checkpointed, nonfinite.progress(position).to_json(),
+                          due)
       if step_num % trainer.eval_every_steps == 0 or finished:
         nonfinite.flush()
         with _phase(report_progress, "eval"):
-          eval_metrics = evaluate(state.params)
+          eval_metrics = evaluate(state.model_params)
         writer.write_scalars(step_num, eval_metrics)
         last_metrics |= eval_metrics
         throughput.reset(step_num)

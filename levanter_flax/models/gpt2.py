@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from levanter_flax.errors import UserError
-from levanter_flax.models import hf_keys
+from levanter_flax.models import hf_keys, lora
+from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (ComputeConfig, attention_implementation, check_config,
                                          compute_section, constrain, stack_layers)
@@ -62,6 +63,7 @@ class GPT2Config:
       True, "The LM head is the token embedding (GPT-2's way); False: a separate lm_head matrix, "
       "as in HF checkpoints with tie_word_embeddings=false", STATE)
   compute: ComputeConfig = compute_section()
+  lora: LoraConfig = lora.lora_section()
 
   def __post_init__(self):
     check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden_dim"))
@@ -71,10 +73,10 @@ class GPT2Config:
     return self.hidden_dim // self.num_heads
 
 
-def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> nn.Dense:
-  return nn.Dense(features, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
-                  kernel_init=nn.initializers.normal(std), bias_init=nn.initializers.zeros,
-                  name=name)
+def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> lora.Dense:
+  return lora.Dense(features, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
+                    kernel_init=nn.initializers.normal(std), bias_init=nn.initializers.zeros,
+                    lora=cfg.lora, name=name)
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:

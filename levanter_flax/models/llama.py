@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.errors import UserError
-from levanter_flax.models import common, hf_keys
+from levanter_flax.models import common, hf_keys, lora
+from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
@@ -79,6 +80,7 @@ class LlamaConfig:
   sliding_window: int = setting(
       0, "> 0: each token attends to itself and this many - 1 before (Mistral)", MODEL)
   compute: common.ComputeConfig = common.compute_section()
+  lora: LoraConfig = lora.lora_section()
   has_sliding_window: ClassVar[bool] = False  # Whether the family may set sliding_window.
 
   def __post_init__(self):
@@ -147,10 +149,11 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray
   return rotated.astype(x.dtype)
 
 
-def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -> nn.Dense:
-  return nn.Dense(features, use_bias=use_bias, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
-                  kernel_init=nn.initializers.normal(cfg.initializer_range),
-                  bias_init=nn.initializers.zeros, name=name)
+def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -> lora.Dense:
+  return lora.Dense(features, use_bias=use_bias, dtype=cfg.compute.dtype,
+                    param_dtype=cfg.compute.param_dtype,
+                    kernel_init=nn.initializers.normal(cfg.initializer_range),
+                    bias_init=nn.initializers.zeros, lora=cfg.lora, name=name)
 
 
 def _rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:

@@ -1,0 +1,187 @@
+"""LoRA (config.model.lora): adapters trained on a frozen base, exported merged or for peft."""
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import peft
+import pytest
+import torch
+import transformers
+
+from conftest import REPO, train_losses
+from levanter_flax import hf, models, partitioning, step
+from levanter_flax.checkpoint import run_params
+from levanter_flax.config import to_run_config
+from levanter_flax.errors import UserError
+from levanter_flax.models import lora
+from levanter_flax.train import train_and_evaluate
+from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
+from test_resume import run_killed_after_checkpoint
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (2, 24))
+
+
+def _hf_base(architecture: str, directory):
+  """A tiny seeded transformers model of the nano configs' shape, saved to `directory`."""
+  torch.manual_seed(0)
+  if architecture == "llama":
+    config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)
+  else:
+    config = transformers.GPT2Config(vocab_size=384, n_positions=64, n_embd=64, n_layer=2,
+                                     n_head=4)
+  transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+  return directory
+
+
+def _torch_logits(model) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def _our_logits(model_cfg, params) -> np.ndarray:
+  return np.asarray(models.build(model_cfg).apply({"params": params}, TOKENS))
+
+
+@pytest.fixture
+def tiny_gpt2(tiny_config):
+  tiny_config.model.vocab_size = 384
+  tiny_config.trainer.eval_tokens = 512
+  return tiny_config
+
+
+@pytest.mark.parametrize("architecture, scan_layers", [("llama", False), ("gpt2", True)])
+def test_adapters_alone_train_on_a_frozen_hf_base_and_export_merged_or_to_peft(
+    architecture, scan_layers, tiny_llama, tiny_gpt2, tmp_path):
+  config = tiny_llama if architecture == "llama" else tiny_gpt2
+  base_dir = _hf_base(architecture, tmp_path / "hf")
+  config.trainer.init_from_hf = str(base_dir)
+  config.model.compute.scan_layers = scan_layers
+  config.model.lora.rank, config.model.lora.alpha = 4, 16.0
+  config.trainer.num_train_steps, config.checkpoint.every_steps = 3, 3
+  config.optimizer.learning_rate, config.optimizer.warmup_steps = 1e-2, 1
+  train_and_evaluate(to_run_config(config), tmp_path / "run")
+
+  # The base is the HF checkpoint's, bit for bit; the adapters moved (B is zero at init).
+  model_cfg, params, _ = run_params(tmp_path / "run")
+  base, adapters = lora.split(params)
+  _, loaded = hf.load(base_dir, scan_layers)
+  assert jax.tree.structure(base) == jax.tree.structure(loaded)
+  for ours, theirs in zip(jax.tree.leaves(base), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(np.asarray(ours), theirs)
+  assert all(np.abs(b).max() > 0 for _, b in lora.adapters_of(adapters).values())
+  # A checkpoint holds the adapters and their optimizer state, never the base.
+  saved = ocp.StandardCheckpointer().restore((tmp_path / "run" / "checkpoints" / "3" / "state"))
+  saved_names = [partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      saved["params"])]
+  assert saved_names and all(lora.is_adapter(name) for name in saved_names)
+  ours = _our_logits(model_cfg, params)
+  assert np.abs(ours - _our_logits(lora.without_lora(model_cfg), base)).max() > 1e-3
+
+  assert_one_error_line(export(tmp_path / "run", tmp_path / "plain"),
+                        "trains LoRA adapters (config.model.lora.rank 4): pass --merge_lora")
+  result = export(tmp_path / "run", tmp_path / "merged", "--merge_lora")
+  assert result.returncode == 0, result.stderr[-3000:]
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+  assert np.abs(_torch_logits(merged) - ours).max() <= 1e-4
+
+  result = export(tmp_path / "run", tmp_path / "adapter", "--adapter")
+  assert result.returncode == 0, result.stderr[-3000:]
+  adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 16.0)
+  assert adapter_config["base_model_name_or_path"] == str(base_dir)
+  base_model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+  adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval()
+  assert np.abs(_torch_logits(adapted) - ours).max() <= 1e-4
+
+
+def test_only_the_adapters_change_and_their_optimizer_state_is_all_there_is(tiny_gpt2):
+  tiny_gpt2.model.lora.rank = 2
+  run = to_run_config(tiny_gpt2)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh)
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  steps = step.build(run, partitioner)
+  tokens = np.random.default_rng(0).integers(0, 384, (8, 64)).astype(np.int32)
+  with partitioner.activation_context():
+    state = steps.init(jax.random.key(0))
+    base = jax.device_get(state.frozen)
+    batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
+    for _ in range(3):
+      state, _ = steps.train_step(state, batch)
+  for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(state.frozen)):
+    np.testing.assert_array_equal(before, np.asarray(after))
+  names = [partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+  assert names and all(lora.is_adapter(name) for name in names)
+  assert all(np.abs(np.asarray(b)).max() > 0 for _, b in lora.adapters_of(state.params).values())
+  adapter_size = sum(x.size for x in jax.tree.leaves(state.params))
+  assert sum(x.size for x in jax.tree.leaves(state.opt_state)) <= 2 * adapter_size + 2
+
+
+def test_adapters_shard_like_their_kernels_axes():
+  rules = models.FAMILIES["llama"].partition_rules
+  mesh = partitioning.make_mesh((("data", 2), ("model", 4)))
+  partitioner = partitioning.Partitioner(mesh, partitioning.ShardingConfig(
+      rules=rules, parameter_axis="data", strict=True))
+  spec = lambda name, shape: tuple(partitioner.param_spec(name, shape))
+  assert spec("layers_0/self_attn/q_proj/kernel", (64, 64)) == ("data", "model")
+  assert spec("layers_0/self_attn/q_proj/lora_a", (64, 8)) == ("data", None)
+  # The rank has no rule: ZeRO-3 splits it where it is the one free dimension.
+  assert spec("layers_0/self_attn/q_proj/lora_b", (8, 64)) == ("data", "model")
+  assert spec("layers_0/mlp/down_proj/lora_a", (128, 8)) == ("model", "data")
+  assert spec("layers_0/mlp/down_proj/lora_b", (8, 64)) == (None, "data")
+
+
+def test_a_killed_lora_run_resumes_with_the_same_losses(data_cache, tmp_path):
+  flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
+           "--config.trainer.num_train_steps=4", "--config.checkpoint.every_steps=2",
+           "--config.trainer.eval_every_steps=100", "--config.data.reader_groups=1",
+           "--config.model.lora.rank=4", "--config.model.lora.dropout=0.1",
+           "--config.optimizer.learning_rate=0.01"]
+  killed = run_killed_after_checkpoint(tmp_path / "killed", 2, *flags)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  resumed = run_killed_after_checkpoint(tmp_path / "killed", None, *flags)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  whole = run_killed_after_checkpoint(tmp_path / "whole", None, *flags)
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "whole")
+  assert sorted(train_losses(tmp_path / "whole")) == [1, 2, 3, 4]
+
+
+def test_resuming_with_lora_switched_is_refused_and_adapter_export_needs_lora(tiny_gpt2,
+                                                                              tmp_path):
+  tiny_gpt2.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_gpt2), tmp_path / "full")
+  assert_one_error_line(export(tmp_path / "full", tmp_path / "out", "--adapter"),
+                        "--adapter: the run in")
+  tiny_gpt2.model.lora.rank = 4
+  with pytest.raises(UserError, match=r"cannot resume .* model.lora.rank 0 -> 4"):
+    train_and_evaluate(to_run_config(tiny_gpt2), tmp_path / "full")
+  train_and_evaluate(to_run_config(tiny_gpt2), tmp_path / "lora")
+  tiny_gpt2.model.lora.rank = 0
+  with pytest.raises(UserError, match=r"cannot resume .* model.lora.rank 4 -> 0"):
+    train_and_evaluate(to_run_config(tiny_gpt2), tmp_path / "lora")
+
+
+def test_a_target_regex_that_matches_nothing_is_named(tiny_gpt2, tmp_path):
+  tiny_gpt2.model.lora.rank, tiny_gpt2.model.lora.targets = 4, "q_proj"
+  with pytest.raises(UserError, match=r"config.model.lora.targets 'q_proj' matches no projection "
+                                      r"of this gpt2 model; .* h/attn/c_attn/kernel"):
+    train_and_evaluate(to_run_config(tiny_gpt2), tmp_path)
+  tiny_gpt2.model.lora.targets = "("
+  with pytest.raises(UserError, match=r"config.model.lora.targets: '\(' is not a valid regex"):
+    to_run_config(tiny_gpt2)
+
+
+def test_llama_1b_lora_rank_8_optimizer_state_is_at_most_2_percent_of_full_fine_tuning():
+  result = subprocess.run([sys.executable, "memory.py", "--lora_rank=8"], cwd=REPO / "bench",
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  percent = float(re.search(r"LoRA rank 8 .* full .*: ([\d.]+)%", result.stdout).group(1))
+  assert 0 < percent <= 2
