@@ -244,11 +244,12 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
       abstract.checkpointed, Progress.from_json, run.checkpoint.start_fresh_if_unusable,
       config_changes)
   if restored:
-    state, progress = restored
-    logging.info("Resuming from checkpoint at step %d; %s", int(state.step), progress)
+    saved, progress = restored
+    logging.info("Resuming from checkpoint at step %d; %s", int(saved["step"]), progress)
+    frozen = None
     if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
-      state = state.replace(frozen=restore_frozen(workdir / FROZEN_BASE, abstract.frozen))
-    return state, progress
+      frozen = restore_frozen(workdir / FROZEN_BASE, abstract.frozen)
+    return step.TrainState.from_checkpointed(saved, frozen), progress
   _warn_if_logged_before(workdir, checkpointer)
   state, progress = _initial_state(run, steps, sources, abstract)
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
@@ -273,8 +274,9 @@ def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
   load = run.checkpoint
   if not load.load_path:
     return fresh
-  state, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
+  saved, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
                                abstract.checkpointed)
+  state = step.TrainState.from_checkpointed(saved)
   logging.info("Starting from %s of %s", load.load_items, load.load_path)
   if load.load_items == "state":
     try:

@@ -38,9 +38,14 @@ class TrainState:
     return lora.merged(self.frozen, self.params)
 
   @property
-  def checkpointed(self) -> "TrainState":
-    """What a checkpoint holds: all but the frozen base."""
-    return self.replace(frozen=None)
+  def checkpointed(self) -> dict:
+    """What a checkpoint holds: every field but the frozen base, as the tree that checkpoints
+    held before there was one, so that those restore."""
+    return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+
+  @classmethod
+  def from_checkpointed(cls, saved: dict, frozen: Any = None) -> "TrainState":
+    return cls(**saved, frozen=frozen)
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,

@@ -8,14 +8,16 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import Any
 
+import flax
 import jax
 import numpy as np
 import pytest
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from levanter_flax import checkpoint
+from levanter_flax import checkpoint, step
 from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
 from levanter_flax.errors import UserError
 
@@ -259,3 +261,23 @@ def test_a_killed_saves_leftovers_are_gone_once_the_checkpointer_is_made(tmp_pat
   checkpointer = Checkpointer(epath.Path(tmp_path), CheckpointConfig(every_steps=1, keep=1))
   assert not leftover.parent.exists()
   checkpointer.close()
+
+
+@flax.struct.dataclass
+class _StateBeforeLora:
+  """step.TrainState as runs before LoRA's frozen base saved it."""
+  step: Any
+  params: Any
+  opt_state: Any
+
+
+def test_a_state_checkpointed_before_the_frozen_base_existed_restores(tmp_path):
+  saved = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state(), abstract_state())
+  with contextlib.closing(Checkpointer(epath.Path(tmp_path), CheckpointConfig(every_steps=1))) as c:
+    c.save(3, _StateBeforeLora(**saved), {"windows": 3})
+  with contextlib.closing(Checkpointer(epath.Path(tmp_path), CheckpointConfig(every_steps=1))) as c:
+    restored, data = c.restore_newest_usable(step.TrainState(**abstract_state()).checkpointed,
+                                             lambda data: data)
+  restored = step.TrainState.from_checkpointed(restored)
+  assert data == {"windows": 3} and int(restored.step) == 2 and restored.frozen is None
+  np.testing.assert_array_equal(restored.params["w"], state()["params"]["w"])
