@@ -134,7 +134,8 @@ def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
     generated.append(next_tokens)
     if cfg.stop_ids and (i + 1) % _STOP_CHECK_EVERY == 0 and bool(stopped.all()):
       break
-    tokens, positions, mask = next_tokens[:, None], positions[:, -1:] + 1, jnp.ones_like(mask[:, :1])
+    tokens, positions = next_tokens[:, None], positions[:, -1:] + 1
+    mask = jnp.ones_like(mask[:, :1])
   generated = np.stack(generated, axis=1)
   return [row[:length].tolist() for row, length in zip(generated, np.asarray(lengths))]
 
@@ -156,8 +157,8 @@ def check_text(prompts: Sequence[str], flag_name: str = "--prompt") -> None:
     try:
       raw.decode("utf-8")
     except UnicodeDecodeError as e:
-      raise UserError(f"{flag_name} {raw!r} is not UTF-8 text (byte {e.start}, {raw[e.start]:#04x}: "
-                      f"{e.reason})") from None
+      raise UserError(f"{flag_name} {raw!r} is not UTF-8 text (byte {e.start}, "
+                      f"{raw[e.start]:#04x}: {e.reason})") from None
 
 
 def run_tokenizer(workdir: epath.Path, saved: dict):

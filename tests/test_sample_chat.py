@@ -89,7 +89,8 @@ def test_bad_chat_input_is_one_line(chat_run_data, tmp_path):
   refused({"data.tokenizer": plain}, load_tokenizer(plain),
           match=r"has no chat template .* pass --chat_template=FILE \(a Jinja template\)$")
   refused({"data.tokenizer": "byte"}, load_tokenizer("byte"),
-          match=r"^--chat needs a Hugging Face tokenizer.json .* data.tokenizer is 'byte' \(byte\)$")
+          match=r"^--chat needs a Hugging Face tokenizer.json .* data.tokenizer is 'byte' "
+                r"\(byte\)$")
   strict = tmp_path / "strict.jinja"
   strict.write_text("{% if messages[0]['role'] != 'system' %}"
                     "{{ raise_exception('a system message comes first') }}{% endif %}" + CHATML)
@@ -103,7 +104,8 @@ def test_bad_chat_input_is_one_line(chat_run_data, tmp_path):
   moved = make_tokenizer(edited, template=CHATML.replace("\n", " "))
   changed = prepare_records(tmp_path, "chat", CHATS[:4], moved)
   config_file = edited / "tokenizer_config.json"
-  config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": CHATML}))
+  config = json.loads(config_file.read_text())
+  config_file.write_text(json.dumps(config | {"chat_template": CHATML}))
   refused(saved_config(moved, changed), load_tokenizer(moved),
           match=r"chat template .*tokenizer_config.json changed since .* was prepared with it")
 

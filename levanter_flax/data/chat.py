@@ -177,8 +177,8 @@ def recorded_template(tokenizer_spec: str, record: dict, eos_text: str, dataset:
     raise UserError(f"chat template {file}, which {dataset} was prepared with, is gone; put it "
                     f"back or pass --chat_template=FILE")
   # The tokenizer's own template is found as prepare found it; any other file is the template.
-  beside = tokenizer_spec != "byte" and path.parent == paths.resolve(tokenizer_spec, "data.tokenizer").parent
-  own = beside and path.name in (TOKENIZER_CONFIG, TEMPLATE_FILE)
+  own = (tokenizer_spec != "byte" and path.name in (TOKENIZER_CONFIG, TEMPLATE_FILE)
+         and path.parent == paths.resolve(tokenizer_spec, "data.tokenizer").parent)
   template = load_template(tokenizer_spec, "" if own else file, eos_text)
   if template.sha256 != sha256:
     raise UserError(f"chat template {file} changed since {dataset} was prepared with it "
