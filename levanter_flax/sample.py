@@ -191,9 +191,11 @@ def _run_manifests(saved: dict, purpose: str):
   for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
     try:
       directory = _directory(saved, dataset)
-      yield directory, manifest.load_manifest(directory)
+      prepared = manifest.load_manifest(directory)
     except UserError as e:
       logging.warning("Cannot %s the run's dataset %s: %s", purpose, dataset, e)
+      continue
+    yield directory, prepared
 
 
 def chat_template(saved: dict, tokenizer, template_file: str):
