@@ -9,6 +9,14 @@ Each prompt follows an EOS, as every document the model trained on did
 (--no_bos: not), so an empty prompt starts a new document. The tokenizer is
 the run's (config.json's data.tokenizer), and must still be the file its
 datasets were tokenized with.
+
+    python -m levanter_flax.sample --workdir=runs/chat --chat --system="Be brief." \
+        --prompt="What is a KV cache?" --max_new_tokens=200
+
+--chat renders each prompt as a user message with the run's chat template
+(data/chat.py, as transformers' apply_chat_template(add_generation_prompt=True)
+does) and prints the reply alone, which ends at the template's end-of-turn token
+(tokenizer_config's eos_token, e.g. <|im_end|>) or the EOS, both left out.
 """
 import dataclasses
 import functools
@@ -34,6 +42,12 @@ class SamplingConfig:
   top_p: float = 1.0  # 1: no limit.
   seed: int = 0
   long_prompt: str = "error"  # Or "truncate": keep the prompt's last tokens that fit.
+  stop_ids: tuple[int, ...] = ()  # A continuation ends before the first of these (--chat).
+
+
+# Steps between the looks at whether every continuation has stopped: each look waits for the
+# device, so not after every token.
+_STOP_CHECK_EVERY = 16
 
 
 def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -95,7 +109,12 @@ def left_pad(prompts: Sequence[Sequence[int]], seq_len: int, cfg: SamplingConfig
 
 def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
              cfg: SamplingConfig) -> list[list[int]]:
-  """Each prompt's continuation: max_new_tokens token ids."""
+  """Each prompt's continuation: max_new_tokens token ids, or fewer, up to (not including) its
+  first token of cfg.stop_ids.
+
+  Which rows have stopped, and each row's length, are kept on the device, so stopping adds no
+  wait per token; decoding ends early once every row has stopped.
+  """
   check_top_k(cfg, model_cfg.vocab_size)
   tokens, mask, positions = left_pad(prompts, model_cfg.seq_len, cfg)
   model = models.build(model_cfg, decode=True)
@@ -106,22 +125,31 @@ def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
   )["cache"]
   step = jax.jit(functools.partial(_decode_step, model, cfg=cfg))
   key = jax.random.key(cfg.seed)
+  stopped, lengths = jnp.zeros(len(prompts), bool), jnp.zeros(len(prompts), jnp.int32)
   generated = []
-  for _ in range(cfg.max_new_tokens):
+  for i in range(cfg.max_new_tokens):
     key, sample_key = jax.random.split(key)
-    next_tokens, cache = step(params, cache, tokens, positions, mask, sample_key)
+    next_tokens, stopped, lengths, cache = step(params, cache, tokens, positions, mask, stopped,
+                                                lengths, sample_key)
     generated.append(next_tokens)
-    tokens, positions, mask = next_tokens[:, None], positions[:, -1:] + 1, jnp.ones_like(mask[:, :1])
-  return np.stack(generated, axis=1).tolist()
+    if cfg.stop_ids and (i + 1) % _STOP_CHECK_EVERY == 0 and bool(stopped.all()):
+      break
+    tokens, positions = next_tokens[:, None], positions[:, -1:] + 1
+    mask = jnp.ones_like(mask[:, :1])
+  generated = np.stack(generated, axis=1)
+  return [row[:length].tolist() for row, length in zip(generated, np.asarray(lengths))]
 
 
-def _decode_step(model, params, cache, tokens, positions, token_mask, key, *, cfg):
+def _decode_step(model, params, cache, tokens, positions, token_mask, stopped, lengths, key, *,
+                 cfg):
   logits, variables = model.apply({"params": params, "cache": cache}, tokens, positions=positions,
                                   token_mask=token_mask, mutable=["cache"])
-  return choose(logits[:, -1], key, cfg), variables["cache"]
+  next_tokens = choose(logits[:, -1], key, cfg)
+  stopped = stopped | jnp.isin(next_tokens, jnp.asarray(cfg.stop_ids, jnp.int32))
+  return next_tokens, stopped, lengths + (~stopped).astype(jnp.int32), variables["cache"]
 
 
-def check_text(prompts: Sequence[str]) -> None:
+def check_text(prompts: Sequence[str], flag_name: str = "--prompt") -> None:
   """A prompt's bytes that are not UTF-8 (a shell's $'\\xff') reach Python as lone surrogates,
   which no tokenizer encodes."""
   for prompt in prompts:
@@ -129,8 +157,8 @@ def check_text(prompts: Sequence[str]) -> None:
     try:
       raw.decode("utf-8")
     except UnicodeDecodeError as e:
-      raise UserError(f"--prompt {raw!r} is not UTF-8 text (byte {e.start}, {raw[e.start]:#04x}: "
-                      f"{e.reason})") from None
+      raise UserError(f"{flag_name} {raw!r} is not UTF-8 text (byte {e.start}, "
+                      f"{raw[e.start]:#04x}: {e.reason})") from None
 
 
 def run_tokenizer(workdir: epath.Path, saved: dict):
@@ -145,21 +173,65 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
     raise UserError(f"{workdir}/config.json names no data.tokenizer to encode prompts with")
   tokenizer = tokenizers.load_tokenizer(spec)
   now = tokenizers.identity(tokenizer)
-  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
-  for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
-    try:
-      directory = _directory(saved, dataset)
-      trained = manifest.manifest_tokenizer(manifest.load_manifest(directory))
-    except UserError as e:  # Moved or deleted since: the check is left undone, not the sample.
-      logging.warning("Cannot check tokenizer %s against the run's dataset %s: %s", spec, dataset,
-                      e)
-      continue
+  for directory, prepared in _run_manifests(saved, f"check tokenizer {spec} against"):
+    trained = manifest.manifest_tokenizer(prepared)
     if not trained.matches(now):
       raise UserError(f"tokenizer {spec} is {now.describe()} (vocab {now.vocab_size}), but the "
                       f"run in {workdir} trained on {directory}, tokenized with "
                       f"{trained.describe()} (vocab {trained.vocab_size}): the file changed "
                       f"since; put back the one the run trained with")
   return tokenizer
+
+
+def _run_manifests(saved: dict, purpose: str):
+  """(directory, manifest) of each dataset of a run's config.json that can still be read; one
+  moved or deleted since is logged (`purpose`: what is left undone), not an error."""
+  from levanter_flax.data import manifest  # pylint: disable=g-import-not-at-top
+  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
+  for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
+    try:
+      directory = _directory(saved, dataset)
+      prepared = manifest.load_manifest(directory)
+    except UserError as e:
+      logging.warning("Cannot %s the run's dataset %s: %s", purpose, dataset, e)
+      continue
+    yield directory, prepared
+
+
+def chat_template(saved: dict, tokenizer, template_file: str):
+  """The template --chat renders with: --chat_template, else the one the run's chat datasets
+  were prepared with (their manifests record it), else the run's tokenizer's own."""
+  from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
+  spec = saved["data.tokenizer"]
+  if tokenizer.kind != "huggingface":
+    raise UserError(f"--chat needs a Hugging Face tokenizer.json with a chat template and an "
+                    f"end-of-turn token; the run's data.tokenizer is {spec!r} ({tokenizer.kind})")
+  if template_file:
+    return chat.load_template(spec, template_file, tokenizer.eos_text)
+  recorded = [chat.recorded_template(spec, prepared["chat_template"], tokenizer.eos_text,
+                                     str(directory))
+              for directory, prepared in _run_manifests(saved, "read the chat template of")
+              if "chat_template" in prepared]
+  if len({template.sha256 for template in recorded}) > 1:
+    raise UserError(f"the run's chat datasets were prepared with different chat templates "
+                    f"({', '.join(t.origin for t in recorded)}); pass --chat_template=FILE")
+  return recorded[0] if recorded else chat.load_template(spec, "", tokenizer.eos_text)
+
+
+def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str
+                 ) -> tuple[list[str], tuple[int, ...]]:
+  """Each prompt as a user message (after a system one, if given) rendered with the generation
+  prompt, as transformers' apply_chat_template(add_generation_prompt=True) renders it; and the
+  ids a reply ends at: the EOS, and the template's end-of-turn token."""
+  head = [{"role": "system", "content": system}] if system else []
+  rendered = [template.render(head + [{"role": "user", "content": prompt}], True, "--prompt")
+              for prompt in prompts]
+  end_of_turn = tokenizer.encode(template.end_of_turn).tolist()
+  if len(end_of_turn) != 1:
+    raise UserError(f"the chat template's end-of-turn {template.end_of_turn!r} (tokenizer_config's "
+                    f"eos_token) is not one token of the run's tokenizer, so no reply can stop "
+                    f"at it")
+  return rendered, tuple(sorted({tokenizer.eos_id, end_of_turn[0]}))
 
 
 def _directory(saved: dict, dataset: str) -> epath.Path:
@@ -188,14 +260,24 @@ def main(argv: list[str]) -> None:
   try:
     if not flag.prompt:
       raise UserError("give at least one --prompt")
+    for name in ("system", "chat_template"):
+      if flag[name].value and not flag.chat:
+        raise UserError(f"--{name} needs --chat")
     check_text(flag.prompt)
+    check_text([flag.system], "--system")
     check_ranges(cfg)
     workdir = paths.resolve(flag.workdir, "--workdir")
     model_cfg, params, saved = run_params(workdir)
     tokenizer = run_tokenizer(workdir, saved)
-    prompts = encode(tokenizer, flag.prompt, bos=not flag.no_bos)
+    texts = flag.prompt
+    if flag.chat:
+      template = chat_template(saved, tokenizer, flag.chat_template)
+      texts, stop_ids = chat_prompts(template, tokenizer, flag.prompt, flag.system)
+      cfg = dataclasses.replace(cfg, stop_ids=stop_ids)
+    prompts = encode(tokenizer, texts, bos=not flag.no_bos)
     for prompt, continuation in zip(flag.prompt, generate(model_cfg, params, prompts, cfg)):
-      print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(continuation)}")
+      reply = tokenizer.decode(continuation)
+      print(f"--- {prompt!r}\n{reply if flag.chat else prompt + reply}")
   except UserError as e:
     exit_with_error(str(e))
 
@@ -213,4 +295,9 @@ if __name__ == "__main__":
                     "A prompt too long for seq_len - max_new_tokens: refuse it, or keep its end.")
   flags.DEFINE_bool("no_bos", False, "Feed each prompt alone, not after the EOS that began "
                     "every training document.")
+  flags.DEFINE_bool("chat", False, "Each prompt is a user message, rendered with the run's chat "
+                    "template; print the reply, up to the template's end-of-turn token or the EOS.")
+  flags.DEFINE_string("system", "", "--chat: a system message before each prompt.")
+  flags.DEFINE_string("chat_template", "", "--chat: a Jinja chat template file; default: the one "
+                      "the run's chat datasets were prepared with, else the tokenizer's own.")
   app.run(main, flags_parser=cli.parse_flags)

@@ -164,6 +164,29 @@ def load_template(tokenizer_spec: str, template_file: str, eos_text: str) -> Cha
   return template
 
 
+def recorded_template(tokenizer_spec: str, record: dict, eos_text: str, dataset: str
+                      ) -> ChatTemplate:
+  """The template a chat dataset was prepared with, from its manifest's `chat_template` record
+  ({file, sha256}), if that file still holds it: a template edited since would render prompts
+  the model never saw."""
+  file, sha256 = record.get("file"), record.get("sha256")
+  if not isinstance(file, str) or not isinstance(sha256, str):
+    raise UserError(f"{dataset}'s manifest has a malformed chat_template record: {record}")
+  path = paths.resolve(file, "the manifest's chat_template")
+  if not path.exists():
+    raise UserError(f"chat template {file}, which {dataset} was prepared with, is gone; put it "
+                    f"back or pass --chat_template=FILE")
+  # The tokenizer's own template is found as prepare found it; any other file is the template.
+  own = (tokenizer_spec != "byte" and path.name in (TOKENIZER_CONFIG, TEMPLATE_FILE)
+         and path.parent == paths.resolve(tokenizer_spec, "data.tokenizer").parent)
+  template = load_template(tokenizer_spec, "" if own else file, eos_text)
+  if template.sha256 != sha256:
+    raise UserError(f"chat template {file} changed since {dataset} was prepared with it "
+                    f"(sha256 {template.sha256[:12]}, not {sha256[:12]}); put it back or pass "
+                    f"--chat_template=FILE")
+  return template
+
+
 def _checked_messages(record: dict, where: str) -> list:
   messages = record.get("messages")
   if not isinstance(messages, list) or not all(
