@@ -9,6 +9,13 @@ nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
     `data` shards parameters and optimizer state across the data axis, and `model` splits each
     layer Megatron-style within a host (8 GPUs or a TPU host). Multi-host: see launch/README.md.
 
+1b_lora: LoRA fine-tuning of a 1b-shaped Hugging Face checkpoint (TinyLlama's chat model) on
+    chat data; README.md's "Fine-tune a Hugging Face model" runs it:
+    python -m levanter_flax.main --config=configs/llama.py:1b_lora \\
+        --config.trainer.init_from_hf=/models/TinyLlama-1.1B-Chat \\
+        --config.data.dataset=/data/my_chats \\
+        --config.data.tokenizer=/models/TinyLlama-1.1B-Chat/tokenizer.json
+
 1b and 7b compute in bfloat16, layers scanned, full remat, and train on tokenized data:
 config.data.dataset and config.data.tokenizer, prepared with python -m levanter_flax.prepare
 (a Llama tokenizer.json, vocab 32000). configs/llama_<variant>.py name the same configs.
@@ -68,7 +75,24 @@ def llama_7b():
   return config
 
 
-VARIANTS = {"nano": nano, "1b": llama_1b, "7b": llama_7b}
+def llama_1b_lora():
+  """LoRA on 1b's checkpoint (trainer.init_from_hf) with chat data (prepare --source=chat): the
+  loss on the assistant's turns, rank-16 adapters on every projection, the base frozen."""
+  config = llama_1b()
+  config.model.lora.rank = 16
+  config.model.lora.alpha = 32.0
+  config.model.lora.dropout = 0.05
+  config.trainer.batch_size = 32  # 64k tokens a step at seq_len 2048.
+  config.trainer.gradient_accumulation_steps = 1
+  config.trainer.num_train_steps = 1000
+  config.optimizer.learning_rate = 2e-4  # Adapters take a larger step than whole weights.
+  config.optimizer.warmup_steps = 30
+  config.optimizer.weight_decay = 0.0
+  config.checkpoint.every_steps = 200
+  return config
+
+
+VARIANTS = {"nano": nano, "1b": llama_1b, "7b": llama_7b, "1b_lora": llama_1b_lora}
 
 
 def get_config(variant=None):

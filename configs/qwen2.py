@@ -9,7 +9,10 @@ nano: a tiny byte-level Qwen2 with tied embeddings, llama.py:nano's run on the C
         --config.data.dataset=/data/my_corpus \\
         --config.data.tokenizer=/models/Qwen2-0.5B/tokenizer.json
 
-configs/qwen2_<variant>.py name the same configs.
+0_5b_sft: chat SFT from Qwen2-0.5B-Instruct, as README.md's "Fine-tune a Hugging Face model"
+    runs it (prepare --source=chat, then this with the same three keys as 0_5b).
+
+configs/qwen2_<variant>.py name 0_5b and nano too.
 """
 from levanter_flax.config import (choose_variant, default_config, mesh, model_config, model_like,
                                   sibling_config)
@@ -38,7 +41,19 @@ def qwen2_0_5b():
   return config
 
 
-VARIANTS = {"nano": nano, "0_5b": qwen2_0_5b}
+def qwen2_0_5b_sft():
+  """Supervised fine-tuning of Qwen2-0.5B(-Instruct) on chat data (prepare --source=chat): the
+  loss on the assistant's turns alone, conversations packed with document masking."""
+  config = qwen2_0_5b()
+  config.trainer.batch_size = 16  # 32k tokens a step at seq_len 2048.
+  config.trainer.num_train_steps = 1000
+  config.optimizer.learning_rate = 1e-5
+  config.optimizer.warmup_steps = 30
+  config.checkpoint.every_steps = 200
+  return config
+
+
+VARIANTS = {"nano": nano, "0_5b": qwen2_0_5b, "0_5b_sft": qwen2_0_5b_sft}
 
 
 def get_config(variant=None):
