@@ -312,8 +312,8 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
       "hbm_per_chip_bytes": capacity,
       "tokens_per_step": tokens,
-      "model_flops_per_step": tokens * models.flops_per_token(run.model,
-                                                              steps.abstract_state.model_params),
+      "model_flops_per_step": tokens * models.flops_per_token(
+          run.model, steps.abstract_state.model_params, frozen=steps.abstract_state.frozen),
   }
   try:
     compiled = _compile(run, partitioner, steps)

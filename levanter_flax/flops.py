@@ -25,10 +25,11 @@ def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float:
 
 
 def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
-                    seq_len: int, causal: bool = True) -> float:
+                    seq_len: int, causal: bool = True, frozen_params: float = 0) -> float:
   """Model FLOPs per trained token: 6N for the weights' matmuls (forward + backward),
   plus attention's score and value matmuls, 12 * L * H * Q * T. A causal mask
   needs only half of those, so causal=True counts half; nanoGPT counts all of it.
+  Of the N, `frozen_params` get no weight gradient (LoRA's base): 4 each, not 6.
   """
   attention = 12 * num_layers * num_heads * head_dim * seq_len
-  return 6 * num_params + (attention / 2 if causal else attention)
+  return 6 * num_params - 2 * frozen_params + (attention / 2 if causal else attention)

@@ -243,7 +243,8 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
   evaluate = _make_evaluate(run, steps, sources)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
-      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.model_params),
+      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.model_params,
+                                              frozen=steps.abstract_state.frozen),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from conftest import REPO, train_losses
-from levanter_flax import hf, models, partitioning, step
+from levanter_flax import flops, hf, models, partitioning, step
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
@@ -122,6 +122,13 @@ def test_only_the_adapters_change_and_their_optimizer_state_is_all_there_is(tiny
   assert all(np.abs(np.asarray(b)).max() > 0 for _, b in lora.adapters_of(state.params).values())
   adapter_size = sum(x.size for x in jax.tree.leaves(state.params))
   assert sum(x.size for x in jax.tree.leaves(state.opt_state)) <= 2 * adapter_size + 2
+  # MFU's FLOPs: the frozen base's weights get no gradient, so 4 FLOPs a token each, not 6.
+  cfg = run.model
+  attention = flops.flops_per_token(0, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.seq_len)
+  full = models.flops_per_token(cfg, state.model_params)
+  frozen_matmuls = (full - attention) / 6 - adapter_size
+  assert models.flops_per_token(cfg, state.model_params, frozen=state.frozen) == pytest.approx(
+      full - 2 * frozen_matmuls)
 
 
 def test_adapters_shard_like_their_kernels_axes():

@@ -61,12 +61,17 @@ def stack_layers(cfg, tree: dict) -> dict:
   return tree | {name: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
-def flops_per_token(cfg, params, causal: bool = True) -> float:
+def flops_per_token(cfg, params, causal: bool = True, frozen=None) -> float:
   """flops.flops_per_token for a model config and its params (arrays or shapes): every
   parameter counts as a matmul weight but the family's lookup tables and the experts a
-  token is not routed to."""
+  token is not routed to. `frozen`: the part of params that trains not (LoRA's base), whose
+  weight gradients are never computed."""
+  return flops.flops_per_token(_matmul_params(cfg, params), cfg.num_layers, cfg.num_heads,
+                               cfg.head_dim, cfg.seq_len, causal,
+                               frozen_params=_matmul_params(cfg, frozen) if frozen else 0)
+
+
+def _matmul_params(cfg, params) -> float:
   lookups = sum(params[name]["embedding"].size for name in family(cfg).lookup_tables(params))
-  num_params = (sum(x.size for x in jax.tree.leaves(params)) - lookups
-                - family(cfg).inactive_params(cfg, params))
-  return flops.flops_per_token(num_params, cfg.num_layers, cfg.num_heads, cfg.head_dim,
-                               cfg.seq_len, causal)
+  return (sum(x.size for x in jax.tree.leaves(params)) - lookups
+          - family(cfg).inactive_params(cfg, params))
