@@ -170,24 +170,31 @@ def dpo_config(tiny_config, data):
 def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path):
   config = dpo_config(tiny_config, byte_pairs)
   config.trainer.batch_size, config.trainer.gradient_accumulation_steps = 16, 2
-  config.trainer.num_train_steps, config.trainer.eval_every_steps = 30, 30
-  config.trainer.log_every_steps = 5
-  config.checkpoint.every_steps = 30
+  config.trainer.num_train_steps, config.trainer.eval_every_steps = 15, 15
+  config.checkpoint.every_steps = 15
   config.optimizer.learning_rate, config.optimizer.warmup_steps = 3e-3, 2
   config.dpo.beta = 0.5
   train_and_evaluate(to_run_config(config), tmp_path / "run")
   logged = read_metrics(tmp_path / "run")
   trained = [m for m in logged if "train/loss" in m]
-  assert trained[-1]["dpo/reward_accuracy"] > 0.9, trained
-  assert trained[-1]["train/loss"] < math.log(2) < trained[0]["train/loss"] + 1e-3
+  assert trained[-1]["dpo/reward_accuracy"] > 0.9, trained[-1]
+  # The policy starts as its reference: each pair's loss log 2, rewards 0.
+  assert trained[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+  assert trained[0]["dpo/chosen_reward"] == pytest.approx(0, abs=1e-6)
+  assert trained[-1]["train/loss"] < 0.5 * math.log(2)
   assert trained[-1]["dpo/chosen_reward"] > trained[-1]["dpo/rejected_reward"]
   evaluated = next(m for m in logged if "eval/loss" in m)
   assert evaluated["eval/dpo/reward_accuracy"] > 0.9 and evaluated["eval/loss"] < math.log(2)
   assert evaluated["eval/pairs"] == 16
   # The reference is saved once beside the checkpoints, which hold the policy alone.
   assert (tmp_path / "run" / "dpo_reference").is_dir()
-  saved = ocp.StandardCheckpointer().restore(tmp_path / "run" / "checkpoints" / "30" / "state")
+  saved = ocp.StandardCheckpointer().restore(tmp_path / "run" / "checkpoints" / "15" / "state")
   assert saved.get("reference") is None and saved.get("frozen") is None
+  # Resumed, the run compares with the reference it started from, not with where it resumed.
+  config.trainer.num_train_steps = 16
+  train_and_evaluate(to_run_config(config), tmp_path / "run")
+  resumed = read_metrics(tmp_path / "run")[-1]
+  assert resumed["step"] == 16 and resumed["dpo/margin"] > 1
 
 
 def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_pairs, tmp_path):
