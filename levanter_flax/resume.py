@@ -75,9 +75,9 @@ def _preference(run: RunConfig, sources: list[PreparedDataset]) -> bool:
     return False
   if len(pairs) < len(sources):
     others = [s.name for s in sources if not s.preference_seq_len]
-    raise UserError(f"config.data.mixture mixes preference data ({', '.join(s.name for s in pairs)})"
-                    f" with other data ({', '.join(others)}): a DPO run trains on preference "
-                    f"pairs alone")
+    names = ", ".join(s.name for s in pairs)
+    raise UserError(f"config.data.mixture mixes preference data ({names}) with other data "
+                    f"({', '.join(others)}): a DPO run trains on preference pairs alone")
   for source in pairs:
     if source.preference_seq_len != run.model.seq_len:
       raise UserError(f"dataset {source.directory} holds preference pairs in rows of "

@@ -15,7 +15,7 @@ from levanter_flax.data.manifest import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from levanter_flax.train import train_and_evaluate
-from test_chat import (conversation, documents, make_tokenizer, prepare_records,  # pylint: disable=unused-import
+from test_chat import (documents, make_tokenizer, prepare_records,  # pylint: disable=unused-import
                        tokenizer_file, weighted_text)
 
 TINY = GPT2Config(vocab_size=64, seq_len=16, num_layers=2, num_heads=2, hidden_dim=32)
