@@ -23,6 +23,9 @@ from levanter_flax.schema import setting
 # A LoRA run's frozen base, in its workdir: written once when the run starts, not in every
 # checkpoint.
 FROZEN_BASE = "lora_base"
+# A DPO run's reference model (without LoRA: a copy of its initial params), in its workdir, the
+# same way.
+REFERENCE = "dpo_reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,28 +447,30 @@ def _free_name(directory: epath.Path, name: str) -> epath.Path:
   return candidate
 
 
-def save_frozen(directory: epath.Path, frozen: Any) -> None:
-  """A LoRA run's frozen base, written whole (orbax renames a finished temporary directory)
-  when the run starts from step 0, replacing any earlier start's."""
+def save_frozen(directory: epath.Path, frozen: Any,
+                what: str = "the LoRA run's frozen base") -> None:
+  """A LoRA run's frozen base (or a DPO run's reference: `what`), written whole (orbax renames
+  a finished temporary directory) when the run starts from step 0, replacing any earlier
+  start's."""
   try:
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(directory, frozen, force=True)
       checkpointer.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except  # Whatever the filesystem raised.
-    raise UserError(f"cannot write {directory}, the LoRA run's frozen base: "
-                    f"{_first_line(e)}") from None
+    raise UserError(f"cannot write {directory}, {what}: {_first_line(e)}") from None
 
 
-def restore_frozen(directory: epath.Path, abstract: Any) -> Any:
-  """save_frozen's base, on the shardings in `abstract`."""
+def restore_frozen(directory: epath.Path, abstract: Any,
+                   what: str = "the frozen base model that this LoRA run's checkpoints adapt"
+                   ) -> Any:
+  """save_frozen's tree, on the shardings in `abstract`."""
   try:
     (directory / "_METADATA").stat()
     with ocp.StandardCheckpointer() as checkpointer:
       return checkpointer.restore(directory, abstract)
   except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
-    raise UserError(f"cannot read {directory}, the frozen base model that this LoRA run's "
-                    f"checkpoints adapt (written when the run started): {_first_line(e)}"
-                    ) from None
+    raise UserError(f"cannot read {directory}, {what} (written when the run started): "
+                    f"{_first_line(e)}") from None
 
 
 def load_other_run(path: epath.Path, abstract_state: Any) -> tuple[Any, dict]:

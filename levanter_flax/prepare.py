@@ -14,6 +14,14 @@ rendered with the tokenizer's chat template, the loss on the assistant turns onl
 
 --source=prompt_completion reads {"prompt": ..., "completion": ...} lines: the
 loss on the completion and the EOS after it.
+
+Preference data for DPO (JSON lines of {"prompt" or "messages", "chosen",
+"rejected"}, TRL's formats; data/preference.py), each pair one row of the
+model's seq_len:
+
+  python -m levanter_flax.prepare --source=preference --input='pairs/*.jsonl' \
+      --tokenizer=qwen/tokenizer.json --seq_len=1024 --output_dir=/data/my_pairs
+
 Killed and restarted with the same flags, it keeps the shards already written.
 """
 import codecs
@@ -29,7 +37,8 @@ from levanter_flax.data import prepare, sources
 from levanter_flax.errors import UserError, exit_with_error
 
 _SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
-_INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet/chat/prompt_completion: files or "
+_INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet/chat/prompt_completion/preference: "
+                           "files or "
                            "globs, local or gs:// "
                            "(.gz and .zst are read compressed); "
                            "tfds: the dataset name, e.g. lm1b or wikipedia/20230601.en.")
@@ -67,6 +76,9 @@ _CHAT_TEMPLATE = flags.DEFINE_string(
     "chat_template", "", "--source=chat: a Jinja chat template file; default: the tokenizer's, "
     "from chat_template.jinja or the chat_template of tokenizer_config.json beside its "
     "tokenizer.json.")
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", 0, "--source=preference: the tokens of each pair's row, the model's "
+    "config.model.seq_len (pairs longer are skipped, counted).", lower_bound=0)
 flags.mark_flags_as_required(["source", "output_dir"])
 
 
@@ -100,8 +112,8 @@ def options_from_flags() -> prepare.PrepareOptions:
     raise UserError("pass either --tokenizer or --train_tokenizer, not both")
   if _BEAM_PIPELINE_OPTIONS.value and _ENGINE.value != "beam":
     raise UserError("--beam_pipeline_options needs --engine=beam")
-  if _CHAT_TEMPLATE.value and _SOURCE.value != "chat":
-    raise UserError("--chat_template needs --source=chat")
+  if _CHAT_TEMPLATE.value and _SOURCE.value not in ("chat", "preference"):
+    raise UserError("--chat_template needs --source=chat or preference")
   return prepare.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
@@ -117,7 +129,8 @@ def options_from_flags() -> prepare.PrepareOptions:
       engine=_ENGINE.value,
       num_workers=_NUM_WORKERS.value,
       beam_pipeline_options=split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value),
-      chat_template=_CHAT_TEMPLATE.value)
+      chat_template=_CHAT_TEMPLATE.value,
+      seq_len=_SEQ_LEN.value)
 
 
 def main(argv: list[str]) -> None:

@@ -21,8 +21,8 @@ from jax.experimental import multihost_utils
 
 from levanter_flax import (batch_search, config, distributed, hf, partitioning, paths, report,
                            step)
-from levanter_flax.checkpoint import (FROZEN_BASE, Checkpointer, abstract_like, load_other_run,
-                                      restore_frozen, save_frozen)
+from levanter_flax.checkpoint import (FROZEN_BASE, REFERENCE, Checkpointer, abstract_like,
+                                      load_other_run, restore_frozen, save_frozen)
 from levanter_flax.data import eval_set, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import DataPosition, ReaderGroups, default_reader_groups
@@ -38,6 +38,7 @@ class Start:
   eos_id: Optional[int]  # The token that ends a document, for data.document_masking; else None.
   reader_groups: ReaderGroups  # This process's.
   config_changes: list[str]  # "key old -> new" against config.json, named if a restore fails.
+  preference: bool = False  # The datasets are preference data: the run trains by DPO.
 
 
 def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Partitioner,
@@ -50,6 +51,7 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   _check_batch_size(trainer, partitioner)
   sources = loader.load_datasets(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
+  preference = _preference(run, sources)
   for source in sources:  # A split too small to evaluate: said now, not after the first steps.
     if source.has_validation:
       eval_set.num_windows(source, run.model.seq_len, trainer.eval_tokens)
@@ -62,7 +64,29 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   groups.rows_per_group(trainer.batch_size // jax.process_count(), "config.trainer.batch_size")
   config_changes = _check_resumed_config(run, saved, workdir)
   eos_id = sources[0].manifest["tokenizer"]["eos_id"] if run.data.document_masking else None
-  return Start(run, sources, eos_id, groups, config_changes)
+  return Start(run, sources, eos_id, groups, config_changes, preference)
+
+
+def _preference(run: RunConfig, sources: list[PreparedDataset]) -> bool:
+  """Whether the run trains by DPO: its datasets are preference data, all or none, each pair
+  one row of config.model.seq_len, read with document masking."""
+  pairs = [s for s in sources if s.preference_seq_len]
+  if not pairs:
+    return False
+  if len(pairs) < len(sources):
+    others = [s.name for s in sources if not s.preference_seq_len]
+    names = ", ".join(s.name for s in pairs)
+    raise UserError(f"config.data.mixture mixes preference data ({names}) with other data "
+                    f"({', '.join(others)}): a DPO run trains on preference pairs alone")
+  for source in pairs:
+    if source.preference_seq_len != run.model.seq_len:
+      raise UserError(f"dataset {source.directory} holds preference pairs in rows of "
+                      f"{source.preference_seq_len} tokens (prepare --seq_len), but "
+                      f"config.model.seq_len is {run.model.seq_len}: they must be equal")
+  if not run.data.document_masking:
+    raise UserError("config.data.document_masking must be True for preference data (DPO): the "
+                    "rejected reply must not attend to the chosen one in its row")
+  return True
 
 
 def _saved_config(workdir: epath.Path, checkpointer: Checkpointer,
@@ -249,12 +273,22 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
     frozen = None
     if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
       frozen = restore_frozen(workdir / FROZEN_BASE, abstract.frozen)
-    return step.TrainState.from_checkpointed(saved, frozen), progress
+    reference = None
+    if abstract.reference is not None:  # DPO: the reference the run saved when it started.
+      reference = restore_frozen(workdir / REFERENCE, abstract.reference, _REFERENCE)
+    return step.TrainState.from_checkpointed(saved, frozen, reference), progress
   _warn_if_logged_before(workdir, checkpointer)
   state, progress = _initial_state(run, steps, sources, abstract)
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
     save_frozen(workdir / FROZEN_BASE, state.frozen)
+  if state.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
+    copy = jax.jit(step.copied, out_shardings=steps.state_shardings.reference)
+    state = state.replace(reference=copy(state.params))
+    save_frozen(workdir / REFERENCE, state.reference, _REFERENCE)
   return state, progress
+
+
+_REFERENCE = "the reference model of this DPO run (its initial params)"
 
 
 def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset],
@@ -276,7 +310,8 @@ def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
     return fresh
   saved, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
                                abstract.checkpointed)
-  state = step.TrainState.from_checkpointed(saved)
+  # DPO: a reference to fill with the loaded params (the caller copies them in).
+  state = step.TrainState.from_checkpointed(saved, reference=fresh[0].reference)
   logging.info("Starting from %s of %s", load.load_items, load.load_path)
   if load.load_items == "state":
     try:

@@ -12,6 +12,7 @@ from levanter_flax.batch_search import BatchSearchConfig
 from levanter_flax.checkpoint import CheckpointConfig
 from levanter_flax.data import DataConfig
 from levanter_flax.distributed import DistributedConfig
+from levanter_flax.dpo import DpoConfig
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.monitoring import MonitoringConfig
@@ -104,6 +105,7 @@ class RunConfig:
                                          "watchdog")
   batch_search: BatchSearchConfig = setting(BatchSearchConfig(), "What trainer.batch_size=auto "
                                             "searches for")
+  dpo: DpoConfig = setting(DpoConfig(), "DPO's loss, for runs on preference data")
 
 
 def sections(architecture: str) -> dict[str, type]:

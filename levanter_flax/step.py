@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import models, optim, partitioning
+from levanter_flax import dpo, models, optim, partitioning
 from levanter_flax.models import common, lora
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
@@ -26,11 +26,13 @@ class TrainState:
   """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
   base model's params are `frozen`: no gradient, no optimizer state, and not in the
   checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
-  (resume.py)."""
+  (resume.py). A DPO run without LoRA keeps its reference model, the initial params, as
+  `reference`, saved once the same way; with LoRA its reference is the base, `frozen`."""
   step: jax.Array
   params: Any
   opt_state: Any
   frozen: Any = None
+  reference: Any = None
 
   @property
   def model_params(self) -> Any:
@@ -38,26 +40,51 @@ class TrainState:
     return lora.merged(self.frozen, self.params)
 
   @property
+  def reference_params(self) -> Any:
+    """DPO's reference model's params (applied by the model without LoRA): the frozen copy of
+    the initial params, or LoRA's base; None if neither."""
+    return self.frozen if self.reference is None else self.reference
+
+  @property
   def checkpointed(self) -> dict:
-    """What a checkpoint holds: every field but the frozen base, as the tree that checkpoints
-    held before there was one, so that those restore."""
+    """What a checkpoint holds: every field but the frozen base and the reference, as the tree
+    that checkpoints held before there were those, so that those restore."""
     return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
 
   @classmethod
-  def from_checkpointed(cls, saved: dict, frozen: Any = None) -> "TrainState":
-    return cls(**saved, frozen=frozen)
+  def from_checkpointed(cls, saved: dict, frozen: Any = None,
+                        reference: Any = None) -> "TrainState":
+    return cls(**saved, frozen=frozen, reference=reference)
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
-               rng: jax.Array) -> TrainState:
-  """Fresh state; with LoRA the base is frozen and only the adapters train."""
+               rng: jax.Array, preference: bool = False) -> TrainState:
+  """Fresh state; with LoRA the base is frozen and only the adapters train. `preference` (DPO)
+  without LoRA: a copy of the params is the reference."""
   params = models.init_params(model.config, rng)
-  frozen = None
+  frozen = reference = None
   if model.config.lora.rank:
     lora.check_targets(model.config, params)
     frozen, params = lora.split(params)
+  elif preference:
+    reference = copied(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params), frozen=frozen)
+                    opt_state=optimizer.init(params), frozen=frozen, reference=reference)
+
+
+def copied(params: Any) -> Any:
+  """Params in buffers of their own: the reference must not be donated with the params."""
+  return jax.tree.map(jnp.copy, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference:
+  """DPO's loss in place of the next-token loss (dpo.py): the batch's loss weights are a
+  preference row's codes, and the reference model is `reference_model` (the model without
+  LoRA) on `reference_params` (TrainState.reference_params), held constant."""
+  cfg: dpo.DpoConfig
+  reference_model: nn.Module
+  reference_params: Any
 
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
@@ -117,8 +144,8 @@ def total_weight(loss_weights: jax.Array) -> jax.Array:
 
 def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = None,
               loss_weights: jax.Array | None = None, weight_total: jax.Array | None = None,
-              auxiliary_share: float = 1.0, rngs: dict | None = None
-              ) -> tuple[jax.Array, Metrics]:
+              auxiliary_share: float = 1.0, rngs: dict | None = None,
+              preference: Preference | None = None) -> tuple[jax.Array, Metrics]:
   """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
   loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
   over the layers that sow it. The training loss adds each part times the model config's
@@ -133,9 +160,18 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   (`total_weight`): their weighted mean. A microbatch passes its whole batch's total weight and
   its share of the batch (`auxiliary_share`, which scales the auxiliary losses), so that the
   microbatches' objectives sum to the batch's, however its weight falls among them.
+
+  With `preference`, "loss" is DPO's, the mean over the rows (pairs; loss_weights their codes),
+  and the parts add the dpo/ metrics, means over the rows too.
   """
   losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
   auxiliary = _sown_losses(sown)
+  if preference is not None:
+    pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
+    parts = {name: value.mean() for name, value in pairs.items()}
+    total = parts["loss"] + sum(getattr(model.config, f"{name}_coef") * value
+                                for name, value in auxiliary.items())
+    return total, {**parts, **auxiliary}
   if loss_weights is None:
     loss = losses.mean()
   else:
@@ -146,6 +182,15 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   total = loss + sum(getattr(model.config, f"{name}_coef") * value
                      for name, value in auxiliary.items())
   return total, {"loss": loss, **auxiliary}
+
+
+def _pair_metrics(losses: jax.Array, tokens: jax.Array, codes: jax.Array, eos_id: int | None,
+                  preference: Preference) -> Metrics:
+  """dpo.pair_metrics of each row, from the policy's token losses and the reference's."""
+  reference_params = jax.lax.stop_gradient(preference.reference_params)
+  reference_losses = _token_losses(preference.reference_model, reference_params, tokens, eos_id)[0]
+  return dpo.pair_metrics(dpo.reply_log_probs(losses, codes),
+                          dpo.reply_log_probs(reference_losses, codes), preference.cfg)
 
 
 def _token_losses(model: nn.Module, params, tokens: jax.Array,
@@ -176,7 +221,8 @@ def _sown_losses(sown) -> Metrics:
 
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
                                eos_id: int | None = None, loss_weights: jax.Array | None = None,
-                               frozen=None, dropout_key: jax.Array | None = None):
+                               frozen=None, dropout_key: jax.Array | None = None,
+                               preference: Preference | None = None):
   """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
   microbatches by a lax.scan.
 
@@ -188,16 +234,17 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   microbatch. Equal-sized microbatches make the mean of means the batch mean.
   With loss_weights the microbatches weigh what their tokens weigh: each sums
   its weighted losses over the whole batch's total weight (see objective), and
-  the sums are the batch's weighted mean, as without accumulation.
+  the sums are the batch's weighted mean, as without accumulation. With `preference` (DPO:
+  loss_weights are codes) each microbatch's loss is the mean over its pairs, as without weights.
   """
-  weighted = loss_weights is not None
+  weighted = loss_weights is not None and preference is None
   weight_total = total_weight(loss_weights) if weighted else None
 
   def parts_and_grads(p, t, w, index=0):
     rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
     (_, parts), grads = jax.value_and_grad(
         lambda p: objective(model, lora.merged(frozen, p), t, eos_id, w, weight_total,
-                            1 / num_microbatches, rngs),
+                            1 / num_microbatches, rngs, preference),
         has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
@@ -207,7 +254,7 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   def split(rows):
     microbatches = rows.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
     return nn.with_logical_constraint(microbatches, (None, "batch", "length"))
-  microbatches = (split(tokens), split(loss_weights) if weighted else None)
+  microbatches = (split(tokens), None if loss_weights is None else split(loss_weights))
 
   def add(totals, indexed):
     index, microbatch = indexed
@@ -222,11 +269,14 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1,
-                    eos_id: int | None = None, seed: int = 0
+                    eos_id: int | None = None, seed: int = 0,
+                    dpo_cfg: dpo.DpoConfig | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
-  key is folded with the step, so that a resumed run drops what an uninterrupted one would."""
+  key is folded with the step, so that a resumed run drops what an uninterrupted one would.
+  dpo_cfg: train by DPO on preference batches, against TrainState.reference_params."""
   uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
+  reference_model = models.build(lora.without_lora(model.config)) if dpo_cfg else None
 
   def train_step(state: TrainState, batch: Batch):
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
@@ -237,9 +287,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     weights = batch.get("loss_weights")
     dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
                    else None)
+    preference = (Preference(dpo_cfg, reference_model, state.reference_params) if dpo_cfg
+                  else None)
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
                                               num_microbatches, eos_id, weights, state.frozen,
-                                              dropout_key)
+                                              dropout_key, preference)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
@@ -248,14 +300,16 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params,
         loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
-                                         hessian_tokens, eos_id, hessian_weights)[0])
+                                         hessian_tokens, eos_id, hessian_weights,
+                                         preference=preference)[0])
     params = optax.apply_updates(state.params, updates)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
                               params=jax.tree.map(if_finite, params, state.params),
                               opt_state=jax.tree.map(if_finite, opt_state, state.opt_state))
     metrics = {
-        **{f"train/{name}": value for name, value in parts.items()},
+        **{name if name.startswith("dpo/") else f"train/{name}": value
+           for name, value in parts.items()},
         "train/grad_norm": grad_norm,
         "train/param_norm": optax.tree.norm(new_state.params),
         "train/update_norm": optax.tree.norm(updates),
@@ -268,9 +322,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
 
 
 def loss_tokens(batch: Batch) -> jax.Array:
-  """How many targets train/loss averages: every token but each row's first, or their weight."""
+  """How many targets train/loss averages: every token but each row's first, or those with a
+  weight (a preference row's: both replies')."""
   if "loss_weights" in batch:
-    return batch["loss_weights"][:, 1:].sum()
+    return (batch["loss_weights"][:, 1:] > 0).sum().astype(jnp.float32)
   rows, length = batch["tokens"].shape
   return jnp.float32(rows * (length - 1))
 
@@ -289,6 +344,20 @@ def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any
   return eval_step
 
 
+def make_dpo_eval_step(model: nn.Module, dpo_cfg: dpo.DpoConfig,
+                       eos_id: int | None = None) -> Callable[[Any, Batch], Metrics]:
+  """((params, reference params), batch of preference rows) -> dpo.pair_metrics of each row
+  ("loss" and the dpo/ metrics, float32[batch] each)."""
+  reference_model = models.build(lora.without_lora(model.config))
+
+  def eval_step(params, batch: Batch):
+    params, reference_params = params
+    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
+    return _pair_metrics(losses, batch["tokens"], batch["loss_weights"], eos_id,
+                         Preference(dpo_cfg, reference_model, reference_params))
+  return eval_step
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedSteps:
   """The train state's layout and the jitted functions that create and advance it."""
@@ -297,6 +366,7 @@ class ShardedSteps:
   batch_sharding: jax.sharding.NamedSharding
   seq_len: int  # Tokens per sequence of a batch.
   loss_weights: bool  # Whether a batch has "loss_weights" (a dataset of the run has them).
+  preference: bool  # DPO on preference rows: eval_step takes eval_params(state).
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
@@ -311,6 +381,12 @@ class ShardedSteps:
       batch["loss_weights"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.batch_sharding)
     return self.abstract_state, batch
 
+  def eval_params(self, state: TrainState) -> Any:
+    """What eval_step takes of the state: the model's params; with DPO, and the reference's."""
+    if self.preference:
+      return state.model_params, state.reference_params
+    return state.model_params
+
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.model_params,
                                      self.state_shardings.model_params,
@@ -319,7 +395,8 @@ class ShardedSteps:
 
 
 def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-          eos_id: int | None = None, loss_weights: bool = False) -> ShardedSteps:
+          eos_id: int | None = None, loss_weights: bool = False,
+          preference: bool = False) -> ShardedSteps:
   """The run's init, train and eval steps, laid out with `partitioner` and jitted with
   explicit shardings.
 
@@ -329,7 +406,9 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
 
   eos_id: mask attention per document, each ending at this token (data.document_masking;
   see objective); None: no mask. loss_weights: the batches carry "loss_weights" (a dataset of
-  the run has them: loader.has_loss_weights); abstract_inputs says so.
+  the run has them: loader.has_loss_weights); abstract_inputs says so. preference: the run's
+  data is preference data (loader.is_preference): it trains and evaluates by DPO (run.dpo),
+  its batches' loss weights being codes, against a reference model (TrainState).
 
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
@@ -340,29 +419,36 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model = models.build(common.with_compute(run.model, attention_impl=attention))
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
-  init = functools.partial(init_state, model, optimizer)
+  init = functools.partial(init_state, model, optimizer, preference=preference)
   shapes = jax.eval_shape(init, jax.random.key(0))
+  frozen_shardings = lambda tree: None if tree is None else partitioner.param_shardings(tree)
   shardings = TrainState(
       step=partitioner.replicated,
       params=partitioner.param_shardings(shapes.params),
       opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params),
-      frozen=None if shapes.frozen is None else partitioner.param_shardings(shapes.frozen))
+      frozen=frozen_shardings(shapes.frozen), reference=frozen_shardings(shapes.reference))
   batch = partitioner.batch_sharding()
   replicated = partitioner.replicated
+  dpo_cfg = run.dpo if preference else None
   train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
-                               eos_id, run.trainer.seed)
+                               eos_id, run.trainer.seed, dpo_cfg)
+  eval_params = shardings.model_params
+  eval_step = make_eval_step(model, eos_id)
+  if preference:
+    eval_params = (eval_params, shardings.reference_params)
+    eval_step = make_dpo_eval_step(model, dpo_cfg, eos_id)
   return ShardedSteps(
       abstract_state=jax.tree.map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
       state_shardings=shardings,
       batch_sharding=batch,
       seq_len=run.model.seq_len,
-      loss_weights=loss_weights,
+      loss_weights=loss_weights or preference,
+      preference=preference,
       init=jax.jit(init, out_shardings=shardings),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
-      eval_step=jax.jit(make_eval_step(model, eos_id), in_shardings=(shardings.model_params, batch),
-                        out_shardings=replicated),
+      eval_step=jax.jit(eval_step, in_shardings=(eval_params, batch), out_shardings=replicated),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
 

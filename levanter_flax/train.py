@@ -87,7 +87,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
         Checkpointer(workdir / "checkpoints", run.checkpoint, before_save=lock.check_all)))
     start = resume.resolve(run, workdir, partitioner, checkpointer)
     steps = step.build(start.run, partitioner, start.eos_id,
-                       loss_weights=loader.has_loss_weights(start.sources))
+                       loss_weights=loader.has_loss_weights(start.sources),
+                       preference=start.preference)
     num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.model_params))
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
@@ -133,16 +134,17 @@ def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str,
   step_num = int(state.step)
   logging.warning("Step %d's eval was not logged (the run stopped between its checkpoint and its "
                   "eval); evaluating it now", step_num)
-  eval_metrics = evaluate(state.model_params)
+  eval_metrics = evaluate(state)
   writer.write_scalars(step_num, eval_metrics)
   return eval_metrics
 
 
 def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset]):
-  """params -> eval/loss, its standard error, perplexity, bits per byte and the tokens scored,
+  """state -> eval/loss, its standard error, perplexity, bits per byte and the tokens scored,
   per source for a mixture. Each source's eval set is read now, before training. A source with
   loss weights scores its weighted tokens only, and has no bits per byte (its text bytes are
-  the whole conversations')."""
+  the whole conversations'). Preference data (DPO): eval/loss is DPO's over the pairs, with
+  the dpo/ metrics, eval/dpo/..., and the pairs scored."""
   evaluated = [s for s in sources if s.has_validation]
   if not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
@@ -155,12 +157,18 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
   # Microbatch-sized: what fits in memory for training fits for eval.
   batch_size = run.trainer.batch_size // run.trainer.gradient_accumulation_steps
 
-  def evaluate(params) -> dict[str, float]:
-    results = {}
+  def evaluate(state: step.TrainState) -> dict[str, float]:
+    results, params = {}, steps.eval_params(state)
     for windows in eval_sets:
+      prefix = "eval" if len(sources) == 1 else f"eval/{windows.source.name}"
+      if steps.preference:
+        means, stderr = eval_set.evaluate_pairs(windows, steps.eval_step, params, batch_size,
+                                                steps.batch_sharding)
+        results |= {f"{prefix}/{name}": value for name, value in means.items()}
+        results |= {f"{prefix}/loss_stderr": stderr, f"{prefix}/pairs": float(windows.num_windows)}
+        continue
       loss, stderr, tokens = eval_set.evaluate(windows, steps.eval_step, params, batch_size,
                                                steps.batch_sharding)
-      prefix = "eval" if len(sources) == 1 else f"eval/{windows.source.name}"
       results |= {f"{prefix}/loss": loss, f"{prefix}/loss_stderr": stderr,
                   f"{prefix}/perplexity": float(np.exp(loss)), f"{prefix}/tokens": tokens}
       if not windows.source.has_loss_weights:
@@ -312,7 +320,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       if step_num % trainer.eval_every_steps == 0 or finished:
         nonfinite.flush()
         with _phase(report_progress, "eval"):
-          eval_metrics = evaluate(state.model_params)
+          eval_metrics = evaluate(state)
         writer.write_scalars(step_num, eval_metrics)
         last_metrics |= eval_metrics
         throughput.reset(step_num)

@@ -75,9 +75,9 @@ def test_eval_loss_of_the_same_params_does_not_depend_on_the_batch_layout(tiny_c
                                            run.sharding)
     steps = step.build(run, partitioner, eos_id=256)
     with partitioner.activation_context():
-      params = steps.init(jax.random.key(0)).params
+      state = steps.init(jax.random.key(0))
       evaluate = train._make_evaluate(run, steps, [source_of(directory)])  # pylint: disable=protected-access
-      losses[batch_size, accumulation, reader_groups] = evaluate(params)
+      losses[batch_size, accumulation, reader_groups] = evaluate(state)
   first = next(iter(losses.values()))
   assert first["eval/tokens"] == 20 * 63
   for layout, metrics in losses.items():

@@ -23,6 +23,7 @@ span, so the tokens are those the model will see.
 
 A `prompt_completion` record is `{"prompt": ..., "completion": ...}`: the
 plain text prompt + completion, the completion and the EOS after it weighted.
+`encode_reply` weighs one reply to a prompt, either way (preference data).
 """
 import dataclasses
 import datetime
@@ -222,6 +223,22 @@ def _weights(offsets: np.ndarray, spans: list) -> np.ndarray:
   for start, end in spans:
     weights |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
   return weights
+
+
+def encode_reply(tokenizer, template: Optional[ChatTemplate], prompt, reply: dict,
+                 where: str) -> tuple[str, np.ndarray, np.ndarray]:
+  """(text, tokens, loss weights: the tokens' and the EOS's) of one reply to a prompt, only the
+  reply weighted: a string prompt and reply joined as plain text (the EOS after it weighted, as
+  a completion's), or a conversation (a list of messages) and the assistant message `reply`
+  rendered by `template`, its turn weighted as a chat's (preference data: data/preference.py)."""
+  if isinstance(prompt, str):
+    text = prompt + reply["content"]
+    spans, eos_weight = [(len(prompt), len(text))], 1
+  else:
+    text, spans = assistant_spans(template, [*prompt, reply], where)
+    spans, eos_weight = spans[-1:], 0
+  tokens, offsets = tokenizer.encode_with_offsets(text)
+  return text, tokens, np.append(_weights(offsets, spans), np.uint8(eos_weight))
 
 
 class Encoder:

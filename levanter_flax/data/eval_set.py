@@ -12,7 +12,9 @@ under it; a global eval batch is every process's next rows, the last one
 padded with rows that are scored and then left out.
 
 A dataset with loss weights (chat and instruction data) scores only its
-weighted tokens: the loss is their mean, whichever windows they fall in.
+weighted tokens: the loss is their mean, whichever windows they fall in. A
+preference dataset's windows are its pairs (each document one window), scored
+by DPO (`evaluate_pairs`).
 """
 import dataclasses
 import functools
@@ -190,18 +192,11 @@ def evaluate(eval_set: EvalSet, eval_step, params, batch_size: int,
   estimate's (the delta method), which is the former's when every window's
   weight is the same.
   """
-  rows = process_rows(sharding, batch_size, eval_set.process_count)
-  outputs = [eval_step(params, batch) for batch, _ in loader.global_arrays(
-      ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)]
-  scored = eval_set.scored(rows)
+  per_window = _scored_outputs(eval_set, eval_step, params, batch_size, sharding)
   if eval_set.loss_weights is None:
-    per_window = np.concatenate(jax.device_get(outputs)).astype(np.float64)[scored]
-    stderr = (per_window.std(ddof=1) / math.sqrt(len(per_window)) if len(per_window) > 1
-              else math.nan)
     tokens = eval_set.num_windows * (eval_set.windows.shape[1] - 1)
-    return float(per_window.mean()), float(stderr), float(tokens)
-  sums, weights = (np.concatenate(parts).astype(np.float64)[scored]
-                   for parts in zip(*jax.device_get(outputs)))
+    return float(per_window.mean()), _standard_error(per_window), float(tokens)
+  sums, weights = per_window
   total = weights.sum()
   if not total:
     raise UserError(f"the eval set of {eval_set.source.directory} holds no token with a loss "
@@ -211,3 +206,29 @@ def evaluate(eval_set: EvalSet, eval_step, params, batch_size: int,
   stderr = (math.sqrt(count / (count - 1) * np.sum((sums - loss * weights) ** 2)) / total
             if count > 1 else math.nan)
   return float(loss), float(stderr), float(total)
+
+
+def evaluate_pairs(eval_set: EvalSet, eval_step, params, batch_size: int,
+                   sharding: jax.sharding.Sharding) -> tuple[dict[str, float], float]:
+  """(the mean of each of eval_step's per-window outputs over a preference eval set, whose every
+  window is a pair: DPO's "loss" and the dpo/ metrics; the loss's standard error), the same on
+  every process."""
+  pairs = _scored_outputs(eval_set, eval_step, params, batch_size, sharding)
+  return ({name: float(values.mean()) for name, values in pairs.items()},
+          _standard_error(pairs["loss"]))
+
+
+def _scored_outputs(eval_set: EvalSet, eval_step, params, batch_size: int,
+                    sharding: jax.sharding.Sharding):
+  """eval_step's output for the set's windows (a tree of per-window arrays), in float64,
+  every batch's concatenated and the padding left out."""
+  rows = process_rows(sharding, batch_size, eval_set.process_count)
+  outputs = [eval_step(params, batch) for batch, _ in loader.global_arrays(
+      ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)]
+  scored = eval_set.scored(rows)
+  return jax.tree.map(lambda *parts: np.concatenate(parts).astype(np.float64)[scored],
+                      *jax.device_get(outputs))
+
+
+def _standard_error(values: np.ndarray) -> float:
+  return float(values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else math.nan)

@@ -19,6 +19,10 @@ FORMAT_VERSION = 2
 # A dataset with loss weights (chat and instruction data; tfrecord.py): a version of its own, so
 # that a trainer from before weights refuses it rather than train on every token.
 WEIGHTED_FORMAT_VERSION = 3
+# Preference data (data/preference.py): weighted, each document one pair of `seq_len` tokens
+# whose weights are DPO's codes; a version of its own, so that no trainer takes it for chat data.
+PREFERENCE_FORMAT_VERSION = 4
+VERSIONS = (FORMAT_VERSION, WEIGHTED_FORMAT_VERSION, PREFERENCE_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 
@@ -30,7 +34,14 @@ _WEIGHTED_SHARD_FIELDS = {"loss_weights_crc32c": int, "num_loss_tokens": int}
 
 def has_loss_weights(manifest: dict) -> bool:
   """Whether the dataset's documents carry loss weights (else every token's is 1)."""
-  return manifest.get("format_version") == WEIGHTED_FORMAT_VERSION
+  return manifest.get("format_version") in (WEIGHTED_FORMAT_VERSION, PREFERENCE_FORMAT_VERSION)
+
+
+def preference_seq_len(manifest: dict) -> int:
+  """A preference dataset's row length (each document one pair); 0 for any other dataset."""
+  if manifest.get("format_version") != PREFERENCE_FORMAT_VERSION:
+    return 0
+  return manifest["seq_len"]
 
 
 def _lacks(value, where: str, fields: dict[str, type]) -> str:
@@ -45,6 +56,9 @@ def _manifest_problem(manifest: dict) -> str:
   """What makes a manifest (of the right version) unusable, or ""."""
   if problem := _lacks(manifest.get("tokenizer"), "'tokenizer'", _TOKENIZER_FIELDS):
     return problem
+  if manifest["format_version"] == PREFERENCE_FORMAT_VERSION and not (
+      isinstance(manifest.get("seq_len"), int) and manifest["seq_len"] > 0):
+    return "a preference dataset's 'seq_len' is not a positive integer"
   if manifest.get("token_dtype") not in ("uint16", "int32"):
     return f"'token_dtype' is {manifest.get('token_dtype')!r}, not uint16 or int32"
   splits = manifest.get("splits")
@@ -83,10 +97,11 @@ def load_manifest(directory: epath.Path) -> dict:
     raise UserError(f"cannot read dataset manifest {path}: {e}") from e
   if not isinstance(manifest, dict):
     raise UserError(f"dataset manifest {path} is not a JSON object; prepare the data again")
-  if manifest.get("format_version") not in (FORMAT_VERSION, WEIGHTED_FORMAT_VERSION):
+  if manifest.get("format_version") not in VERSIONS:
     raise UserError(f"{path} has format_version {manifest.get('format_version')}; "
-                    f"this trainer reads versions {FORMAT_VERSION} and {WEIGHTED_FORMAT_VERSION} "
-                    f"(with loss weights); prepare the data again")
+                    f"this trainer reads versions {FORMAT_VERSION}, {WEIGHTED_FORMAT_VERSION} "
+                    f"(with loss weights) and {PREFERENCE_FORMAT_VERSION} (preference pairs); "
+                    f"prepare the data again")
   if problem := _manifest_problem(manifest):
     raise UserError(f"dataset manifest {path} is malformed: {problem}; prepare the data again")
   for split in SPLITS:
@@ -123,6 +138,10 @@ class PreparedDataset:
   @property
   def has_loss_weights(self) -> bool:
     return has_loss_weights(self.manifest)
+
+  @property
+  def preference_seq_len(self) -> int:
+    return preference_seq_len(self.manifest)
 
   @property
   def has_validation(self) -> bool:

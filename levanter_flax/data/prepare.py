@@ -24,8 +24,9 @@ from absl import logging
 from etils import epath
 
 from levanter_flax import lifetime, locks, paths
-from levanter_flax.data import chat, import_tensorflow, sources, tfrecord
-from levanter_flax.data.manifest import FORMAT_VERSION, MANIFEST, SPLITS, WEIGHTED_FORMAT_VERSION
+from levanter_flax.data import chat, import_tensorflow, preference, sources, tfrecord
+from levanter_flax.data.manifest import (FORMAT_VERSION, MANIFEST, PREFERENCE_FORMAT_VERSION,
+                                         SPLITS, WEIGHTED_FORMAT_VERSION)
 from levanter_flax.data.tokenizers import identity, load_tokenizer, train_bpe
 from levanter_flax.errors import UserError
 
@@ -51,6 +52,7 @@ class PrepareOptions:
   num_workers: int = 1  # local: processes; beam: the local runner's worker processes.
   beam_pipeline_options: tuple[str, ...] = ()  # Passed to Beam; see beam_engine.
   chat_template: str = ""  # chat: a Jinja file, instead of the tokenizer's own template.
+  seq_len: int = 0  # preference: each pair is one row of this many tokens (EOS included).
 
   @property
   def weighted(self) -> bool:
@@ -66,6 +68,8 @@ class PrepareOptions:
       del args["tokenizer_sample_bytes"]
     if not self.chat_template:  # As recorded before chat sources.
       del args["chat_template"]
+    if not self.seq_len:  # As recorded before preference sources.
+      del args["seq_len"]
     return json.loads(json.dumps(args))  # Tuples become lists, as they read back.
 
 
@@ -87,8 +91,14 @@ def _write_json_atomically(path: epath.Path, value) -> None:
 
 
 def chat_template(options: PrepareOptions, tokenizer) -> chat.ChatTemplate | None:
-  """The template a chat source is rendered with; None for other sources."""
-  if options.source.kind != "chat":
+  """The template a chat source is rendered with, and a preference source's conversations if
+  it has one (else None: its conversational records are refused); None for other sources."""
+  if options.source.kind == "preference" and not options.chat_template:
+    try:
+      return chat.load_template(options.tokenizer, "", tokenizer.eos_text)
+    except UserError:  # Only needed by conversational records, which say so.
+      return None
+  if options.source.kind not in ("chat", "preference"):
     return None
   return chat.load_template(options.tokenizer, options.chat_template, tokenizer.eos_text)
 
@@ -100,10 +110,16 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
     for key, text in documents:
       yield key, text, tokenizer.encode(text), None
     return
-  encode = chat.Encoder(options.source.kind, tokenizer, chat_template(options, tokenizer))
+  template = chat_template(options, tokenizer)
+  if options.source.kind == "preference":
+    encode = preference.PairEncoder(tokenizer, template, options.seq_len)
+  else:
+    encode = chat.Encoder(options.source.kind, tokenizer, template)
   for key, record in documents:
     encoded = encode(record.fields, record.where)
-    if encoded is None:
+    if encoded is None and options.source.kind == "preference":
+      stats.pairs_too_long_skipped += 1
+    elif encoded is None:
       stats.conversations_without_assistant_skipped += 1
     elif not encoded[0].strip():
       stats.empty_documents_skipped += 1
@@ -356,7 +372,9 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped"
                     + (f", {stats.conversations_without_assistant_skipped} conversations without "
-                       f"an assistant turn" if options.source.kind == "chat" else "") + ")")
+                       f"an assistant turn" if options.source.kind == "chat" else "")
+                    + (f", {stats.pairs_too_long_skipped} pairs longer than --seq_len "
+                       f"{options.seq_len}" if options.source.kind == "preference" else "") + ")")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
   for split, shards in splits.items():
     if not sum(s["num_documents"] for s in shards) and (split == "train" or
@@ -365,8 +383,10 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
       raise UserError(f"source {where} gave no {split} documents out of {stats.documents}; "
                       f"adjust --validation_fraction ({options.validation_fraction}) and run "
                       f"again (this attempt's shards are removed)")
+  version = WEIGHTED_FORMAT_VERSION if options.weighted else FORMAT_VERSION
   manifest = {
-      "format_version": WEIGHTED_FORMAT_VERSION if options.weighted else FORMAT_VERSION,
+      "format_version": (PREFERENCE_FORMAT_VERSION if options.source.kind == "preference"
+                         else version),
       "tokenizer": dataclasses.asdict(tokenizer),
       "token_dtype": tfrecord.token_dtype(tokenizer.vocab_size),
       "source": {**options.arguments()["source"], "num_input_files": num_files,
@@ -375,6 +395,8 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
   }
   if template := chat_template(options, load_tokenizer(tokenizer_spec)):
     manifest["chat_template"] = {"file": template.origin, "sha256": template.sha256}
+  if options.source.kind == "preference":  # Each document is one pair, one row of the batch.
+    manifest["seq_len"] = options.seq_len
   if options.train_tokenizer_vocab_size:
     manifest["tokenizer_training"] = json.loads((options.output_dir / TOKENIZER_SAMPLE).read_text())
   _write_json_atomically(options.output_dir / MANIFEST, manifest)
@@ -394,7 +416,11 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
   if options.weighted:
     logging.info("Prepared %s: %s train tokens carry loss weight (%s)", options.output_dir,
                  f"{sum(s['num_loss_tokens'] for s in train):,}",
-                 "the assistant turns" if options.source.kind == "chat" else "the completions")
+                 {"chat": "the assistant turns", "preference": "the replies"}.get(
+                     options.source.kind, "the completions"))
+  if skipped := source["pairs_too_long_skipped"]:
+    logging.warning("Prepared %s: %d pairs longer than --seq_len %d were skipped",
+                    options.output_dir, skipped, options.seq_len)
   if skipped := source["conversations_without_assistant_skipped"]:
     logging.warning("Prepared %s: %d conversations without an assistant turn were skipped",
                     options.output_dir, skipped)
@@ -415,6 +441,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   if not options.train_tokenizer_vocab_size:
     load_tokenizer(options.tokenizer)
   wanted = options.arguments() | _input_fingerprint(options, files)
+  _check_seq_len(options)
   if options.weighted:
     wanted |= _check_weighted(options)
   pipeline = None
@@ -442,8 +469,21 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   return options.output_dir
 
 
+def _check_seq_len(options: PrepareOptions) -> None:
+  """--seq_len: a preference source's, and only its."""
+  kind = options.source.kind
+  if (kind == "preference") != bool(options.seq_len):
+    raise UserError("a preference source needs --seq_len, the model's config.model.seq_len: "
+                    "each pair is one row" if kind == "preference" else
+                    f"--seq_len is for --source=preference, not {kind}")
+  if kind == "preference" and options.seq_len < 4:
+    raise UserError(f"--seq_len {options.seq_len} holds no pair: a row holds an EOS and each "
+                    f"reply with its EOS")
+
+
 def _check_weighted(options: PrepareOptions) -> dict:
-  """A chat or prompt_completion source's own checks; what else decides its shards."""
+  """A chat, prompt_completion or preference source's own checks; what else decides its
+  shards."""
   kind = options.source.kind
   if options.train_tokenizer_vocab_size:
     raise UserError(f"a {kind} source needs a given --tokenizer (with its chat template), not "
@@ -456,8 +496,8 @@ def _check_weighted(options: PrepareOptions) -> dict:
   if template := chat_template(options, tokenizer):
     return {"chat_template_sha256": template.sha256}
   if options.chat_template:
-    raise UserError(f"--chat_template is for --source=chat; {kind} joins prompt and completion "
-                    f"as plain text")
+    raise UserError(f"--chat_template is for --source=chat or preference; {kind} joins prompt "
+                    f"and completion as plain text")
   return {}
 
 

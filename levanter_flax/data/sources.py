@@ -1,5 +1,5 @@
 """Where documents come from: text files, JSON lines, Parquet, a TFDS dataset, or the stdlib;
-chat and prompt/completion records from JSON lines.
+chat, prompt/completion and preference records from JSON lines.
 
 Each reader yields (key, text) pairs, or (key, Record) for the record kinds.
 The key names the document (a path, file:line, or dataset index) in error
@@ -26,9 +26,10 @@ from levanter_flax import paths
 from levanter_flax.data import import_tensorflow
 from levanter_flax.errors import UserError
 
-KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds", "chat", "prompt_completion")
-# JSON lines read whole, each turned into tokens with loss weights (chat.py), not plain text.
-RECORD_KINDS = ("chat", "prompt_completion")
+KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds", "chat", "prompt_completion", "preference")
+# JSON lines read whole, each turned into tokens with loss weights (chat.py, preference.py), not
+# plain text.
+RECORD_KINDS = ("chat", "prompt_completion", "preference")
 DECODE_POLICIES = ("replace", "error")
 
 
@@ -45,7 +46,7 @@ class SourceSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-  """A JSON-lines record of a chat or prompt_completion source, and where it is (file:line)."""
+  """A JSON-lines record of a record kind's source, and where it is (file:line)."""
   where: str
   fields: dict
 
@@ -56,6 +57,7 @@ class SourceStats:
   empty_documents_skipped: int = 0
   invalid_utf8_documents: int = 0
   conversations_without_assistant_skipped: int = 0  # chat: nothing to learn from them.
+  pairs_too_long_skipped: int = 0  # preference: a pair longer than its row (--seq_len).
 
   def add(self, other: "SourceStats") -> None:
     for field in dataclasses.fields(self):

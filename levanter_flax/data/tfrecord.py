@@ -7,7 +7,8 @@ tf.io.decode_raw, which keeps the loader cheap.
 Chat and instruction data (a dataset whose manifest says "loss_weights") also
 has a `loss_weights` feature per document: one uint8 (0 or 1) per token and
 one more for the EOS the loader appends after it, the weight of each as a
-target of the loss. Pretraining data has none: every weight is 1.
+target of the loss. Preference data has codes there instead (dpo.py: 1 the
+chosen reply, 2 the rejected). Pretraining data has none: every weight is 1.
 """
 import os
 from typing import Iterator
@@ -51,7 +52,7 @@ class ShardWriter:
   which the loader checks as it decodes the shard: a shard of other data
   with the same counts is told apart. With `weighted`, each document comes with
   its loss weights (see the module's docstring), checksummed the same way
-  (`loss_weights_crc32c`) and summed (`num_loss_tokens`).
+  (`loss_weights_crc32c`) and its weighted tokens counted (`num_loss_tokens`).
   """
 
   def __init__(self, path: epath.Path, dtype: str, weighted: bool = False):
@@ -73,7 +74,7 @@ class ShardWriter:
         raise ValueError("a weighted shard needs a weight per token and one for the EOS")
       raw_weights = _raw(loss_weights, "uint8")
       self.loss_weights_crc32c = google_crc32c.extend(self.loss_weights_crc32c, raw_weights)
-      self.num_loss_tokens += int(np.sum(loss_weights))
+      self.num_loss_tokens += int(np.count_nonzero(loss_weights))
     self._writer.write(_example(raw, raw_weights))
     self.tokens_crc32c = google_crc32c.extend(self.tokens_crc32c, raw)
     self.num_documents += 1
