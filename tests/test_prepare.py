@@ -387,7 +387,7 @@ import logging, pathlib, sys, time
 from levanter_flax.data import prepare, sources, tfrecord
 logging.basicConfig(level=logging.INFO)
 write, run_shards = tfrecord.ShardWriter.write, prepare._run_shards
-tfrecord.ShardWriter.write = lambda self, tokens: (time.sleep(0.1), write(self, tokens))
+tfrecord.ShardWriter.write = lambda self, *args: (time.sleep(0.1), write(self, *args))
 prepare._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))[1]
 prepare.prepare_dataset(prepare.PrepareOptions(
     source=sources.SourceSpec(kind="text", inputs=(sys.argv[1],)),
