@@ -12,6 +12,9 @@ nano: a tiny byte-level Qwen2 with tied embeddings, llama.py:nano's run on the C
 0_5b_sft: chat SFT from Qwen2-0.5B-Instruct, as README.md's "Fine-tune a Hugging Face model"
     runs it (prepare --source=chat, then this with the same three keys as 0_5b).
 
+0_5b_dpo: DPO of such a chat model on preference pairs (prepare --source=preference
+    --seq_len=1024), the same three keys.
+
 configs/qwen2_<variant>.py name 0_5b and nano too.
 """
 from levanter_flax.config import (choose_variant, default_config, mesh, model_config, model_like,
@@ -53,7 +56,24 @@ def qwen2_0_5b_sft():
   return config
 
 
-VARIANTS = {"nano": nano, "0_5b": qwen2_0_5b, "0_5b_sft": qwen2_0_5b_sft}
+def qwen2_0_5b_dpo():
+  """DPO of a Qwen2-0.5B chat model (0_5b_sft's export, or Qwen2-0.5B-Instruct) on preference
+  pairs prepared with --source=preference --seq_len=1024; the reference model is the starting
+  checkpoint, kept once in the workdir."""
+  config = qwen2_0_5b()
+  config.model.seq_len = 1024  # One pair, prompt and both replies, per row.
+  config.trainer.batch_size = 32  # Pairs a step.
+  config.trainer.num_train_steps = 500
+  config.optimizer.learning_rate = 5e-7  # DPO moves a model little (Rafailov et al. used 1e-6).
+  config.optimizer.warmup_steps = 50
+  config.optimizer.weight_decay = 0.0
+  config.dpo.beta = 0.1
+  config.checkpoint.every_steps = 100
+  return config
+
+
+VARIANTS = {"nano": nano, "0_5b": qwen2_0_5b, "0_5b_sft": qwen2_0_5b_sft,
+            "0_5b_dpo": qwen2_0_5b_dpo}
 
 
 def get_config(variant=None):

@@ -27,7 +27,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_required_configs_exist():
-  assert {*EARLIER, "qwen2:0_5b_sft", "llama:1b_lora", "shakespeare_char", "nanogpt_cpu"} <= set(
+  assert {*EARLIER, "qwen2:0_5b_sft", "qwen2:0_5b_dpo", "llama:1b_lora", "shakespeare_char", "nanogpt_cpu"} <= set(
       SHIPPED)
 
 
