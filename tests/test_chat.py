@@ -155,6 +155,10 @@ def test_bad_chat_input_is_one_line_naming_it(tmp_path, tokenizer_file, caplog):
   with pytest.raises(UserError, match=r"tool\.jsonl:2: the chat template .* refuses this "
                                       r"conversation: Unknown role: tool"):
     prepare_records(tmp_path, "chat", [MULTI_TURN, tool], tokenizer_file, name="tool")
+  # Fixed in place, the same command runs in the directory the failure left.
+  directory = prepare_records(tmp_path, "chat", [MULTI_TURN, MULTI_TURN], tokenizer_file,
+                              name="tool")
+  assert len(documents(directory)) == 2
 
   plain = make_tokenizer(tmp_path / "plain", template=None)
   with pytest.raises(UserError, match="has no chat template .* pass --chat_template=FILE"):

@@ -233,9 +233,19 @@ def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> Non
       raise UserError(f"{options.output_dir} was partly prepared by an older prepare, which "
                       f"trained its tokenizer otherwise; use a new --output_dir")
   changed = sorted(k for k in set(wanted) | set(previous) if wanted.get(k) != previous.get(k))
+  if changed and record and not _has_work(options.output_dir):
+    # An earlier try failed before it kept anything (a bad input line): nothing to mix with.
+    _write_json_atomically(path, wanted)
+    return
   if changed:
     raise UserError(f"{options.output_dir} was prepared with different arguments "
                     f"({', '.join(changed)}); use a new --output_dir")
+
+
+def _has_work(directory: epath.Path) -> bool:
+  """Whether a directory holds anything an earlier prepare finished: a shard, a tokenizer."""
+  return (any(directory.glob("shard-*.done.json"))
+          or any((directory / name).exists() for name in (TRAINED_TOKENIZER, TOKENIZER_SAMPLE)))
 
 
 # What a killed writer leaves: each file is written under a temp name first
