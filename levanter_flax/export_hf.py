@@ -28,8 +28,9 @@ from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.models import lora
 
 # What a previous export (or another HF checkpoint) leaves that would mix with ours.
-_STALE = ("*.safetensors", "*.safetensors.index.json", "generation_config.json",
-          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+_STALE = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+          "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "tokenizer.model")
 # Beside a tokenizer.json, what AutoTokenizer reads with it: special tokens, the chat template.
 _TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 # transformers' units of --max_shard_size (utils.hub.convert_file_size_to_int); a lower-case
@@ -138,10 +139,10 @@ def merge_lora(model_cfg, params, workdir: epath.Path, merge: bool, adapter: boo
   return lora.merge_into_base(model_cfg, params) if merge else (model_cfg, params)
 
 
-def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path) -> None:
+def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path, dtype: str) -> None:
   """A PEFT LoRA adapter: adapter_config.json and adapter_model.safetensors, each targeted
   module's lora_A [rank, in] and lora_B [rank, out] under peft's names, which HF's tensor names
-  give (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight)."""
+  give (base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), in `dtype`."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   if model_cfg.compute.scan_layers:
     params = models.unstack_layers(model_cfg, params)
@@ -151,7 +152,7 @@ def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path) -> Non
     path = names[f"{module}/kernel"][0].removesuffix(".weight")
     for name, matrix in (("lora_A", a), ("lora_B", b)):  # peft's are Linear weights: [out, in].
       tensors[f"base_model.model.{path}.{name}.weight"] = np.ascontiguousarray(
-          np.asarray(matrix, np.float32).T)
+          np.asarray(matrix).astype(hf.numpy_dtype(dtype)).T)
     modules.add(".".join(path.split(".")[-2:]))  # Every layer alike: attn.c_attn, mlp.up_proj.
   adapter_config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": model_cfg.lora.rank,
@@ -180,19 +181,23 @@ def main(argv: list[str]) -> None:
     workdir = paths.resolve(flag.workdir, "--workdir")
     check_output_dir(output_dir, workdir, flag.overwrite)
     max_shard_size = parse_size(flag.max_shard_size, "--max_shard_size")
+    if flag.adapter and flag["max_shard_size"].present:
+      raise UserError("--max_shard_size shards a model's weights; an --adapter is one file")
     model_cfg, params, saved = run_params(workdir)
     model_cfg, params = merge_lora(model_cfg, params, workdir, flag.merge_lora, flag.adapter)
+    dtype = flag.dtype or model_cfg.compute.param_dtype
     if flag.adapter:
       remove_stale_files(output_dir)
-      write_adapter(model_cfg, params, saved, output_dir)
+      write_adapter(model_cfg, params, saved, output_dir, dtype)
     else:
       files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
       remove_stale_files(output_dir)  # Only once there is something to write instead.
-      hf.save(model_cfg, params, output_dir, dtype=flag.dtype or model_cfg.compute.param_dtype,
-              max_shard_size=max_shard_size, token_ids=token_ids, files=files)
+      hf.save(model_cfg, params, output_dir, dtype=dtype, max_shard_size=max_shard_size,
+              token_ids=token_ids, files=files)
   except UserError as e:
     exit_with_error(str(e))
-  print(f"Wrote {model_cfg.architecture} to {flag.output_dir}")
+  what = "its LoRA adapter" if flag.adapter else model_cfg.architecture
+  print(f"Wrote {what} to {flag.output_dir}")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,13 @@ def _tensor(index: dict, theirs: str, transposed: bool, expected: tuple[int, ...
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+def numpy_dtype(name: str) -> np.dtype:
+  """One of DTYPES as numpy stores it (bfloat16 through ml_dtypes, as jax does)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  return np.dtype({"bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+                   "float32": np.float32}[name])
+
+
 def save(cfg: Any, params: dict, directory: epath.Path, *, dtype: str = "float32",
          max_shard_size: int = 5 * 10**9, token_ids: dict[str, Any] | None = None,
          files: dict[str, bytes] | None = None) -> None:
@@ -169,10 +176,9 @@ def save(cfg: Any, params: dict, directory: epath.Path, *, dtype: str = "float32
   generation stops at the EOS only if it is named. files: more files (name -> contents) to write
   beside them, e.g. the tokenizer's.
   """
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  stored = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+  stored = numpy_dtype(dtype)
   if cfg.compute.scan_layers:
     params = models.unstack_layers(cfg, params)
   paths.make_dirs(directory, "output directory")

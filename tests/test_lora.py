@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import peft
 import pytest
+import safetensors
 import torch
 import transformers
 
@@ -87,19 +88,28 @@ def test_adapters_alone_train_on_a_frozen_hf_base_and_export_merged_or_to_peft(
 
   assert_one_error_line(export(tmp_path / "run", tmp_path / "plain"),
                         "trains LoRA adapters (config.model.lora.rank 4): pass --merge_lora")
-  result = export(tmp_path / "run", tmp_path / "merged", "--merge_lora")
+  out = tmp_path / "export"
+  result = export(tmp_path / "run", out, "--adapter")
   assert result.returncode == 0, result.stderr[-3000:]
-  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-  assert np.abs(_torch_logits(merged) - ours).max() <= 1e-4
-
-  result = export(tmp_path / "run", tmp_path / "adapter", "--adapter")
-  assert result.returncode == 0, result.stderr[-3000:]
-  adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  adapter_config = json.loads((out / "adapter_config.json").read_text())
   assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 16.0)
   assert adapter_config["base_model_name_or_path"] == str(base_dir)
   base_model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-  adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval()
+  adapted = peft.PeftModel.from_pretrained(base_model, out).eval()
   assert np.abs(_torch_logits(adapted) - ours).max() <= 1e-4
+
+  # Over it, a merged export leaves none of the adapter's files that transformers would follow.
+  result = export(tmp_path / "run", out, "--merge_lora", "--overwrite")
+  assert result.returncode == 0, result.stderr[-3000:]
+  merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert np.abs(_torch_logits(merged) - ours).max() <= 1e-4
+  # And an adapter over that, in bfloat16, no model's config.json.
+  result = export(tmp_path / "run", out, "--adapter", "--overwrite", "--dtype=bfloat16")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                   "adapter_model.safetensors"]
+  with safetensors.safe_open(out / "adapter_model.safetensors", "np") as f:
+    assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
 
 
 def test_only_the_adapters_change_and_their_optimizer_state_is_all_there_is(tiny_gpt2):
