@@ -270,6 +270,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   if restored:
     saved, progress = restored
     logging.info("Resuming from checkpoint at step %d; %s", int(saved["step"]), progress)
+    _check_objective(workdir, abstract)
     frozen = None
     if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
       frozen = restore_frozen(workdir / FROZEN_BASE, abstract.frozen)
@@ -289,6 +290,22 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
 
 
 _REFERENCE = "the reference model of this DPO run (its initial params)"
+
+
+def _check_objective(workdir: epath.Path, abstract: step.TrainState) -> None:
+  """The data decides whether a run trains by DPO (preference data) or by next-token loss;
+  resumed on data of the other kind, it would switch objective silently. A DPO run without
+  LoRA is known by the reference it saved when it started."""
+  started_by_dpo = (workdir / REFERENCE).exists()
+  if abstract.reference is not None and not started_by_dpo:
+    raise UserError(f"the run in {workdir} trained by next-token loss, and its data is now "
+                    f"preference data, which trains by DPO: start DPO in a new --workdir from "
+                    f"this run (config.checkpoint.load_path, or its export as "
+                    f"config.trainer.init_from_hf)")
+  if abstract.reference is None and abstract.frozen is None and started_by_dpo:
+    raise UserError(f"the run in {workdir} trains by DPO, but its data is no longer preference "
+                    f"data (prepare --source=preference); point config.data at its preference "
+                    f"data, or use a new --workdir")
 
 
 def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset],

@@ -195,6 +195,11 @@ def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path):
   train_and_evaluate(to_run_config(config), tmp_path / "run")
   resumed = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m][-1]
   assert resumed["step"] == 16 and resumed["dpo/margin"] > 1
+  # On other data than preference pairs it would train by next-token loss: refused.
+  config.data.dataset, config.data.restart_changed_datasets = "stdlib", True
+  config.trainer.num_train_steps = 17
+  with pytest.raises(UserError, match=r"trains by DPO, but its data is no longer preference"):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")
 
 
 def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_pairs, tmp_path):
@@ -229,3 +234,12 @@ def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pair
   config.data.mixture.text = dict(dataset="stdlib", weight=0.5)
   with pytest.raises(UserError, match=r"mixes preference data \(pairs\) with other data \(text\)"):
     train_and_evaluate(to_run_config(config), tmp_path / "mixed")
+  # A run that trained by next-token loss does not turn to DPO when its data does.
+  del config.data.mixture.pairs, config.data.mixture.text
+  config.trainer.num_train_steps = config.trainer.eval_every_steps = 1
+  train_and_evaluate(to_run_config(config), tmp_path / "next_token")
+  config.data.dataset, config.data.restart_changed_datasets = str(byte_pairs), True
+  config.trainer.num_train_steps = 2
+  with pytest.raises(UserError, match=r"trained by next-token loss, and its data is now "
+                                      r"preference data"):
+    train_and_evaluate(to_run_config(config), tmp_path / "next_token")
