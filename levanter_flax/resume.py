@@ -222,24 +222,30 @@ def save_config(run: RunConfig, workdir: epath.Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
-  """The checkpoint's `data` item: where the input stream is, and the skipped-step counts
-  (trainer.nan_policy='skip'), which a restart must not reset."""
+  """The checkpoint's `data` item: where the input stream is, the skipped-step counts
+  (trainer.nan_policy='skip'), which a restart must not reset, and whether the run trains by
+  DPO (its data decides, so a resume on data of the other kind must not switch silently)."""
   position: DataPosition
   skipped_steps: int = 0
   consecutive_skipped_steps: int = 0
+  dpo: bool = False
 
   def to_json(self) -> dict:
     return self.position.to_json() | {"skipped_steps": self.skipped_steps,
-                                      "consecutive_skipped_steps": self.consecutive_skipped_steps}
+                                      "consecutive_skipped_steps": self.consecutive_skipped_steps,
+                                      "dpo": self.dpo}
 
   @classmethod
   def from_json(cls, value: dict) -> "Progress":
-    """Raises ValueError for anything but what to_json writes (the counts: 0 if absent)."""
+    """Raises ValueError for anything but what to_json writes (the counts: 0 if absent; dpo:
+    False, as every run before DPO)."""
     position = DataPosition.from_json(value)
     counts = [value.get(key, 0) for key in ("skipped_steps", "consecutive_skipped_steps")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
       raise ValueError(f"not a count of skipped steps: {counts}")
-    return cls(position, *counts)
+    if not isinstance(value.get("dpo", False), bool):
+      raise ValueError(f"dpo is not a boolean: {value['dpo']!r}")
+    return cls(position, *counts, dpo=value.get("dpo", False))
 
 
 def initial_state(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
@@ -270,7 +276,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   if restored:
     saved, progress = restored
     logging.info("Resuming from checkpoint at step %d; %s", int(saved["step"]), progress)
-    _check_objective(workdir, abstract)
+    _check_objective(workdir, progress, steps.preference)
     frozen = None
     if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
       frozen = restore_frozen(workdir / FROZEN_BASE, abstract.frozen)
@@ -280,6 +286,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
     return step.TrainState.from_checkpointed(saved, frozen, reference), progress
   _warn_if_logged_before(workdir, checkpointer)
   state, progress = _initial_state(run, steps, sources, abstract)
+  progress = dataclasses.replace(progress, dpo=steps.preference)  # Whatever another run did.
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
     save_frozen(workdir / FROZEN_BASE, state.frozen)
   if state.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
@@ -292,20 +299,18 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
 _REFERENCE = "the reference model of this DPO run (its initial params)"
 
 
-def _check_objective(workdir: epath.Path, abstract: step.TrainState) -> None:
-  """The data decides whether a run trains by DPO (preference data) or by next-token loss;
-  resumed on data of the other kind, it would switch objective silently. A DPO run without
-  LoRA is known by the reference it saved when it started."""
-  started_by_dpo = (workdir / REFERENCE).exists()
-  if abstract.reference is not None and not started_by_dpo:
+def _check_objective(workdir: epath.Path, progress: Progress, preference: bool) -> None:
+  """The data decides whether a run trains by DPO (preference data) or by next-token loss; a
+  resume on data of the other kind would switch objective silently."""
+  if progress.dpo and not preference:
+    raise UserError(f"the run in {workdir} trains by DPO, but its data is no longer preference "
+                    f"data (prepare --source=preference); point config.data at its preference "
+                    f"data, or use a new --workdir")
+  if preference and not progress.dpo:
     raise UserError(f"the run in {workdir} trained by next-token loss, and its data is now "
                     f"preference data, which trains by DPO: start DPO in a new --workdir from "
                     f"this run (config.checkpoint.load_path, or its export as "
                     f"config.trainer.init_from_hf)")
-  if abstract.reference is None and abstract.frozen is None and started_by_dpo:
-    raise UserError(f"the run in {workdir} trains by DPO, but its data is no longer preference "
-                    f"data (prepare --source=preference); point config.data at its preference "
-                    f"data, or use a new --workdir")
 
 
 def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset],

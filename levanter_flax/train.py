@@ -2,6 +2,7 @@
 as it trains and the state it starts from."""
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -209,10 +210,12 @@ class _NonFiniteSteps:
     self._pending = []
     # As checkpointed: a run that crash-loops on bad data still reaches max_consecutive.
     self.count, self._consecutive = restored.skipped_steps, restored.consecutive_skipped_steps
+    self._restored = restored
 
   def progress(self, position: DataPosition) -> resume.Progress:
     """What a checkpoint saves with the state, once flushed."""
-    return resume.Progress(position, self.count, self._consecutive)
+    return dataclasses.replace(self._restored, position=position, skipped_steps=self.count,
+                               consecutive_skipped_steps=self._consecutive)
 
   def add(self, step_num: int, step_metrics: dict) -> None:
     self._pending.append((step_num, step_metrics["train/nonfinite"]))

@@ -219,6 +219,11 @@ def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_p
   assert first["dpo/margin"] == pytest.approx(0, abs=1e-6)
   assert (tmp_path / "run" / "lora_base").is_dir()
   assert not (tmp_path / "run" / "dpo_reference").exists()
+  # Its checkpoints say it trains by DPO: on other data it is refused, LoRA or not.
+  config.data.dataset, config.data.restart_changed_datasets = "stdlib", True
+  config.trainer.num_train_steps = 3
+  with pytest.raises(UserError, match=r"trains by DPO, but its data is no longer preference"):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")
 
 
 def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pairs, tmp_path):

@@ -1,4 +1,5 @@
 """LoRA (config.model.lora): adapters trained on a frozen base, exported merged or for peft."""
+import dataclasses
 import json
 import re
 import signal
@@ -19,7 +20,7 @@ from levanter_flax import flops, hf, models, partitioning, step
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
-from levanter_flax.models import lora
+from levanter_flax.models import common, lora
 from levanter_flax.train import train_and_evaluate
 from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
 from test_resume import run_killed_after_checkpoint
@@ -153,6 +154,23 @@ def test_adapters_shard_like_their_kernels_axes():
   assert spec("layers_0/self_attn/q_proj/lora_b", (8, 64)) == ("data", "model")
   assert spec("layers_0/mlp/down_proj/lora_a", (128, 8)) == ("model", "data")
   assert spec("layers_0/mlp/down_proj/lora_b", (8, 64)) == (None, "data")
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_dropout_reaches_the_adapters_of_every_layer_scanned_or_not(tiny_gpt2, scan_layers):
+  cfg = to_run_config(tiny_gpt2).model
+  cfg = common.with_compute(dataclasses.replace(cfg, lora=dataclasses.replace(
+      cfg.lora, rank=4, dropout=0.5)), scan_layers=scan_layers)
+  params = jax.tree_util.tree_map_with_path(  # B is zero at init: dropout would change nothing.
+      lambda path, x: x + 0.1 if "lora_b" in jax.tree_util.keystr(path) else x,
+      models.init_params(cfg, jax.random.key(0)))
+  tokens = np.arange(2 * cfg.seq_len).reshape(2, cfg.seq_len) % 256
+  model = models.build(cfg)
+  apply = lambda rngs: np.asarray(jax.jit(lambda r: model.apply({"params": params}, tokens,
+                                                                rngs=r))(rngs))
+  first, second = apply({"dropout": jax.random.key(1)}), apply({"dropout": jax.random.key(2)})
+  assert np.abs(first - second).max() > 1e-3  # Dropped where each key says.
+  np.testing.assert_array_equal(apply(None), apply(None))  # No key: no dropout (eval, sampling).
 
 
 def test_a_killed_lora_run_resumes_with_the_same_losses(data_cache, tmp_path):

@@ -155,7 +155,8 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared) 
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat])
   if cfg.compute.scan_layers:
     layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
-                     variable_axes={"params": 0, "cache": 0, "losses": 0}, split_rngs={"params": True},
+                     variable_axes={"params": 0, "cache": 0, "losses": 0},
+                     split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
                      in_axes=nn.broadcast, length=cfg.num_layers)
     x, _ = layers(layer(cfg, decode, name=name), x, shared)
     return x
