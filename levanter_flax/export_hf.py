@@ -30,7 +30,7 @@ from levanter_flax.models import lora
 # What a previous export (or another HF checkpoint) leaves that would mix with ours.
 _STALE = ("*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
           "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "tokenizer.model")
+          "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
 # Beside a tokenizer.json, what AutoTokenizer reads with it: special tokens, the chat template.
 _TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 # transformers' units of --max_shard_size (utils.hub.convert_file_size_to_int); a lower-case
@@ -86,8 +86,8 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
   one, so without a tokenizer_config.json naming another it is the BOS too, as in GPT-2's.
   """
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from levanter_flax.sample import run_tokenizer  # pylint: disable=g-import-not-at-top
-  tokenizer = run_tokenizer(workdir, saved)
+  from levanter_flax import sample  # pylint: disable=g-import-not-at-top
+  tokenizer = sample.run_tokenizer(workdir, saved)
   if tokenizer.kind != "huggingface":
     logging.warning("The run's %s tokenizer (data.tokenizer=%s) is no tokenizer.json: no "
                     "tokenizer files written; give transformers one of your own", tokenizer.kind,
@@ -99,23 +99,30 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
   for name in _TOKENIZER_CONFIGS:
     if (path.parent / name).is_file():
       files[name] = (path.parent / name).read_bytes()
-  if "tokenizer_config.json" not in files:
-    eos = vocab.id_to_token(tokenizer.eos_id)
-    files["tokenizer_config.json"] = (json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
-        "model_max_length": seq_len, "clean_up_tokenization_spaces": False}, indent=2)
-        + "\n").encode()
-    return files, {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.eos_id}
-  try:
-    config = json.loads(files["tokenizer_config.json"])
-  except ValueError as e:
-    raise UserError(f"cannot read {path.parent / 'tokenizer_config.json'}: {e}") from None
-  # Its own EOS (a chat template's end of turn, say) ends a generation too.
-  theirs = _token_id(vocab, config.get("eos_token"))
-  eos_ids = [tokenizer.eos_id] + [theirs] * (theirs not in (None, tokenizer.eos_id))
-  return files, {"eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+  if "tokenizer_config.json" in files:
+    try:
+      config = json.loads(files["tokenizer_config.json"])
+    except ValueError as e:
+      raise UserError(f"cannot read {path.parent / 'tokenizer_config.json'}: {e}") from None
+    # Its own EOS (a chat template's end of turn, say) ends a generation too.
+    theirs = _token_id(vocab, config.get("eos_token"))
+    eos_ids = [tokenizer.eos_id] + [theirs] * (theirs not in (None, tokenizer.eos_id))
+    token_ids = {"eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
                  "bos_token_id": _token_id(vocab, config.get("bos_token")),
                  "pad_token_id": _token_id(vocab, config.get("pad_token"))}
+  else:
+    eos = vocab.id_to_token(tokenizer.eos_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
+              "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    token_ids = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.eos_id}
+  # The template the chat data was rendered with, wherever prepare found it (--chat_template,
+  # chat_template.jinja), goes inside tokenizer_config.json, where AutoTokenizer reads it.
+  template = sample.trained_chat_template(saved, tokenizer)
+  if template is not None and config.get("chat_template") != template.source:
+    files["tokenizer_config.json"] = (json.dumps(config | {"chat_template": template.source},
+                                                 indent=2) + "\n").encode()
+  return files, token_ids
 
 
 def _token_id(vocab, token) -> int | None:

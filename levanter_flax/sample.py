@@ -208,14 +208,22 @@ def chat_template(saved: dict, tokenizer, template_file: str):
                     f"end-of-turn token; the run's data.tokenizer is {spec!r} ({tokenizer.kind})")
   if template_file:
     return chat.load_template(spec, template_file, tokenizer.eos_text)
-  recorded = [chat.recorded_template(spec, prepared["chat_template"], tokenizer.eos_text,
-                                     str(directory))
+  return (trained_chat_template(saved, tokenizer)
+          or chat.load_template(spec, "", tokenizer.eos_text))
+
+
+def trained_chat_template(saved: dict, tokenizer):
+  """The template the run's chat datasets were prepared with (their manifests record it, and
+  its file must still hold it); None for a run on no chat data."""
+  from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
+  recorded = [chat.recorded_template(saved["data.tokenizer"], prepared["chat_template"],
+                                     tokenizer.eos_text, str(directory))
               for directory, prepared in _run_manifests(saved, "read the chat template of")
               if "chat_template" in prepared]
   if len({template.sha256 for template in recorded}) > 1:
     raise UserError(f"the run's chat datasets were prepared with different chat templates "
                     f"({', '.join(t.origin for t in recorded)}); pass --chat_template=FILE")
-  return recorded[0] if recorded else chat.load_template(spec, "", tokenizer.eos_text)
+  return recorded[0] if recorded else None
 
 
 def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str

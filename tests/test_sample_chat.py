@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import REPO, xla_flags
-from levanter_flax import models
+from levanter_flax import export_hf, models
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.errors import UserError
@@ -127,3 +127,15 @@ def test_the_command_line_chats_with_a_run(chat_run_data, tiny_config, tmp_path)
   replies = result.stdout.split("--- ")[1:]
   assert [r.split("\n")[0] for r in replies] == ["'hello'", "'how are you'"]
   assert all("<|im_start|>" not in r and "<|im_end|>" not in r for r in replies)
+
+
+def test_an_export_carries_the_template_its_chat_data_was_rendered_with(chat_run_data, tmp_path):
+  """Prepared with --chat_template=FILE, not the tokenizer's own: the export's
+  tokenizer_config.json holds that file's template, where AutoTokenizer reads it."""
+  tokenizer_file, _ = chat_run_data
+  template = tmp_path / "system_first.jinja"
+  template.write_text("{{ '<|im_start|>system\nbe brief<|im_end|>\n' }}" + CHATML)
+  dataset = prepare_records(tmp_path, "chat", CHATS[:4], tokenizer_file,
+                            chat_template=str(template))
+  files, _ = export_hf.tokenizer_files(tmp_path, saved_config(tokenizer_file, dataset), 64)
+  assert json.loads(files["tokenizer_config.json"])["chat_template"] == template.read_text()
