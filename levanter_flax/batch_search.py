@@ -63,16 +63,17 @@ def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int =
 
 
 def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner, per_device: int,
-               accumulation: int = 1) -> int:
+               accumulation: int = 1, **data) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
   Built by step.build, as train.py builds it, so that the accumulator and the whole batch
-  (per_device x data-parallel size x accumulation sequences) are counted.
+  (per_device x data-parallel size x accumulation sequences) are counted. `data`: what the
+  run's datasets make of the step (step.build's loss_weights, preference).
   """
   trainer = dataclasses.replace(run.trainer, gradient_accumulation_steps=accumulation)
-  # The document mask costs the same whichever token is EOS, and the data is not read yet.
+  # The document mask costs the same whichever token is EOS.
   steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner,
-                     eos_id=0 if run.data.document_masking else None)
+                     eos_id=0 if run.data.document_masking else None, **data)
   inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
   with partitioner.activation_context():
     lowered = steps.train_step.lower(*inputs)
@@ -155,16 +156,16 @@ def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
 
 
 def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-            capacity: int = 0) -> "settings.TrainerConfig":
+            capacity: int = 0, **data) -> "settings.TrainerConfig":
   """The trainer config with batch_size and gradient_accumulation_steps chosen to fit the
-  partitioner's devices (of `capacity` bytes each, where they cannot say)."""
+  partitioner's devices (of `capacity` bytes each, where they cannot say). `data`: step_bytes'."""
   trainer, search = run.trainer, run.batch_search
   budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
   data_parallel = partitioner.data_parallel_size
   needs = {}
 
   def fits(per_device: int, accumulation: int) -> bool:
-    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation)
+    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation, **data)
     logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device "
                  "with gradient_accumulation_steps=%d (%d sequences per step); budget %s",
                  per_device, per_device * data_parallel, f"{needs[per_device]:,}", accumulation,

@@ -10,8 +10,9 @@ Everything here is decided before anything is restored: `resolve` reads config.j
 checks, and returns the run as it trains; `initial_state` then restores or creates the state.
 """
 import dataclasses
+import functools
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -47,11 +48,14 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   its datasets. A resume that config.json refuses stops here, before anything is restored."""
   saved = _saved_config(workdir, checkpointer, run.checkpoint.resume_without_config)
   kept = config.keep_chosen(config.flat_dict(run), saved)
-  trainer = _batch(run, kept, saved, partitioner, workdir)
-  _check_batch_size(trainer, partitioner)
   sources = loader.load_datasets(run.data)
   _check_vocab(sources[0], run.model.vocab_size)
   preference = _preference(run, sources)
+  # The step the search compiles is the one the run trains: DPO's reference, the loss weights.
+  search = functools.partial(batch_search.resolve, run, partitioner,
+                             loss_weights=loader.has_loss_weights(sources), preference=preference)
+  trainer = _batch(run, kept, saved, search, workdir)
+  _check_batch_size(trainer, partitioner)
   for source in sources:  # A split too small to evaluate: said now, not after the first steps.
     if source.has_validation:
       eval_set.num_windows(source, run.model.seq_len, trainer.eval_tokens)
@@ -116,14 +120,14 @@ def _saved_config(workdir: epath.Path, checkpointer: Checkpointer,
 
 
 def _batch(run: RunConfig, kept: dict, saved: Optional[dict],
-           partitioner: partitioning.Partitioner, workdir: epath.Path) -> TrainerConfig:
-  """The trainer with its batch: as set; for "auto", searched when the run first starts, else
-  as config.json keeps it (`kept`: config.keep_chosen's), never searched again."""
+           search: Callable[[], TrainerConfig], workdir: epath.Path) -> TrainerConfig:
+  """The trainer with its batch: as set; for "auto", searched (`search`) when the run first
+  starts, else as config.json keeps it (`kept`: config.keep_chosen's), never searched again."""
   trainer = run.trainer
   if trainer.batch_size != "auto":
     return trainer
   if kept["trainer.batch_size"] == "auto":  # The run's first start.
-    trainer = batch_search.resolve(run, partitioner)
+    trainer = search()
   else:
     trainer = dataclasses.replace(
         trainer, batch_size=kept["trainer.batch_size"],

@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import read_metrics
-from levanter_flax import dpo, partitioning, step
+from levanter_flax import batch_search, dpo, models, partitioning, step
 from levanter_flax.config import to_run_config
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.errors import UserError
@@ -248,3 +248,15 @@ def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pair
   with pytest.raises(UserError, match=r"trained by next-token loss, and its data is now "
                                       r"preference data"):
     train_and_evaluate(to_run_config(config), tmp_path / "next_token")
+
+
+def test_the_batch_search_compiles_the_step_with_its_reference_model(tiny_config):
+  """batch_size=auto on preference data sizes the DPO step: a second copy of the params (the
+  reference, replicated here as the params are) and its forward pass."""
+  run = to_run_config(tiny_config)
+  partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
+                                         run.sharding)
+  params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  plain = batch_search.step_bytes(run, partitioner, 2)
+  assert batch_search.step_bytes(run, partitioner, 2, preference=True) >= plain + param_bytes
