@@ -78,7 +78,7 @@ class Checkpointer:
     """`before_save` is called on every process before each save; it may raise to stop the run
     (locks.JobLock.check_all: the workdir's lock was lost)."""
     self.directory = paths.make_dirs(directory, "checkpoint directory")
-    self._before_save = before_save
+    self.before_save = before_save  # Also before the run's other writes (save_frozen).
     self._by_step = policies.FixedIntervalPolicy(config.every_steps)
     # Decided on process 0 and shared through jax's key-value store: each process's own
     # clock could disagree about a save, and a save is collective.
@@ -207,7 +207,7 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_position: dict, due: str = "step") -> None:
     """Starts writing; training continues while orbax finishes in the background."""
     self._finish_writing()  # The previous save, long done by now as a rule.
-    self._before_save()
+    self.before_save()
     self._writing, self._last_save = step, _SaveTime(step, _now())
     self._temporary[step] = due == "time"
     try:

@@ -292,10 +292,12 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   state, progress = _initial_state(run, steps, sources, abstract)
   progress = dataclasses.replace(progress, dpo=steps.preference)  # Whatever another run did.
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
+    checkpointer.before_save()
     save_frozen(workdir / FROZEN_BASE, state.frozen)
   if state.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
     copy = jax.jit(step.copied, out_shardings=steps.state_shardings.reference)
     state = state.replace(reference=copy(state.params))
+    checkpointer.before_save()
     save_frozen(workdir / REFERENCE, state.reference, _REFERENCE)
   return state, progress
 
