@@ -38,6 +38,8 @@ setuptools.setup(
         # Chat templates (prepare --source=chat|preference, sample --chat) are Jinja, rendered as
         # transformers renders them (data/chat.py) without transformers and torch.
         "jinja2>=3.1,<4",
+        # Progress bars of long work on a terminal (progress.py).
+        "tqdm>=4.60",
         "absl-py",
         "numpy",
     ],

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import jax
 from absl import app, flags, logging
 
-from levanter_flax import batch_search, models, partitioning, settings, step
+from levanter_flax import batch_search, models, partitioning, progress, settings, step
 from levanter_flax.config import define_config_flag, parse_flags, to_run_config
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.models import common
@@ -248,7 +248,9 @@ def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner) -> st
 def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
              steps: Optional[step.ShardedSteps] = None):
   steps = steps or _steps(run, partitioner)
-  with partitioner.activation_context():
+  what = (f"compile the step ({run.model.num_layers} layers, batch {run.trainer.batch_size}) for "
+          f"{partitioner.mesh.devices.flat[0].device_kind} x {partitioner.mesh.size}")
+  with partitioner.activation_context(), progress.waiting(what):
     return steps.train_step.lower(*steps.abstract_inputs(run.trainer.batch_size)).compile()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from levanter_flax import models, paths, schema
+from levanter_flax import models, paths, progress, schema
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
 
@@ -199,9 +199,11 @@ def save(cfg: Any, params: dict, directory: epath.Path, *, dtype: str = "float32
                           "weight_map": {name: file for file, shard in shards.items()
                                          for name in sorted(shard)}})
   try:
-    with paths.staged(directory) as local:
+    with paths.staged(directory) as local, progress.Progress(
+        f"export {directory}", total=len(shards), unit="files", counters=("MB",)) as shown:
       for file, shard in shards.items():
         save_file(shard, str(local / file), metadata={"format": "pt"})
+        shown.advance(1, MB=sum(x.nbytes for x in shard.values()) / 1e6)
       for name, data in contents.items():
         (local / name).write_bytes(data)
       for name in [*shards, *contents]:

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from levanter_flax import progress
 from levanter_flax.data import import_tensorflow, integrity, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.errors import UserError
@@ -223,8 +224,12 @@ def _scored_outputs(eval_set: EvalSet, eval_step, params, batch_size: int,
   """eval_step's output for the set's windows (a tree of per-window arrays), in float64,
   every batch's concatenated and the padding left out."""
   rows = process_rows(sharding, batch_size, eval_set.process_count)
-  outputs = [eval_step(params, batch) for batch, _ in loader.global_arrays(
-      ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)]
+  batches = loader.global_arrays(
+      ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)
+  # Counts dispatched batches: the device runs a few behind, and waiting for it would slow eval.
+  outputs = [eval_step(params, batch) for batch, _ in progress.iterate(
+      batches, f"eval {eval_set.source.name}", total=eval_set.num_batches(len(rows[0])),
+      unit="batches", shown=jax.process_index() == 0)]
   scored = eval_set.scored(rows)
   return jax.tree.map(lambda *parts: np.concatenate(parts).astype(np.float64)[scored],
                       *jax.device_get(outputs))

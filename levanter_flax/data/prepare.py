@@ -13,17 +13,19 @@ Both run the same functions on the same shard indices, so their shards and
 manifest are the same bytes.
 """
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
+import threading
 import zlib
 
 from absl import logging
 from etils import epath
 
-from levanter_flax import lifetime, locks, paths
+from levanter_flax import lifetime, locks, paths, progress
 from levanter_flax.data import chat, import_tensorflow, preference, sources, tfrecord
 from levanter_flax.data.manifest import (FORMAT_VERSION, MANIFEST, PREFERENCE_FORMAT_VERSION,
                                          SPLITS, WEIGHTED_FORMAT_VERSION)
@@ -128,6 +130,25 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
       yield key, *encoded
 
 
+# What this process and its workers have written: [documents, text bytes]. A shared array
+# (multiprocessing's, handed to each worker as it starts), read by the progress display.
+_written = None
+# Documents between updates of _written: each takes its lock.
+_COUNT_EVERY = 256
+
+
+def _count_written(counts) -> None:
+  global _written
+  _written = counts
+
+
+def _add_written(documents: int, text_bytes: int) -> None:
+  if _written is not None and documents:
+    with _written.get_lock():
+      _written[0] += documents
+      _written[1] += text_bytes
+
+
 def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str, index: int) -> dict:
   """Tokenizes this shard's documents into its train and validation TFRecord files.
 
@@ -137,6 +158,7 @@ def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str,
   dtype = tfrecord.token_dtype(tokenizer.vocab_size)
   stats = sources.SourceStats()
   text_bytes = {"train": 0, "validation": 0}
+  uncounted = [0, 0]  # Documents and text bytes not yet in _written.
   directory, num_shards = options.output_dir, options.num_shards
   documents = sources.documents(options.source, files, index, num_shards, stats)
   with tfrecord.ShardWriter(directory / _shard_name("train", index, num_shards), dtype,
@@ -146,7 +168,13 @@ def _write_shard(options: PrepareOptions, files: list[str], tokenizer_spec: str,
     for key, text, tokens, weights in _encoded(options, tokenizer, documents, stats):
       split = "validation" if is_validation(key, options.validation_fraction) else "train"
       (val if split == "validation" else train).write(tokens, weights)
-      text_bytes[split] += len(text.encode("utf-8"))
+      size = len(text.encode("utf-8"))
+      text_bytes[split] += size
+      uncounted = [uncounted[0] + 1, uncounted[1] + size]
+      if uncounted[0] == _COUNT_EVERY:
+        _add_written(*uncounted)
+        uncounted = [0, 0]
+  _add_written(*uncounted)
   done = {"stats": dataclasses.asdict(stats)}
   for split, writer in (("train", train), ("validation", val)):
     done[split] = {"file": writer.path.name, "num_documents": writer.num_documents,
@@ -338,12 +366,55 @@ def _run_shards(options: PrepareOptions, files: list[str], tokenizer_spec: str) 
   tasks = [(options, files, tokenizer_spec, i) for i in range(options.num_shards)]
   finished = finished_shards(options)
   todo = [t for t in tasks if t[-1] not in finished]
-  if options.num_workers > 1 and len(todo) > 1:
-    _run_in_workers(options, todo)
+  counts = multiprocessing.get_context("spawn").Array("d", 2)
+  _count_written(counts)
+  try:
+    with progress.Progress(f"prepare {options.output_dir}", total=len(todo), unit="shards",
+                           counters=("documents", "MB"), summary=True) as shown, \
+        _showing_written(counts, shown):
+      if options.num_workers > 1 and len(todo) > 1:
+        _run_in_workers(options, todo, counts, shown)
+      else:
+        for task in todo:
+          _write_shard_task(task)
+          shown.advance(1)
+  finally:
+    _count_written(None)
   return [_write_shard_task(task)[1] for task in tasks]  # Those just written: read back.
 
 
-def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
+@contextlib.contextmanager
+def _showing_written(counts, shown: progress.Progress):
+  """Copies the documents and bytes written, by this process and its workers, to the display
+  every second."""
+  stop = threading.Event()
+
+  def copy() -> None:
+    shown_documents = shown_bytes = 0.0
+    while not stop.wait(1.0):
+      with counts.get_lock():
+        documents, text_bytes = counts[0], counts[1]
+      shown.advance(documents=documents - shown_documents, MB=(text_bytes - shown_bytes) / 1e6)
+      shown_documents, shown_bytes = documents, text_bytes
+
+  copier = threading.Thread(target=copy, name="prepare progress", daemon=True)
+  copier.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    copier.join()
+    with counts.get_lock():  # The rest, so the closing line holds every document.
+      shown.counts["documents"], shown.counts["MB"] = counts[0], counts[1] / 1e6
+
+
+def _start_worker(parent_pid: int, counts) -> None:
+  lifetime.die_with_parent(parent_pid)
+  _count_written(counts)
+
+
+def _run_in_workers(options: PrepareOptions, tasks: list, counts,
+                    shown: progress.Progress) -> None:
   """Writes the shards in parallel; the first failure stops every worker.
 
   Spawned, not forked: the parent may hold jax or tokenizer threads. An
@@ -354,10 +425,11 @@ def _run_in_workers(options: PrepareOptions, tasks: list) -> None:
       min(options.num_workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
       # Killed with this process; the thread that starts a worker (the caller's, or the pool's
       # worker handler, for a replacement) lives as long as the pool.
-      initializer=lifetime.die_with_parent, initargs=(os.getpid(),)) as pool:
+      initializer=_start_worker, initargs=(os.getpid(), counts)) as pool:
     try:
       for done in concurrent.futures.as_completed([pool.submit(_write_shard_task, t) for t in tasks]):
-        logging.info("Wrote shard %d of %d", done.result()[0] + 1, options.num_shards)
+        done.result()
+        shown.advance(1)
     except BaseException as e:
       pool.shutdown(wait=False, cancel_futures=True)
       for worker in multiprocessing.active_children():  # Busy with other shards: not needed now.
