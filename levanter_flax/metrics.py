@@ -1,9 +1,9 @@
-"""Metric writers (TensorBoard, console, metrics.jsonl) and throughput accounting."""
+"""Metric writers (TensorBoard, console, metrics.jsonl, W&B) and throughput accounting."""
 import contextlib
 import json
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -11,8 +11,9 @@ from absl import logging
 from clu import metric_writers
 from etils import epath
 
-from levanter_flax import paths
+from levanter_flax import config, paths, wandb_writer
 from levanter_flax.errors import UserError
+from levanter_flax.settings import RunConfig
 
 
 class JsonlWriter(metric_writers.MetricWriter):
@@ -87,18 +88,33 @@ def _warn_torn(path: epath.Path, size: int) -> None:
                   "writing it); cutting it off", path, size)
 
 
-def create_writer(workdir: epath.Path,
-                  may_write: Callable[[], bool] = lambda: True) -> metric_writers.MetricWriter:
-  """TensorBoard + console on the first process; every other process only logs.
+def create_writer(workdir: epath.Path, may_write: Callable[[], bool] = lambda: True,
+                  run: Optional[RunConfig] = None) -> metric_writers.MetricWriter:
+  """TensorBoard, metrics.jsonl, the console and, where config.trainer.wandb names a project,
+  W&B on the first process; every other process only logs.
 
-  `may_write` is asked before each write into the workdir: its lock may have
-  been lost (locks.JobLock.may_write).
+  With `run`, its settings (what config.json holds) go with the scalars: to TensorBoard as
+  hparams and to W&B as the run's config, once per writer, which a run opens once per start.
+  `may_write` is asked before each write into the workdir: its lock may have been lost
+  (locks.JobLock.may_write).
   """
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(str(workdir), just_logging=True)
   jsonl = JsonlWriter(workdir / "metrics.jsonl")  # First: it names a file it cannot write.
-  return _Guarded([metric_writers.create_default_writer(str(workdir), asynchronous=False), jsonl],
-                  may_write)
+  settings = config.flat_dict(run) if run is not None else None
+  # Next: no TensorBoard events file for a run that W&B stops (not installed, or refused).
+  wandb = ([wandb_writer.WandbWriter(workdir, run.trainer.wandb, settings)]
+           if run is not None and run.trainer.wandb.enabled else [])
+  tensorboard = metric_writers.SummaryWriter(str(workdir))
+  if settings is not None and may_write():
+    tensorboard.write_hparams(tensorboard_hparams(settings))
+  return _Guarded([metric_writers.LoggingWriter(), tensorboard, jsonl, *wandb], may_write)
+
+
+def tensorboard_hparams(settings: Mapping[str, Any]) -> dict[str, bool | int | float | str]:
+  """`settings` as TensorBoard's hparams take them: a list (a mesh, tags) or None as its JSON."""
+  return {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+          for key, value in settings.items()}
 
 
 class _Guarded(metric_writers.MultiWriter):

@@ -19,6 +19,7 @@ from levanter_flax.monitoring import MonitoringConfig
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
 from levanter_flax.schema import CHOSEN, setting
+from levanter_flax.wandb_writer import WandbConfig
 
 _AUTO_BATCH = ("trainer.batch_size", "auto")
 
@@ -76,6 +77,8 @@ class TrainerConfig:
       0.0, "For train/mfu; 0 looks the device up in flops.PEAK_FLOPS")
   distributed: DistributedConfig = setting(
       DistributedConfig(), "Multi-process runs (launch/README.md)")
+  wandb: WandbConfig = setting(WandbConfig(), "Logging to Weights & Biases, besides TensorBoard "
+                               "and metrics.jsonl")
 
   def __post_init__(self):
     checks.positive(self, "trainer", (

@@ -114,7 +114,7 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
     state, progress = resume.initial_state(start, workdir, steps, checkpointer)
     if int(state.step) >= trainer.num_train_steps:
       if resume.eval_missed(start, workdir, checkpointer, int(state.step)):
-        with contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer:
+        with contextlib.closing(metrics.create_writer(workdir, lock.may_write, run)) as writer:
           _evaluate_missed_step(_make_evaluate(run, steps, start.sources), state, writer)
       logging.warning("Already finished: the newest checkpoint is step %d, and "
                       "config.trainer.num_train_steps is %d; raise it to train on",
@@ -270,7 +270,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
       vocab_size=run.model.vocab_size, groups=start.reader_groups)) as train_batches, \
-      contextlib.closing(metrics.create_writer(workdir, lock.may_write)) as writer, \
+      contextlib.closing(metrics.create_writer(workdir, lock.may_write, run)) as writer, \
       monitoring.HangWatchdog(watching.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
     if resume.eval_missed(start, workdir, checkpointer, start_step):
