@@ -114,7 +114,7 @@ class WandbWriter(metric_writers.MetricWriter):
           dir=_local_dir(workdir), config=dict(settings), allow_val_change=True)
     except Exception as e:  # pylint: disable=broad-except  # wandb's errors have no common base.
       raise UserError(f"W&B could not open run {self._id} of project {cfg.project!r} "
-                      f"({cfg.mode}): {_first_line(e)}; config.trainer.wandb.mode=offline logs "
+                      f"({cfg.mode}): {_first_line(e).rstrip('.')}; config.trainer.wandb.mode=offline logs "
                       f"locally, to upload later with `wandb sync`") from None
     self._first_new_step = self._run.step  # 0, unless an online run resumes.
     if self._first_new_step:
@@ -145,10 +145,11 @@ class WandbWriter(metric_writers.MetricWriter):
 
 def _local_dir(workdir: epath.Path) -> str | None:
   """Where W&B writes its local files: $WANDB_DIR if set, else the workdir (W&B's default, the
-  current directory, where the workdir is gs://)."""
-  if os.environ.get("WANDB_DIR") or paths.is_remote(workdir):
-    return None
-  return os.fspath(workdir)
+  current directory, where the workdir is gs://). Read here, not left to wandb, which reads
+  the environment once per process."""
+  if os.environ.get("WANDB_DIR"):
+    return os.environ["WANDB_DIR"]
+  return None if paths.is_remote(workdir) else os.fspath(workdir)
 
 
 def _first_line(error: Exception) -> str:

@@ -24,13 +24,17 @@ PROJECT = "levanter-flax-tests"
 def offline_wandb(monkeypatch, tmp_path_factory):
   """W&B never reaches the network, reads no user's settings and prints nothing."""
   home = tmp_path_factory.mktemp("wandb_home")
+  # WANDB_SERVICE: set by an earlier test's wandb.init in this process, it would lead a
+  # trainer started from here to this process's W&B service, which outlives a killed trainer
+  # with its run still open ("run ID ... is in use" on the rerun).
   for name in ("WANDB_DIR", "WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_ENTITY",
-               "WANDB_RUN_ID", "WANDB_RESUME"):
+               "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_SERVICE"):
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setenv("WANDB_SILENT", "true")
   monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "config"))
   monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "cache"))
   monkeypatch.setenv("WANDB_DATA_DIR", str(home / "data"))
+  monkeypatch.setenv("NETRC", str(home / "netrc"))  # None there: no API key from ~/.netrc.
 
 
 # --- Reading W&B's run files back, as `wandb sync` does. ---
@@ -226,6 +230,14 @@ def test_wandb_missing_is_one_line_naming_the_extra(tiny_config, tmp_path, monke
                                       r"installed: pip install levanter_flax\[wandb\]$"):
     metrics.create_writer(tmp_path, run=to_run_config(with_wandb(tiny_config)))
   assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_online_without_an_api_key_is_one_line_suggesting_offline(tiny_config, tmp_path):
+  with pytest.raises(UserError, match=r"^W&B could not open run \w+ of project "
+                                      rf"'{PROJECT}' \(online\): No API key configured\. Use "
+                                      r"`wandb login` to log in; config.trainer.wandb.mode=offline "
+                                      r"logs locally, to upload later with `wandb sync`$"):
+    metrics.create_writer(tmp_path, run=to_run_config(with_wandb(tiny_config, "online")))
 
 
 def test_a_run_id_file_that_holds_no_id_is_one_line(tmp_path):
