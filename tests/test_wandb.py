@@ -192,6 +192,14 @@ def test_a_kill_and_each_rerun_continue_the_same_wandb_run(data_cache, tmp_path)
   finished = run_main(f"--config={NANO}", f"--workdir={tmp_path}", *TINY, *flags)
   assert finished.returncode == 0 and "Already finished" in finished.stderr, finished.stderr[-2000:]
   assert id_file.read_text().strip() == run_id and len(run_dirs(tmp_path)) == 2
+  # Extended, it goes on in the same W&B run too.
+  extended = run_main(f"--config={NANO}", f"--workdir={tmp_path}", *TINY, *flags,
+                      "--config.trainer.num_train_steps=6")
+  assert extended.returncode == 0, extended.stderr[-2000:]
+  (extended_dir,) = set(run_dirs(tmp_path)) - {killed_dir, resumed_dir}
+  assert wandb_run(extended_dir).run_id == run_id
+  assert [s for s, row in wandb_history(extended_dir).items() if "train/loss" in row] == [5, 6]
+  assert wandb_config(extended_dir)["trainer.num_train_steps"] == 6
 
 
 def test_a_mode_other_than_the_three_is_one_line(tmp_path):
@@ -222,6 +230,15 @@ def test_without_a_project_or_when_disabled_nothing_reaches_wandb(tiny_config, t
       writer.write_scalars(1, {"train/loss": 1.0})
     assert not (workdir / "wandb").exists() and not (workdir / "wandb_run_id").exists()
     assert tensorboard_hparams(workdir)["trainer.wandb.mode"] == run.trainer.wandb.mode
+
+
+def test_only_process_0_talks_to_wandb(tiny_config, tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # Any import of it fails.
+  monkeypatch.setattr(metrics.jax, "process_index", lambda: 1)
+  with contextlib.closing(metrics.create_writer(
+      tmp_path, run=to_run_config(with_wandb(tiny_config)))) as writer:
+    writer.write_scalars(1, {"train/loss": 1.0})
+  assert not list(tmp_path.iterdir())  # No id file, no W&B files, no TensorBoard events.
 
 
 def test_wandb_missing_is_one_line_naming_the_extra(tiny_config, tmp_path, monkeypatch):
