@@ -114,8 +114,9 @@ class WandbWriter(metric_writers.MetricWriter):
           dir=_local_dir(workdir), config=dict(settings), allow_val_change=True)
     except Exception as e:  # pylint: disable=broad-except  # wandb's errors have no common base.
       raise UserError(f"W&B could not open run {self._id} of project {cfg.project!r} "
-                      f"({cfg.mode}): {_first_line(e).rstrip('.')}; config.trainer.wandb.mode=offline logs "
-                      f"locally, to upload later with `wandb sync`") from None
+                      f"({cfg.mode}): {_first_line(e).rstrip('.')}; "
+                      "config.trainer.wandb.mode=offline logs locally, to upload later with "
+                      "`wandb sync`") from None
     self._first_new_step = self._run.step  # 0, unless an online run resumes.
     if self._first_new_step:
       logging.info("W&B run %s already holds the steps below %d (logged before this restart); "
