@@ -204,7 +204,8 @@ def test_a_kill_and_each_rerun_continue_the_same_wandb_run(data_cache, tmp_path)
 
 def test_a_mode_other_than_the_three_is_one_line(tmp_path):
   result = run_main(f"--config={NANO}", f"--workdir={tmp_path}",
-                    f"--config.trainer.wandb.project={PROJECT}", "--config.trainer.wandb.mode=offine")
+                    f"--config.trainer.wandb.project={PROJECT}",
+                    "--config.trainer.wandb.mode=offine")
   assert_one_line_error(result, "config.trainer.wandb.mode must be one of online, offline, "
                                 "disabled; got 'offine'")
   assert not list(tmp_path.iterdir())
