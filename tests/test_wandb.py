@@ -15,6 +15,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.train import train_and_evaluate
 from test_main import NANO, TINY, assert_one_line_error, run_main
+from test_gcs import blobs, gcs  # pylint: disable=unused-import  # gcs: a fixture.
 from test_resume import run_killed_after_checkpoint
 
 PROJECT = "levanter-flax-tests"
@@ -231,6 +232,19 @@ def test_without_a_project_or_when_disabled_nothing_reaches_wandb(tiny_config, t
       writer.write_scalars(1, {"train/loss": 1.0})
     assert not (workdir / "wandb").exists() and not (workdir / "wandb_run_id").exists()
     assert tensorboard_hparams(workdir)["trainer.wandb.mode"] == run.trainer.wandb.mode
+
+
+def test_a_gcs_workdir_keeps_the_run_id_in_the_bucket(gcs, tiny_config, tmp_path, monkeypatch):
+  """W&B cannot write gs://: its files go to $WANDB_DIR (else the current directory)."""
+  from etils import epath
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+  run = to_run_config(with_wandb(tiny_config))
+  with contextlib.closing(metrics.create_writer(epath.Path("gs://bkt/wandb_run"), run=run)) as w:
+    w.write_scalars(3, {"train/loss": 0.5})
+  run_id = blobs("wandb_run/")["wandb_run_id"].decode().strip()
+  (run_dir,) = run_dirs(tmp_path)
+  assert (wandb_run(run_dir).run_id, wandb_run(run_dir).display_name) == (run_id, "wandb_run")
+  assert wandb_history(run_dir) == {3: {"train/loss": 0.5}}
 
 
 def test_only_process_0_talks_to_wandb(tiny_config, tmp_path, monkeypatch):
