@@ -79,8 +79,9 @@ jax.tree_util.register_dataclass(StopSequences, data_fields=["sequences", "token
 
 
 def make_decoder(model_cfg: Any, cfg: SamplingConfig) -> Callable:
-  """decode(params, tokens, token_mask, positions, stop: StopSequences, key) -> (generated
-  [batch, max_new_tokens], lengths [batch]) for left-padded prompts [batch, length].
+  """decode(params, tokens, token_mask, positions, stop: StopSequences, active, key) ->
+  (generated [batch, max_new_tokens], lengths [batch]) for left-padded prompts [batch, length];
+  rows not `active` [batch] (a fixed-size batch's padding) count as stopped from the start.
 
   A row's continuation is generated[row, :lengths[row]]: up to (not including) its first token
   of cfg.stop_ids, and up to (including) the end of a stop sequence. To be jitted by the caller
@@ -91,7 +92,7 @@ def make_decoder(model_cfg: Any, cfg: SamplingConfig) -> Callable:
 
 
 def _decode(model, cfg: SamplingConfig, params, tokens, token_mask, positions,
-            stop: StopSequences, key):
+            stop: StopSequences, active, key):
   batch = tokens.shape[0]
   max_new = cfg.max_new_tokens
   cache = jax.tree.map(
@@ -123,7 +124,7 @@ def _decode(model, cfg: SamplingConfig, params, tokens, token_mask, positions,
   first, cache = next_token(cache, tokens, positions, token_mask, sample_key)
   carry = record((jnp.zeros((batch, max_new), jnp.int32),
                   jnp.full((batch, sequences.shape[1]), -1, jnp.int32),
-                  jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32)), 0, first)
+                  ~active, jnp.zeros(batch, jnp.int32)), 0, first)
 
   def unfinished(loop):
     index, _, _, _, (_, _, stopped, _) = loop

@@ -83,6 +83,7 @@ def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
   decode = jax.jit(decoding.make_decoder(model_cfg, cfg))
   generated, lengths = jax.device_get(decode(params, tokens, mask, positions,
                                              decoding.StopSequences.none(model_cfg.vocab_size),
+                                             np.ones(len(prompts), bool),
                                              jax.random.key(cfg.seed)))
   return [row[:length].tolist() for row, length in zip(generated, lengths)]
 
