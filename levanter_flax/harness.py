@@ -83,7 +83,7 @@ class LevanterLM(TemplateLM):
   """Our model as an lm_eval LM (see the module's docstring).
 
   params may be host arrays or already on the mesh (the training state's): they are placed
-  with `param_shardings`, a no-op for the latter. Batches are sharded with `batch_sharding`.
+  with `param_shardings`, a no-op for the latter; None: use_params gives them later. Batches are sharded with `batch_sharding`.
   Call it inside the partitioner's activation_context, as the train and eval steps are.
   """
 
@@ -97,8 +97,8 @@ class LevanterLM(TemplateLM):
     # XLA's attention takes any padded length; splash needs multiples of its blocks.
     self._model_cfg = common.with_compute(model_cfg, attention_impl="xla")
     self._tokenizer = tokenizer
-    self._params = jax.device_put(params, param_shardings)
     self._param_shardings, self._batch_sharding = param_shardings, batch_sharding
+    self._params = None if params is None else jax.device_put(params, param_shardings)
     parallel = data_parallel_size(batch_sharding)
     self._rows = -(-batch_size // parallel) * parallel
     self.max_gen_toks, self._seed = max_gen_toks, seed
@@ -106,6 +106,11 @@ class LevanterLM(TemplateLM):
                           in_shardings=(param_shardings, batch_sharding, batch_sharding),
                           out_shardings=(batch_sharding, batch_sharding))
     self._decoders, self._stops = {}, {}
+
+  def use_params(self, params: Any) -> None:
+    """Scores and generates with `params` from now on (the training state's, at each harness
+    run): the same shapes, so nothing compiles again."""
+    self._params = jax.device_put(params, self._param_shardings)
 
   # What TemplateLM and lm-eval's tasks ask of a tokenizer-backed LM.
   @property
@@ -252,7 +257,8 @@ class LevanterLM(TemplateLM):
       if strings:
         for token in range(self._tokenizer.vocab_size):
           text = self.tok_decode([token])
-          holds_stop[token] = any(s in text for s in strings)
+          # A token that is part of a character alone ("\ufffd") may be whole in its context.
+          holds_stop[token] = "\ufffd" not in text and any(s in text for s in strings)
       self._stops[until] = decoding.StopSequences.of([self.tok_encode(s) for s in strings],
                                                      holds_stop)
     return self._stops[until]
@@ -325,3 +331,27 @@ def table(results: dict) -> str:
   if results.get("groups"):
     text += "\n" + make_table(results, "groups")
   return text
+
+
+class InRun:
+  """The harness inside training (config.trainer.eval_harness_*): its tasks loaded when the run
+  starts, then run on the current params at each harness step."""
+
+  def __init__(self, run, tokenizer, param_shardings: Any,
+               batch_sharding: jax.sharding.NamedSharding):
+    trainer = run.trainer
+    if jax.process_count() > 1:
+      raise UserError("config.trainer.eval_harness_every_steps: the in-run harness runs on one "
+                      "process; evaluate the checkpoints with python -m levanter_flax.evaluate")
+    self._names = task_names(trainer.eval_harness_tasks, "config.trainer.eval_harness_tasks")
+    self._manager = load_tasks(self._names, trainer.eval_harness_include_path)
+    self._limit = trainer.eval_harness_limit or None
+    # Microbatch-sized, as the eval: what fits in memory for training fits here.
+    batch_size = trainer.batch_size // trainer.gradient_accumulation_steps
+    self._lm = LevanterLM(run.model, None, tokenizer, param_shardings=param_shardings,
+                          batch_sharding=batch_sharding, batch_size=batch_size, seed=trainer.seed)
+
+  def __call__(self, params: Any) -> dict[str, float]:
+    """harness/<task>/<metric> of `params` (the model's, as the eval step takes them)."""
+    self._lm.use_params(params)
+    return scalar_metrics(evaluate(self._lm, self._names, self._manager, limit=self._limit))
