@@ -295,11 +295,19 @@ def load_tasks(names: Sequence[str], include_path: str = ""):
                       f"{where}")
     try:
       manager.load([name])
-    except Exception as e:  # pylint: disable=broad-except  # datasets and lm-eval raise many kinds.
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise UserError(f"lm-eval task {name!r} cannot load its data: {first} (tasks run offline "
-                      f"on data already on disk: a hub cache's dataset, or local files)") from None
+    except OSError as e:  # Offline and not cached (ConnectionError), a data file gone.
+      raise UserError(f"lm-eval task {name!r} cannot load its data: {_first_line(e)} (tasks run "
+                      f"offline on data already on disk: a hub cache's dataset, or local "
+                      f"files)") from None
+    except Exception as e:  # pylint: disable=broad-except  # A bad YAML: lm-eval raises many kinds.
+      raise UserError(f"lm-eval task {name!r} cannot be loaded: {type(e).__name__}: "
+                      f"{_first_line(e)}") from None
   return manager
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
 
 
 def evaluate(lm: LevanterLM, names: Sequence[str], manager, *, limit: int | None = None,
