@@ -66,7 +66,10 @@ def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_s
 def write_results(results: dict, output: epath.Path) -> None:
   from lm_eval.utils import handle_non_serializable  # pylint: disable=g-import-not-at-top
   text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-  paths.write_atomically(output, text)
+  try:
+    paths.write_atomically(output, text)
+  except OSError as e:
+    raise UserError(f"cannot write --output {output}: {e.strerror or e}") from None
 
 
 def main(argv: list[str]) -> None:
@@ -77,8 +80,10 @@ def main(argv: list[str]) -> None:
     names = harness.task_names(flag.tasks, "--tasks")
     check_one_model(flag.workdir, flag.init_from_hf)
     output = paths.resolve(flag.output, "--output") if flag.output else None
-    if output is not None and output.is_dir():
-      raise UserError(f"--output {output} is a directory; give a file name")
+    if output is not None:  # Known writable before minutes of evaluation.
+      if output.is_dir():
+        raise UserError(f"--output {output} is a directory; give a file name")
+      paths.make_dirs(output.parent, "--output's directory")
     include_path = ""
     if flag.include_path:
       include_path = str(paths.resolve(flag.include_path, "--include_path"))
