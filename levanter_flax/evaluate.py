@@ -19,9 +19,18 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from levanter_flax import cli, hf, harness, models, partitioning, paths, sample
+from levanter_flax import cli, hf, models, partitioning, paths, sample
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
+
+
+def lm_eval_harness():
+  """harness.py, which needs lm-eval (an extra): its absence is one line."""
+  try:
+    from levanter_flax import harness  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise UserError(f"lm-eval-harness is not installed ({e}): pip install -e \".[eval]\"") from None
+  return harness
 
 
 def check_one_model(workdir: str, hf_dir: str) -> None:
@@ -50,6 +59,7 @@ def model_and_tokenizer(workdir: str, hf_dir: str):
 def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_size: int,
              limit: int | None, num_fewshot: int | None, max_gen_toks: int) -> dict:
   """lm-eval's results for `names`, the batches data-parallel over every device."""
+  harness = lm_eval_harness()
   if jax.process_count() > 1:
     raise UserError("levanter_flax.evaluate runs on one process; run it on one host")
   mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
@@ -77,6 +87,7 @@ def main(argv: list[str]) -> None:
   flag = flags.FLAGS
   cli.quiet_orbax()
   try:
+    harness = lm_eval_harness()
     names = harness.task_names(flag.tasks, "--tasks")
     check_one_model(flag.workdir, flag.init_from_hf)
     output = paths.resolve(flag.output, "--output") if flag.output else None
@@ -118,6 +129,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("output", None, "Write lm-eval's results as JSON to this file.")
   flags.DEFINE_integer("batch_size", 8, "Requests per batch (rounded up to a multiple of the "
                        "devices).", lower_bound=1)
-  flags.DEFINE_integer("max_gen_toks", harness.DEFAULT_MAX_GEN_TOKS, "Tokens a generation task "
+  flags.DEFINE_integer("max_gen_toks", 256, "Tokens a generation task "  # lm-eval's default.
                        "that sets no max_gen_toks may generate.", lower_bound=1)
   app.run(main, flags_parser=cli.parse_flags)

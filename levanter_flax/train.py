@@ -189,7 +189,11 @@ def _make_harness(run: RunConfig, steps: step.ShardedSteps):
   name or missing data stops the run before its first step, not hours later."""
   if not run.trainer.eval_harness_every_steps:
     return None
-  from levanter_flax import harness  # pylint: disable=g-import-not-at-top  # lm_eval: when used.
+  try:
+    from levanter_flax import harness  # pylint: disable=g-import-not-at-top  # lm_eval: when used.
+  except ImportError as e:
+    raise UserError(f"config.trainer.eval_harness_every_steps needs lm-eval-harness, which is not "
+                    f"installed ({e}): pip install -e \".[eval]\"") from None
   from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
   return harness.InRun(run, tokenizers.load_tokenizer(run.data.tokenizer),
                        steps.state_shardings.model_params, steps.batch_sharding)
