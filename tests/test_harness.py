@@ -195,12 +195,14 @@ def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
 @pytest.mark.parametrize("names, message", [
     ("nope_not_a_task", "unknown lm-eval task 'nope_not_a_task'"),
     ("hellaswag", "lm-eval task 'hellaswag' cannot load its data: Couldn't reach 'Rowan/hellaswag'"),
-    ("gone", "lm-eval task 'gone' cannot load its data"),
+    ("gone", "lm-eval task 'gone' cannot load its data: .*missing.jsonl"),
+    ("bad_yaml", "lm-eval task 'bad_yaml' cannot be loaded: "),
     (" , ", "names no lm-eval task"),
 ])
 def test_bad_tasks_are_one_line_naming_them(tasks, tmp_path, names, message):
   write_task(tmp_path, local_task("gone", tmp_path / "missing.jsonl", output_type="multiple_choice",
                                   doc_to_choice="{{choices}}", doc_to_target="{{answer}}"))
+  write_task(tmp_path, local_task("bad_yaml", tasks / "mc.jsonl", output_type="no_such_output"))
   with pytest.raises(UserError, match=message) as raised:
     harness.load_tasks(harness.task_names(names, "--tasks"), str(tmp_path))
   assert "\n" not in str(raised.value)
