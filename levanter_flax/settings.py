@@ -73,6 +73,17 @@ class TrainerConfig:
       "$JAX_COMPILATION_CACHE_DIR if set, else no cache")
   jax_persistent_cache_min_compile_time_secs: float = setting(
       1.0, "Cache only programs that took at least this long to compile")
+  eval_harness_every_steps: int = setting(
+      0, "Run lm-eval-harness on the current params every this many steps (and at the last), "
+      "logged as harness/<task>/<metric>; 0: never")
+  eval_harness_tasks: str = setting(
+      "", "lm-eval task names, comma-separated: built-in ones (their data already on disk, e.g. "
+      "in the hub cache) or those of eval_harness_include_path; checked, data included, at start")
+  eval_harness_include_path: str = setting(
+      "", "A directory of lm-eval task YAMLs (e.g. over local JSON lines) whose tasks "
+      "eval_harness_tasks may name")
+  eval_harness_limit: int = setting(
+      0, "Documents per task at each harness run; 0: all of them")
   peak_flops_per_device: float = setting(
       0.0, "For train/mfu; 0 looks the device up in flops.PEAK_FLOPS")
   distributed: DistributedConfig = setting(
@@ -88,8 +99,14 @@ class TrainerConfig:
         "seed": checks.at_least(0),
         "cpu_devices": checks.at_least(0, "0: JAX's default"),
         "peak_flops_per_device": checks.at_least(0, "0: look it up"),
+        "eval_harness_every_steps": checks.at_least(0, "0: never"),
+        "eval_harness_limit": checks.at_least(0, "0: all"),
         "jax_persistent_cache_min_compile_time_secs": checks.at_least(0),
     })
+    if self.eval_harness_every_steps and not self.eval_harness_tasks.strip(" ,"):
+      raise UserError(f"config.trainer.eval_harness_every_steps is "
+                      f"{self.eval_harness_every_steps}, but config.trainer.eval_harness_tasks "
+                      f"names no lm-eval task to run")
 
 
 @dataclasses.dataclass(frozen=True)

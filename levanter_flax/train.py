@@ -183,6 +183,22 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
   return evaluate
 
 
+def _make_harness(run: RunConfig, steps: step.ShardedSteps):
+  """params -> harness/<task>/<metric> (lm-eval-harness, harness.py), or None when
+  trainer.eval_harness_every_steps is 0. The tasks and their data are loaded now, so a wrong
+  name or missing data stops the run before its first step, not hours later."""
+  if not run.trainer.eval_harness_every_steps:
+    return None
+  try:
+    from levanter_flax import harness  # pylint: disable=g-import-not-at-top  # lm_eval: when used.
+  except ImportError as e:
+    raise UserError(f"config.trainer.eval_harness_every_steps needs lm-eval-harness, which is not "
+                    f"installed ({e}): pip install -e \".[eval]\"") from None
+  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  return harness.InRun(run, tokenizers.load_tokenizer(run.data.tokenizer),
+                       steps.state_shardings.model_params, steps.batch_sharding)
+
+
 def _data_metrics(position: DataPosition, batches: loader.TrainBatches,
                   tokens_per_window: int) -> dict[str, float]:
   """Tokens drawn from each source so far (all processes), and records lost to corruption."""
@@ -252,6 +268,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
   run, sources, trainer = start.run, start.sources, start.run.trainer
   start_step = int(state.step)
   evaluate = _make_evaluate(run, steps, sources)
+  run_harness = _make_harness(run, steps)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
       flops_per_token=models.flops_per_token(run.model, steps.abstract_state.model_params,
@@ -326,6 +343,13 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
           eval_metrics = evaluate(state)
         writer.write_scalars(step_num, eval_metrics)
         last_metrics |= eval_metrics
+        throughput.reset(step_num)
+      if run_harness and (step_num % trainer.eval_harness_every_steps == 0 or finished):
+        nonfinite.flush()
+        with _phase(report_progress, "harness"):
+          harness_metrics = run_harness(state.model_params)
+        writer.write_scalars(step_num, harness_metrics)
+        last_metrics |= harness_metrics
         throughput.reset(step_num)
       profile.after_step(step_num, state)  # The window's last eval and checkpoint are in it.
       watchdog.step_finished(step_num)

@@ -1,0 +1,284 @@
+"""lm-eval-harness (harness.py, evaluate.py, the in-run harness) against lm-eval's own Hugging
+Face backend (HFLM) on a tiny seeded transformers Llama, with tasks written here as YAML over
+local JSON lines. All offline."""
+import json
+import os
+import subprocess
+import sys
+
+# Before datasets is imported: nothing may reach the network.
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
+
+from conftest import REPO, load_config_file, read_metrics, xla_flags  # pylint: disable=g-import-not-at-top
+from test_chat import make_tokenizer  # pylint: disable=g-import-not-at-top
+from test_hf import assert_one_error_line  # pylint: disable=g-import-not-at-top
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+pytest.importorskip("lm_eval")
+
+from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
+from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
+from lm_eval.models.huggingface import HFLM  # pylint: disable=g-import-not-at-top
+
+from levanter_flax import decoding, harness, hf, models, partitioning  # pylint: disable=g-import-not-at-top
+from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
+from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
+from levanter_flax.errors import UserError  # pylint: disable=g-import-not-at-top
+from levanter_flax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+
+SEQ_LEN = 64
+GEN_TOKENS = 12
+QUESTIONS = [f"hello there, question {i}: how are you" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A seeded Llama with its byte-level BPE, as a hub snapshot holds them. Peaked logits (a
+  scaled head) and norms away from 1, so that no greedy choice is a near tie between float
+  orders, and a misplaced norm would show."""
+  directory = tmp_path_factory.mktemp("llama")
+  make_tokenizer(directory, template=None)
+  # The EOS both sides stop at: ours is the first EOS candidate, transformers' the config's.
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+      tie_word_embeddings=False, eos_token_id=0, bos_token_id=None))
+  with torch.no_grad():
+    for key, tensor in model.state_dict().items():
+      if "norm" in key:
+        tensor.add_(0.3 * torch.randn_like(tensor))
+      if "lm_head" in key:
+        tensor.mul_(30.0)
+  model.save_pretrained(directory)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir):
+  return HFLM(pretrained=str(hf_dir), dtype="float32", batch_size=4, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ours(hf_dir):
+  """LevanterLM on the import of the same checkpoint, data-parallel over the 8 fake devices
+  (a batch of 3 rounds up to 8 rows)."""
+  cfg, params = hf.load(hf_dir)
+  mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
+  partitioner = partitioning.Partitioner(
+      mesh, partitioning.ShardingConfig(rules=models.family(cfg).partition_rules))
+  with partitioner.activation_context():
+    yield harness.LevanterLM(cfg, params, tokenizers.load_tokenizer(str(hf_dir / "tokenizer.json")),
+                             param_shardings=partitioner.param_shardings(params),
+                             batch_sharding=partitioner.batch_sharding(), batch_size=3)
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  return path
+
+
+def write_task(directory, config: dict) -> None:
+  """A task YAML (JSON is YAML)."""
+  (directory / f"{config['task']}.yaml").write_text(json.dumps(config, indent=1))
+
+
+def local_task(name: str, data_file, **config) -> dict:
+  return {"task": name, "dataset_path": "json",
+          "dataset_kwargs": {"data_files": {"test": str(data_file)}}, "test_split": "test",
+          "doc_to_text": "{{question}}", **config}
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory, reference):
+  """tiny_mc (multiple choice: loglikelihood, acc) and tiny_gen (generate_until up to a stop
+  string, exact_match). tiny_gen's stop string is one the reference model writes within its
+  budget for the first question, and that question's answer is its text up to it: exact_match
+  is 1/6 only if the text is cut there."""
+  directory = tmp_path_factory.mktemp("tasks")
+  rng = np.random.default_rng(0)
+  write_jsonl(directory / "mc.jsonl", [
+      {"question": q, "choices": [" fine", " hello there", " how are you", " tired"],
+       "answer": int(rng.integers(4))} for q in QUESTIONS])
+  write_task(directory, local_task("tiny_mc", directory / "mc.jsonl", output_type="multiple_choice",
+                                   doc_to_choice="{{choices}}", doc_to_target="{{answer}}",
+                                   metric_list=[{"metric": "acc"}]))
+  uncut = reference.generate_until([Instance("generate_until", {}, (
+      QUESTIONS[0], {"until": [], "max_gen_toks": GEN_TOKENS, "do_sample": False}), 0)])[0]
+  stop = next(uncut[i:i + 2] for i in range(3, len(uncut) - 1)
+              if "\ufffd" not in uncut[i:i + 2] and uncut[i:i + 2].strip())
+  answers = [uncut.split(stop)[0]] + [f"answer {i}" for i in range(1, len(QUESTIONS))]
+  write_jsonl(directory / "gen.jsonl", [{"question": q, "answer": a}
+                                        for q, a in zip(QUESTIONS, answers)])
+  write_task(directory, local_task(
+      "tiny_gen", directory / "gen.jsonl", output_type="generate_until",
+      doc_to_target="{{answer}}",
+      generation_kwargs={"until": [stop], "max_gen_toks": GEN_TOKENS, "do_sample": False},
+      metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]))
+  return directory
+
+
+def test_local_task_data_loads_offline(tasks):
+  manager = harness.load_tasks(["tiny_mc", "tiny_gen"], str(tasks))
+  assert manager.include_path  # Found in the directory alone: lm-eval's index was not needed.
+  loaded = manager.load(["tiny_mc"])["tasks"]["tiny_mc"]
+  assert len(list(loaded.test_docs())) == len(QUESTIONS)
+
+
+def test_our_lm_gives_hflms_numbers(ours, reference, tasks):
+  """The same accuracies, log-likelihoods within 1e-4 per request, the same generations."""
+  manager = harness.load_tasks(["tiny_mc", "tiny_gen"], str(tasks))
+  results = {name: evaluator.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
+                                             task_manager=manager, log_samples=True)
+             for name, lm in (("ours", ours), ("hf", reference))}
+  for task, metric in (("tiny_mc", "acc,none"), ("tiny_gen", "exact_match,none")):
+    assert results["ours"]["results"][task][metric] == results["hf"]["results"][task][metric]
+  assert results["ours"]["results"]["tiny_gen"]["exact_match,none"] == pytest.approx(1 / 6)
+
+  def responses(name, task):
+    return [sample["resps"] for sample in results[name]["samples"][task]]
+  ours_mc, hf_mc = responses("ours", "tiny_mc"), responses("hf", "tiny_mc")
+  assert len(ours_mc) == len(QUESTIONS)
+  for ours_doc, hf_doc in zip(ours_mc, hf_mc):
+    for [(our_logprob, our_greedy)], [(hf_logprob, hf_greedy)] in zip(ours_doc, hf_doc):
+      assert abs(our_logprob - hf_logprob) <= 1e-4 and our_greedy == hf_greedy
+  assert responses("ours", "tiny_gen") == responses("hf", "tiny_gen")
+
+
+def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, reference):
+  """An empty context (scored after the EOS), a pair longer than seq_len (cut on the left),
+  and texts of several seq_len windows each, as lm-eval's rolling windows score them."""
+  long_text = " ".join(QUESTIONS * 3)  # Several windows of 64 tokens.
+  pairs = [("", "hello there"), (long_text, " how are you"), ("abc ", "def")]
+  requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
+  for (mine, _), (theirs, _) in zip(ours.loglikelihood(requests),
+                                    reference.loglikelihood(requests)):
+    assert abs(mine - theirs) <= 1e-4
+  texts = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in (long_text, "short")]
+  assert len(ours.tok_encode(long_text)) > 2 * SEQ_LEN
+  # Sums over hundreds of tokens: float32's rounding scales with them.
+  np.testing.assert_allclose(ours.loglikelihood_rolling(texts),
+                             reference.loglikelihood_rolling(texts), rtol=0, atol=1e-3)
+
+
+def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
+  """The while_loop ends a row right after its stop sequence's last token (kept), at a stop id
+  (left out), and never decodes a padding row; other rows run to the budget."""
+  cfg, params = hf.load(hf_dir)
+  prompt = np.asarray([ours.tok_encode(QUESTIONS[0])] * 8, np.int32)
+  mask, positions = np.ones_like(prompt, bool), np.tile(np.arange(prompt.shape[1]), (8, 1))
+  active = np.arange(8) < 3
+  greedy = decoding.SamplingConfig(max_new_tokens=GEN_TOKENS, temperature=0)
+  decode = jax.jit(decoding.make_decoder(cfg, greedy))
+  key = jax.random.key(0)
+  free, lengths = decode(params, prompt, mask, positions, decoding.StopSequences.none(320), active,
+                         key)
+  np.testing.assert_array_equal(lengths, [GEN_TOKENS] * 3 + [0] * 5)
+  free = np.asarray(free)[0]
+  stop = decoding.StopSequences.of([free[3:5].tolist()], np.zeros(320, bool))
+  generated, lengths = decode(params, prompt, mask, positions, stop, active, key)
+  assert lengths[0] == 5 and np.asarray(generated)[0, :5].tolist() == free[:5].tolist()
+  by_id = jax.jit(decoding.make_decoder(cfg, decoding.SamplingConfig(
+      max_new_tokens=GEN_TOKENS, temperature=0, stop_ids=(int(free[2]),))))
+  _, lengths = by_id(params, prompt, mask, positions, decoding.StopSequences.none(320), active, key)
+  assert lengths[0] == list(free).index(free[2])
+
+
+@pytest.mark.parametrize("names, message", [
+    ("nope_not_a_task", "unknown lm-eval task 'nope_not_a_task'"),
+    ("hellaswag", "lm-eval task 'hellaswag' cannot load its data: Couldn't reach 'Rowan/hellaswag'"),
+    ("gone", "lm-eval task 'gone' cannot load its data: .*missing.jsonl"),
+    ("bad_yaml", "lm-eval task 'bad_yaml' cannot be loaded: "),
+    (" , ", "names no lm-eval task"),
+])
+def test_bad_tasks_are_one_line_naming_them(tasks, tmp_path, names, message):
+  write_task(tmp_path, local_task("gone", tmp_path / "missing.jsonl", output_type="multiple_choice",
+                                  doc_to_choice="{{choices}}", doc_to_target="{{answer}}"))
+  write_task(tmp_path, local_task("bad_yaml", tasks / "mc.jsonl", output_type="no_such_output"))
+  with pytest.raises(UserError, match=message) as raised:
+    harness.load_tasks(harness.task_names(names, "--tasks"), str(tmp_path))
+  assert "\n" not in str(raised.value)
+
+
+@pytest.fixture(scope="module")
+def harness_run(tmp_path_factory, data_cache, tasks):
+  """A tiny Llama trained 4 steps on the built-in corpus, the harness every 2 steps."""
+  config = load_config_file("llama_nano")
+  config.model.seq_len, config.model.num_layers = SEQ_LEN, 1
+  config.model.hidden_dim, config.model.intermediate_dim = 32, 64
+  config.trainer.batch_size, config.trainer.num_train_steps = 8, 4
+  config.trainer.log_every_steps, config.trainer.eval_every_steps = 2, 4
+  config.trainer.eval_tokens = 512
+  config.checkpoint.every_steps = 4
+  config.data.cache_dir = str(data_cache)
+  config.data.reader_groups = 1
+  config.trainer.eval_harness_every_steps = 2
+  config.trainer.eval_harness_tasks = "tiny_mc"
+  config.trainer.eval_harness_include_path = str(tasks)
+  config.trainer.eval_harness_limit = 4
+  workdir = tmp_path_factory.mktemp("run")
+  train_and_evaluate(to_run_config(config), workdir)
+  return config, workdir
+
+
+def test_the_in_run_harness_logs_at_its_steps(harness_run):
+  _, workdir = harness_run
+  logged = {m["step"]: m for m in read_metrics(workdir) if "harness/tiny_mc/acc" in m}
+  assert sorted(logged) == [2, 4]
+  for metrics in logged.values():
+    assert 0 <= metrics["harness/tiny_mc/acc"] <= 1 and "harness/tiny_mc/acc_stderr" in metrics
+
+
+def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run, tmp_path):
+  config, _ = harness_run
+  config.trainer.eval_harness_tasks = "tiny_mc,no_such_task"
+  with pytest.raises(UserError, match="unknown lm-eval task 'no_such_task'"):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")
+  assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+      (tmp_path / "run" / "checkpoints").iterdir())
+  config.trainer.eval_harness_tasks = ""
+  with pytest.raises(UserError, match="eval_harness_tasks names no lm-eval task"):
+    to_run_config(config)
+
+
+def evaluate_cli(*flags):
+  return subprocess.run([sys.executable, "-m", "levanter_flax.evaluate", *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "XLA_FLAGS": xla_flags(2)})
+
+
+def test_the_evaluate_command_writes_its_results(harness_run, hf_dir, tasks, tmp_path):
+  _, workdir = harness_run
+  result = evaluate_cli(f"--workdir={workdir}", "--tasks=tiny_mc", f"--include_path={tasks}",
+                        "--limit=3", f"--output={tmp_path / 'run.json'}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "tiny_mc" in result.stdout and "acc" in result.stdout
+  assert json.loads((tmp_path / "run.json").read_text())["results"]["tiny_mc"]["acc,none"] >= 0
+
+  result = evaluate_cli(f"--init_from_hf={hf_dir}", "--tasks=tiny_mc,tiny_gen",
+                        f"--include_path={tasks}", f"--output={tmp_path / 'hf.json'}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  written = json.loads((tmp_path / "hf.json").read_text())["results"]
+  assert written["tiny_gen"]["exact_match,none"] == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tasks=nope_not_a_task"], "unknown lm-eval task 'nope_not_a_task'"),
+    (["--tasks=tiny_mc", "--limit=0"], "--limit"),
+    (["--tasks=tiny_mc", "--workdir={tmp}/nowhere"], "{tmp}/nowhere has no config.json"),
+    (["--tasks=tiny_mc", "--workdir={tmp}", "--init_from_hf={tmp}"], "not both or neither"),
+])
+def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message):
+  flags = [f.format(tmp=tmp_path) for f in flags]
+  if not any(f.startswith(("--workdir", "--init_from_hf")) for f in flags):
+    flags.append(f"--init_from_hf={hf_dir}")
+  assert_one_error_line(evaluate_cli(*flags, f"--include_path={tasks}"),
+                        message.format(tmp=tmp_path))
