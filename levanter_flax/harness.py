@@ -32,7 +32,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval import utils as lm_eval_utils
 
-from levanter_flax import decoding, models
+from levanter_flax import decoding, models, progress
 from levanter_flax.errors import UserError
 from levanter_flax.models import common
 
@@ -143,7 +143,7 @@ class LevanterLM(TemplateLM):
   def _score_rows(self, rows: list[Scored]) -> list[tuple[float, bool]]:
     answers = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i].inputs))
-    for start in range(0, len(order), self._rows):
+    for start in self._batch_starts(len(order), "harness: log-likelihoods"):
       batch = order[start:start + self._rows]
       length = padded_length(len(rows[batch[0]].inputs), self.max_length)
       inputs = np.zeros((self._rows, length), np.int32)
@@ -221,7 +221,7 @@ class LevanterLM(TemplateLM):
     decode = self._decoder(cfg)
     texts = [None] * len(contexts)
     order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
-    for start in range(0, len(order), self._rows):
+    for start in self._batch_starts(len(order), "harness: generation"):
       batch = order[start:start + self._rows]
       length = padded_length(len(contexts[batch[0]]), room)
       tokens = np.zeros((self._rows, length), np.int32)
@@ -237,6 +237,11 @@ class LevanterLM(TemplateLM):
       for slot, i in enumerate(batch):
         texts[i] = self.tok_decode(generated[slot, :lengths[slot]].tolist())
     return texts
+
+  def _batch_starts(self, count: int, what: str):
+    """The first request of each batch of `count`, shown as progress in batches."""
+    return progress.iterate(range(0, count, self._rows), what, total=-(-count // self._rows),
+                            unit="batches")
 
   def _decoder(self, cfg: decoding.SamplingConfig):
     if cfg not in self._decoders:
