@@ -1,11 +1,25 @@
 """levanter_flax: an LLM trainer for JAX on Flax Linen with explicit partition rules."""
+import pathlib
+import re
+
 import setuptools
+
+
+def _version() -> str:
+  """levanter_flax.__version__, read as text: importing the package needs its dependencies."""
+  init = (pathlib.Path(__file__).parent / "levanter_flax" / "__init__.py").read_text()
+  return re.search(r'^__version__ = "([^"]+)"$', init, re.MULTILINE).group(1)
+
 
 setuptools.setup(
     name="levanter_flax",
-    version="0.1.0",
+    version=_version(),
     description="LLM trainer for JAX built on Flax Linen with explicit partition rules.",
     packages=setuptools.find_packages(include=["levanter_flax", "levanter_flax.*"]),
+    # The shipped configs (--config=gpt2_nano) and presets (load_preset("optim/...")): files
+    # loaded by path, not packages.
+    package_data={"levanter_flax": ["configs/*.py", "configs/*/*.py"]},
+    entry_points={"console_scripts": ["levanter-flax = levanter_flax.commands:main"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10,<0.12",

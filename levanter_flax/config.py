@@ -99,17 +99,61 @@ def llama_model_config() -> ml_collections.ConfigDict:
                       num_kv_heads=4, hidden_dim=2048, intermediate_dim=5632)
 
 
-def load_preset(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """get_config() of a config fragment such as configs/optim/sophia_h_large.py.
+# The configs the package ships; a checkout's configs/ is a link to it.
+SHIPPED_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+
+
+def shipped_names(pattern: str = "*.py") -> list[str]:
+  """The shipped configs `pattern` matches, by the names they are found by: gpt2, gpt2_nano, ...
+  ("*/*.py": the presets, optim/sophia_h_large)."""
+  return sorted(p.relative_to(SHIPPED_CONFIGS).with_suffix("").as_posix()
+                for p in SHIPPED_CONFIGS.glob(pattern))
+
+
+def find_config_file(name: str | pathlib.Path, what: str,
+                     listed: str = "*.py") -> pathlib.Path:
+  """The config file `name` names: a file by its path, else a shipped config by its name.
+
+  A name is a file's path under SHIPPED_CONFIGS, with or without .py ("gpt2_nano",
+  "optim/sophia_h_large"); a leading configs/ is the checkout's link to it, so a checkout's
+  paths (configs/gpt2.py) work from any directory, and from an installed package. A file
+  that exists wins over a shipped config of the same name. `what` names the file in errors,
+  which list the shipped configs `listed` matches.
+  """
+  path = pathlib.Path(name)
+  if path.is_file():
+    return path
+  shipped = _shipped_config(path)
+  if shipped is None:
+    raise UserError(f"{what} {name} does not exist, and is no shipped config's name; shipped: "
+                    f"{', '.join(shipped_names(listed))}")
+  return shipped
+
+
+def _shipped_config(path: pathlib.Path) -> Optional[pathlib.Path]:
+  parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+  if path.is_absolute() or not parts or ".." in parts:
+    return None
+  file = SHIPPED_CONFIGS.joinpath(*parts)
+  file = file if file.suffix == ".py" else file.with_name(file.name + ".py")
+  return file if file.is_file() else None
+
+
+def load_preset(name: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """get_config() of a config fragment: a file, or a shipped one by name (optim/sophia_h_large;
+  find_config_file), wherever the command runs.
 
   A config file merges it into a section: config.optimizer.update(load_preset(...)).
   """
-  return call_from_file(path, "get_config", "config preset")
+  return call_from_file(find_config_file(name, "config preset", listed="*/*.py"), "get_config",
+                        "config preset")
 
 
 def load_config_file(argument: str) -> ml_collections.ConfigDict:
-  """What --config=FILE[:ARG] names: get_config([ARG]) of FILE, as config_flags reads it."""
-  path, *arg = argument.split(":", 1)
+  """What --config=FILE[:ARG] names: get_config([ARG]) of FILE, as config_flags reads it. FILE
+  is a path, or a shipped config's name (gpt2_nano, gpt2:nano; find_config_file)."""
+  name, *arg = argument.split(":", 1)
+  path = find_config_file(name, "config file")
   config = call_from_file(path, "get_config", "config file", *arg)
   if not isinstance(config, ml_collections.ConfigDict):
     raise UserError(f"get_config() of config file {path} returned a {type(config).__name__}, not "

@@ -1,33 +1,25 @@
-"""Command line: python -m levanter_flax.main --config=configs/gpt2_nano.py [--workdir=DIR].
+"""Command line: python -m levanter_flax.main --config=configs/gpt2_nano.py [--workdir=DIR], or
+--config=gpt2_nano, a shipped config's name; `levanter-flax train ...` is the same.
 
 Every config field can be overridden, e.g. --config.trainer.batch_size=64.
 Bad input ends in one line on stderr naming the culprit, and exit status 1.
 """
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import cli, distributed, partitioning, paths
+from levanter_flax import backend, cli, paths
 from levanter_flax.config import (define_config_flag, describe_config, parse_flags, run_name,
                                   to_run_config)
 from levanter_flax.errors import UserError, exit_with_error
 
-_CONFIG = define_config_flag("Path to a config file in configs/.")
+_CONFIG = define_config_flag("A config file's path, or a shipped config's name (gpt2_nano, "
+                             "gpt2:nano), with an optional :VARIANT.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name> "
                                "(runs/gpt2_nano for configs/gpt2.py:nano).")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print every config key with its value, its default where the two "
     "differ, and its description; then exit without touching the workdir.")
 flags.mark_flag_as_required("config")
-
-
-def _start_jax(trainer) -> None:
-  """Settings that must come before any backend exists, then jax.distributed; then only process 0
-  logs progress."""
-  partitioning.split_cpu(trainer.cpu_devices)
-  distributed.initialize(trainer.distributed)
-  if jax.process_index() > 0:
-    logging.set_verbosity(logging.WARNING)
 
 
 def main(argv: list[str]) -> None:
@@ -42,7 +34,7 @@ def main(argv: list[str]) -> None:
     workdir = paths.resolve(_WORKDIR.value or f"runs/{run_name(config_file)}",
                             "--workdir")
     run = to_run_config(_CONFIG.value)
-    _start_jax(run.trainer)
+    backend.start(run.trainer)
     from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
     final = train.train_and_evaluate(run, workdir)
   except UserError as e:

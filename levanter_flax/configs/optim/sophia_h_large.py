@@ -1,7 +1,8 @@
 """Sophia-H for GPT-2 medium/large-sized models, after the Sophia paper's settings.
 
 A config pulls it in with
-    config.optimizer.update(load_preset(pathlib.Path(__file__).parent / "optim" / "sophia_h_large.py"))
+    config.optimizer.update(load_preset("optim/sophia_h_large"))
+(a shipped preset's name, or a file's path),
 or a run switches with --config.optimizer.name=sophia_h and the keys below.
 """
 import ml_collections
