@@ -230,6 +230,8 @@ def call_from_file(path: str | pathlib.Path, function: str, what: str, *args) ->
   if not path.is_file():
     raise UserError(f"{what} {path} does not exist")
   spec = importlib.util.spec_from_file_location(path.stem, path)
+  if spec is None:  # Python loads a file by its suffix.
+    raise UserError(f"{what} {path} is not a Python file (.py)")
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)

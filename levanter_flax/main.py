@@ -35,8 +35,9 @@ def main(argv: list[str]) -> None:
                             "--workdir")
     run = to_run_config(_CONFIG.value)
     backend.start(run.trainer)
-    from levanter_flax import train  # pylint: disable=g-import-not-at-top  # Heavy: jax, tf.
-    final = train.train_and_evaluate(run, workdir)
+    # Heavy (jax, tf); by its module's path: the package's `train` is the Python API's.
+    from levanter_flax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+    final = train_and_evaluate(run, workdir)
   except UserError as e:
     exit_with_error(str(e))
   logging.info("Finished in %s: %s", workdir, final)

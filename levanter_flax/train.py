@@ -4,7 +4,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import os
 import time
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -12,8 +14,8 @@ from absl import logging
 from clu import periodic_actions
 from etils import epath
 
-from levanter_flax import (distributed, flops, locks, metrics, models, monitoring, partitioning,
-                           paths, preemption, report, resume, step)
+from levanter_flax import (callbacks as callbacks_lib, distributed, flops, locks, metrics, models,
+                           monitoring, partitioning, paths, preemption, report, resume, step)
 from levanter_flax.checkpoint import Checkpointer
 from levanter_flax.settings import RunConfig
 from levanter_flax.data import eval_set, loader
@@ -66,18 +68,44 @@ def _mean(history: list[dict]) -> dict[str, float]:
   return {k: float(np.mean([m[k] for m in history])) for k in history[0]}
 
 
-def train_and_evaluate(run: RunConfig, workdir: epath.Path) -> dict[str, float]:
-  """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics.
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  """How a run ended: its final state and its last metrics (the last log step's means and the
+  last eval; {} for a run that had already finished, whose newest checkpoint `state` is)."""
+  state: step.TrainState
+  metrics: dict[str, float]
+
+  @property
+  def params(self) -> Any:
+    """What the model applies (with LoRA: the adapters merged into the base), as checkpoint.
+    run_params reads them back."""
+    return self.state.model_params
+
+
+def train_and_evaluate(run: RunConfig, workdir: epath.Path | str | os.PathLike,
+                       callbacks: Sequence[callbacks_lib.Callback] = ()) -> dict[str, float]:
+  """Trains to run.trainer.num_train_steps, resuming from workdir; returns the last metrics."""
+  return run_training(run, workdir, callbacks).metrics
+
+
+def run_training(run: RunConfig, workdir: epath.Path | str | os.PathLike,
+                 callbacks: Sequence[callbacks_lib.Callback] = ()) -> TrainResult:
+  """Trains to run.trainer.num_train_steps, resuming from workdir, calling each callback after
+  every its every_steps-th step.
 
   The workdir is locked first: a second run in it is refused rather than
   merged with this one.
   """
+  due_callbacks = callbacks_lib.Callbacks(callbacks)
+  if not isinstance(workdir, epath.Path):  # A str or os.PathLike, as a user passes it.
+    workdir = paths.resolve(workdir, "workdir")
   workdir = paths.make_dirs(workdir, "workdir")
   with locks.locked_for_job(workdir, "workdir") as lock:
-    return _build_and_train(run, workdir, lock)
+    return _build_and_train(run, workdir, lock, due_callbacks)
 
 
-def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -> dict[str, float]:
+def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
+                     due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
   _check_backend(run.model)
   _use_compilation_cache(run.trainer)
   mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
@@ -97,12 +125,14 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock) -
     # The signal handlers stay until the last save is written (the checkpointer, handed over
     # by pop_all, closes first): a second SIGTERM then waits too.
     with partitioner.activation_context(), preemption.StopSignal() as stop, opened.pop_all():
-      return _restore_and_train(start, workdir, steps, partitioner, checkpointer, stop, lock)
+      return _restore_and_train(start, workdir, steps, partitioner, checkpointer, stop, lock,
+                                due_callbacks)
 
 
 def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.ShardedSteps,
                        partitioner: partitioning.Partitioner, checkpointer: Checkpointer,
-                       stop: preemption.StopSignal, lock: locks.JobLock) -> dict[str, float]:
+                       stop: preemption.StopSignal, lock: locks.JobLock,
+                       due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
   run, trainer = start.run, start.run.trainer
   # Compiled while the state is restored or created and the input starts; not for a run
   # that looks finished, which only says so.
@@ -119,11 +149,11 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
       logging.warning("Already finished: the newest checkpoint is step %d, and "
                       "config.trainer.num_train_steps is %d; raise it to train on",
                       int(state.step), trainer.num_train_steps)
-      return {}
+      return TrainResult(state, {})
     resume.save_config(run, workdir)
     compiled_step = compiled_step or compile_step()  # The newest checkpoint was unusable.
     return _train_loop(start, workdir, steps, state, progress, checkpointer, stop,
-                       compiled_step, lock)
+                       compiled_step, lock, due_callbacks)
   finally:
     # It cannot be cancelled: a run that stops early waits for it, so that nothing prints
     # after the run's last line and no compiler thread outlives the interpreter.
@@ -264,7 +294,7 @@ class _NonFiniteSteps:
 def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSteps,
                 state: step.TrainState, progress: resume.Progress, checkpointer: Checkpointer,
                 stop: preemption.StopSignal, compiled_step: "concurrent.futures.Future",
-                lock: locks.JobLock) -> dict[str, float]:
+                lock: locks.JobLock, due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
   run, sources, trainer = start.run, start.sources, start.run.trainer
   start_step = int(state.step)
   evaluate = _make_evaluate(run, steps, sources)
@@ -337,6 +367,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
         with _phase(report_progress, "checkpoint"):
           checkpointer.save(step_num, state.checkpointed, nonfinite.progress(position).to_json(),
                           due)
+      eval_metrics = {}
       if step_num % trainer.eval_every_steps == 0 or finished:
         nonfinite.flush()
         with _phase(report_progress, "eval"):
@@ -350,7 +381,9 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
           harness_metrics = run_harness(state.model_params)
         writer.write_scalars(step_num, harness_metrics)
         last_metrics |= harness_metrics
+        eval_metrics = eval_metrics | harness_metrics  # What a callback sees of the step.
         throughput.reset(step_num)
+      due_callbacks.after_step(step_num, state, step_metrics, eval_metrics)
       profile.after_step(step_num, state)  # The window's last eval and checkpoint are in it.
       watchdog.step_finished(step_num)
       if stopping:
@@ -358,7 +391,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
                         step_num)
         break
     profile.close(step_num, state)
-  return last_metrics
+  return TrainResult(state, last_metrics)
 
 
 @contextlib.contextmanager

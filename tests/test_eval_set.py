@@ -11,13 +11,13 @@ import pytest
 from conftest import read_metrics, write_dataset
 from etils import epath
 
-from levanter_flax import models, partitioning, step, train
+from levanter_flax import models, partitioning, step
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.errors import UserError
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.train import _make_evaluate, train_and_evaluate  # pylint: disable=protected-access
 
 
 def source_of(directory: pathlib.Path) -> PreparedDataset:
@@ -76,7 +76,7 @@ def test_eval_loss_of_the_same_params_does_not_depend_on_the_batch_layout(tiny_c
     steps = step.build(run, partitioner, eos_id=256)
     with partitioner.activation_context():
       state = steps.init(jax.random.key(0))
-      evaluate = train._make_evaluate(run, steps, [source_of(directory)])  # pylint: disable=protected-access
+      evaluate = _make_evaluate(run, steps, [source_of(directory)])
       losses[batch_size, accumulation, reader_groups] = evaluate(state)
   first = next(iter(losses.values()))
   assert first["eval/tokens"] == 20 * 63
