@@ -5,8 +5,9 @@ import ml_collections
 import pytest
 
 from conftest import REPO, config_variants, load_config_file, shipped_configs
-from levanter_flax.config import (default_config, load_config_file as load_config, mesh, run_name,
-                                  to_run_config)
+from levanter_flax.config import (SHIPPED_CONFIGS, default_config, find_config_file,
+                                  load_config_file as load_config, load_preset, mesh, run_name,
+                                  shipped_names, to_run_config)
 from levanter_flax.errors import UserError
 
 SHIPPED = shipped_configs()
@@ -77,6 +78,7 @@ def test_config_files_find_each_other_wherever_the_command_runs(tmp_path, monkey
 @pytest.mark.parametrize("argument, name", [
     ("configs/gpt2.py:nano", "gpt2_nano"), ("configs/gpt2_nano.py", "gpt2_nano"),
     ("/abs/configs/llama.py", "llama"), ("qwen2.py:0_5b", "qwen2_0_5b"),
+    ("gpt2_nano", "gpt2_nano"), ("gpt2:nano", "gpt2_nano"), ("llama", "llama"),
 ])
 def test_the_default_workdir_is_named_after_the_file_and_its_variant(argument, name):
   assert run_name(argument) == name
@@ -269,3 +271,60 @@ def test_a_config_file_that_cannot_give_a_config_is_named_with_its_reason(tmp_pa
     load_config(str(path))
   assert str(raised.value).startswith(message.format(path=path)), raised.value
   assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["gpt2_nano", "gpt2:nano", "gpt2.py:nano", "configs/gpt2.py:nano",
+                                  "configs/gpt2_nano.py"])
+def test_a_shipped_config_is_found_by_name_from_any_directory(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # Not the checkout: configs/ is not here.
+  assert load_config(name).to_dict() == load_config_file("gpt2:nano").to_dict()
+  assert load_preset("optim/sophia_h_large").name == "sophia_h"
+  assert load_preset("configs/optim/sophia_h_large.py").name == "sophia_h"
+
+
+def test_the_shipped_configs_are_the_checkouts():
+  """configs/ links to the package's configs, which the wheel ships (tests/test_install.py)."""
+  assert (REPO / "configs").resolve() == SHIPPED_CONFIGS
+  assert "gpt2_nano" in shipped_names() and "optim/sophia_h_large" not in shipped_names()
+  assert shipped_names("*/*.py") == ["optim/sophia_h_large"]
+
+
+def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "gpt2_nano.py").write_text(
+      "from levanter_flax.config import default_config\n"
+      "def get_config():\n"
+      "  config = default_config()\n"
+      "  config.trainer.num_train_steps = 7\n"
+      "  return config\n")
+  assert load_config("gpt2_nano.py").trainer.num_train_steps == 7  # The file here.
+  assert load_config("gpt2_nano").trainer.num_train_steps == 300  # The shipped config.
+  assert find_config_file("gpt2_nano", "x") == SHIPPED_CONFIGS / "gpt2_nano.py"
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: gpt2, "
+             "gpt2_medium, gpt2_nano,"),
+    ("gpt3:nano", "config file gpt3 does not exist"),
+    ("configs/nope.py", "config file configs/nope.py does not exist, and is no shipped"),
+    ("../gpt2", "config file ../gpt2 does not exist"),
+    ("gpt2:tiny", "unknown variant 'tiny'; choose one of nano, small, medium, small_fast"),
+])
+def test_a_config_neither_shipped_nor_a_file_is_named(argument, message, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError) as raised:
+    load_config(argument)
+  assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_preset_that_is_neither_is_named(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError, match=r"^config preset optim/adam does not exist, and is no "
+                                      r"shipped config's name; shipped: optim/sophia_h_large$"):
+    load_preset("optim/adam")
+
+
+def test_a_config_file_that_is_not_python_is_named(tmp_path):
+  (tmp_path / "run.yaml").write_text("trainer: {}\n")
+  with pytest.raises(UserError, match=r"run.yaml is not a Python file \(.py\)$"):
+    load_config(str(tmp_path / "run.yaml"))

@@ -45,9 +45,11 @@ def test_overrides_reach_the_trainer(data_cache, tmp_path):
   assert "mesh {'data': 3, 'model': 1}" in result.stderr
 
 
-def test_workdir_defaults_to_runs_config_name(data_cache, tmp_path):
-  """runs/<file>_<variant>: configs/gpt2.py:nano's is configs/gpt2_nano.py's, runs/gpt2_nano."""
-  result = run_main(f"--config={REPO}/configs/gpt2.py:nano", *TINY,
+@pytest.mark.parametrize("config", [f"{REPO}/configs/gpt2.py:nano", "gpt2:nano"])
+def test_workdir_defaults_to_runs_config_name(config, data_cache, tmp_path):
+  """runs/<file>_<variant>: configs/gpt2.py:nano's is configs/gpt2_nano.py's, runs/gpt2_nano;
+  so is the shipped config's by name, outside the checkout."""
+  result = run_main(f"--config={config}", *TINY,
                     "--config.trainer.num_train_steps=1", "--config.trainer.batch_size=8",
                     f"--config.data.cache_dir={data_cache}", cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -81,6 +83,8 @@ def test_a_bad_variant_is_one_line(argument, message):
 
 def test_missing_config_file_is_one_line():
   assert_one_line_error(run_main("--config=configs/nope.py"), "config file configs/nope.py does not exist")
+  assert_one_line_error(run_main("--config=gpt3:nano"), "config file gpt3 does not exist, and is "
+                        "no shipped config's name; shipped: gpt2, gpt2_medium, gpt2_nano,")
 
 
 def test_a_config_file_without_get_config_is_one_line_naming_it(tmp_path):

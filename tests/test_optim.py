@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, train_losses
+from conftest import train_losses
 from levanter_flax import optim
 from levanter_flax.config import default_config, load_preset, to_run_config
 from levanter_flax.train import train_and_evaluate
@@ -68,6 +68,6 @@ def test_each_optimizer_reduces_the_nano_loss(tiny_config, tmp_path, name, learn
 
 def test_a_preset_fills_the_optimizer_section():
   config = default_config()
-  config.optimizer.update(load_preset(REPO / "configs" / "optim" / "sophia_h_large.py"))
+  config.optimizer.update(load_preset("optim/sophia_h_large"))  # By its name.
   optimizer = to_run_config(config).optimizer
   assert (optimizer.name, optimizer.beta1, optimizer.epsilon) == ("sophia_h", 0.965, 1e-12)
