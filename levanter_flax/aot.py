@@ -413,7 +413,7 @@ def main(argv):
 
 
 if __name__ == "__main__":  # Its flags only then: bench/tpu_plan.py imports this module.
-  define_config_flag("A config file in configs/.")
+  define_config_flag("A config file, or a shipped config's name (gpt2_nano, gpt2:nano).")
   flags.DEFINE_string("topology", None, "The TPU slice to compile for: a Cloud TPU name or "
                       f"jax's, e.g. {_EXAMPLES}.")
   flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")

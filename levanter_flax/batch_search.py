@@ -204,6 +204,6 @@ if __name__ == "__main__":
   # Defined only when run as a program: train.py imports this module next to main.py's flag.
   # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
   from levanter_flax.config import define_config_flag, parse_flags
-  define_config_flag("A config file in configs/.")
+  define_config_flag("A config file, or a shipped config's name (gpt2_nano, gpt2:nano).")
   flags.mark_flag_as_required("config")
   app.run(main, flags_parser=parse_flags)

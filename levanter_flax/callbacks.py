@@ -21,8 +21,8 @@ class Callback:
   `state` is the step's TrainState on the device (state.params, state.model_params). The next
   step reuses its buffers, so copy what you keep (jax.device_get). `metrics` are the step's
   own train/* scalars as floats, with the eval/* (and harness/*) ones on a step that
-  evaluated. An exception
-  from fn stops the run.
+  evaluated. An exception from fn stops the run. In a run of several processes every process
+  calls it: guard what one process should do alone with jax.process_index() == 0.
   """
   every_steps: int
   fn: Callable[[int, Any, dict[str, float]], None]

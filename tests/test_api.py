@@ -122,3 +122,21 @@ def test_a_cpu_split_jax_cannot_take_is_refused(tiny_config, tmp_path):
   with pytest.raises(UserError, match=r"config.trainer.cpu_devices is 3, but jax already runs "
                                       r"in this process with 8 CPU devices"):
     lf.train(tiny_config, tmp_path / "run")
+
+
+class _Unreadable:
+  """A step's metric that may not be read: a callback that is not due must not touch it."""
+
+  def __array__(self, *args, **kwargs):
+    raise AssertionError("read a step's metrics on a step no callback was due")
+
+
+def test_a_step_no_callback_is_due_on_reads_nothing_from_the_device():
+  from levanter_flax.callbacks import Callbacks
+  seen = []
+  due = Callbacks([lf.Callback(4, lambda step, state, metrics: seen.append((step, metrics)))])
+  for step in (1, 2, 3, 5):
+    due.after_step(step, None, {"train/loss": _Unreadable()}, {})
+  assert not seen
+  due.after_step(4, None, {"train/loss": jax.numpy.float32(2.5)}, {"eval/loss": 3.0})
+  assert seen == [(4, {"train/loss": 2.5, "eval/loss": 3.0})]
