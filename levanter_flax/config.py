@@ -641,11 +641,15 @@ def variant_file(file: str, sibling: str,
   return get_config
 
 
-def _shown(file: str | pathlib.Path) -> pathlib.Path:
-  """A config file's path for a message: relative to the working directory when inside it, as
-  --config most often names it (a module's __file__ is absolute)."""
+def _shown(file: str | pathlib.Path) -> str:
+  """A config file as a message names it: a shipped config found by name by its name (gpt2,
+  not the package's path), else relative to the working directory when inside it, as --config
+  most often names it (a module's __file__ is absolute)."""
   path = pathlib.Path(file)
-  return path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd()) else path
+  if path.is_relative_to(SHIPPED_CONFIGS):  # Not through a checkout's configs/ link.
+    return path.relative_to(SHIPPED_CONFIGS).with_suffix("").as_posix()
+  return str(path.relative_to(pathlib.Path.cwd()) if path.is_relative_to(pathlib.Path.cwd())
+             else path)
 
 
 def run_name(config_argument: str) -> str:
