@@ -10,7 +10,6 @@ line would print.
 import dataclasses
 import functools
 import os
-import pathlib
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -45,9 +44,8 @@ def train(config: ConfigLike, workdir: str | os.PathLike,
   for another trainer.cpu_devices.
   """
   run = _run_config(config)
-  workdir = paths.resolve(workdir, "workdir")
   backend.start(run.trainer)
-  return run_training(run, workdir, callbacks)
+  return run_training(run, workdir, callbacks)  # It takes the workdir as the user gave it.
 
 
 def _run_config(config: ConfigLike) -> RunConfig:
