@@ -7,8 +7,6 @@ The Python API (api.py) loads on first use: `python -m levanter_flax.X` imports 
 first, and most commands need neither jax nor TensorFlow before they parse their flags.
 """
 import os
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -33,24 +31,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
   return sorted([*globals(), *_API])
 
-
-class _Package(types.ModuleType):
-  """This package, whose `train` is always lf.train, the API's function.
-
-  The training loop's module is levanter_flax.train too, and importing it would bind the
-  package's `train` to it, before or after a lazy export: which one `lf.train` meant would
-  depend on what was imported first. Here the import system's binding is dropped; import the
-  module as `from levanter_flax.train import ...`.
-  """
-
-  @property
-  def train(self):
-    from levanter_flax import api  # pylint: disable=g-import-not-at-top
-    return api.train
-
-  @train.setter
-  def train(self, submodule: types.ModuleType) -> None:
-    del submodule  # Still sys.modules["levanter_flax.train"].
-
-
-sys.modules[__name__].__class__ = _Package

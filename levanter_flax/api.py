@@ -20,7 +20,7 @@ from levanter_flax import backend, checkpoint, config as config_lib, models, pat
 from levanter_flax.callbacks import Callback
 from levanter_flax.errors import UserError
 from levanter_flax.settings import RunConfig
-from levanter_flax.train import TrainResult, run_training
+from levanter_flax.loop import TrainResult, run_training
 
 __all__ = ["train", "load", "load_config", "Callback", "TrainResult", "Loaded"]
 

@@ -66,7 +66,7 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
                accumulation: int = 1, **data) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
-  Built by step.build, as train.py builds it, so that the accumulator and the whole batch
+  Built by step.build, as loop.py builds it, so that the accumulator and the whole batch
   (per_device x data-parallel size x accumulation sequences) are counted. `data`: what the
   run's datasets make of the step (step.build's loss_weights, preference).
   """
@@ -201,7 +201,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Defined only when run as a program: train.py imports this module next to main.py's flag.
+  # Defined only when run as a program: loop.py imports this module next to main.py's flag.
   # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
   from levanter_flax.config import define_config_flag, parse_flags
   define_config_flag("A config file, or a shipped config's name (gpt2_nano, gpt2:nano).")

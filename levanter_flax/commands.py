@@ -14,6 +14,7 @@ from levanter_flax.errors import exit_with_error
 SUBCOMMANDS = {
     "train": "levanter_flax.main",
     "prepare": "levanter_flax.prepare",
+    "evaluate": "levanter_flax.evaluate",
     "sample": "levanter_flax.sample",
     "export-hf": "levanter_flax.export_hf",
     "report": "levanter_flax.report",

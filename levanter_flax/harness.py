@@ -16,7 +16,7 @@ one per request.
 
 Tasks are lm-eval's built-in names or those of a directory of task YAMLs (`include_path`);
 `load_tasks` checks them all, data included, before anything runs. lm_eval is imported here
-only: train.py imports this module when the in-run harness is on.
+only: loop.py imports this module when the in-run harness is on.
 """
 import dataclasses
 import functools

@@ -175,7 +175,7 @@ def plot(runs: Sequence[Run], output_dir: epath.Path) -> list[epath.Path]:
   return written
 
 
-# The trainer's trace annotations (train.py): each step, and the parts of it that are not compute.
+# The trainer's trace annotations (loop.py): each step, and the parts of it that are not compute.
 PHASES = ("train", "data_wait", "eval", "checkpoint")
 
 

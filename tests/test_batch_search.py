@@ -64,7 +64,7 @@ def test_accumulation_search_tries_only_real_splits_and_is_exact():
 
 def compiled_bytes(run, partitioner, per_device: int, accumulation: int) -> int:
   """The real step's per-device bytes: the run as resolve would return it, built and compiled as
-  train.py does, not by step_bytes."""
+  loop.py does, not by step_bytes."""
   batch_size = per_device * partitioner.data_parallel_size * accumulation
   trainer = dataclasses.replace(run.trainer, batch_size=batch_size,
                                 gradient_accumulation_steps=accumulation)

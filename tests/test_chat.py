@@ -16,7 +16,7 @@ from levanter_flax.data.position import DataPosition
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 
 # Qwen2's ChatML template, shortened: a system turn, then each turn between <|im_start|>ROLE\n and
 # <|im_end|>\n; roles it does not know are refused with raise_exception.

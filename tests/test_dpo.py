@@ -14,7 +14,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 from test_chat import (documents, make_tokenizer, prepare_records,  # pylint: disable=unused-import
                        tokenizer_file, weighted_text)
 

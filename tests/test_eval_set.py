@@ -17,7 +17,7 @@ from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.errors import UserError
-from levanter_flax.train import _make_evaluate, train_and_evaluate  # pylint: disable=protected-access
+from levanter_flax.loop import _make_evaluate, train_and_evaluate  # pylint: disable=protected-access
 
 
 def source_of(directory: pathlib.Path) -> PreparedDataset:
@@ -152,3 +152,13 @@ def test_more_than_the_split_is_all_of_it_with_one_warning(tmp_path, caplog):
   assert eval_set.num_windows(source, 16, 17) == 2  # Whole windows, rounded up.
   assert list(eval_set.spread(10, 4)) == [1, 3, 6, 8]
   assert list(eval_set.spread(5, 5)) == [0, 1, 2, 3, 4]
+
+
+def test_a_long_eval_on_a_cpu_split_into_devices_does_not_deadlock(tiny_config, tmp_path):
+  """Hundreds of eval batches on the 8 fake devices of 2 cores: dispatched all at once, their
+  all-gathers starved XLA:CPU's thread pool until its rendezvous aborted the process."""
+  tiny_config.trainer.num_train_steps = 1
+  tiny_config.trainer.eval_tokens = 256 * 8 * 64
+  run = to_run_config(tiny_config)
+  final = train_and_evaluate(run, epath.Path(tmp_path / "run"))
+  assert final["eval/tokens"] == 256 * 8 * 63 and np.isfinite(final["eval/loss"])

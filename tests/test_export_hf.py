@@ -18,7 +18,7 @@ from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import train_bpe
 from levanter_flax.errors import UserError
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 from test_hf import TOKENS, assert_one_error_line, export, hf_logits, hf_model
 
 

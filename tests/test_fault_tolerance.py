@@ -24,7 +24,7 @@ from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.errors import UserError
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 from test_main import NANO, TINY
 
 

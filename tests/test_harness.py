@@ -30,7 +30,7 @@ from levanter_flax import decoding, harness, hf, models, partitioning  # pylint:
 from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
 from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
 from levanter_flax.errors import UserError  # pylint: disable=g-import-not-at-top
-from levanter_flax.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+from levanter_flax.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
 
 SEQ_LEN = 64
 GEN_TOKENS = 12

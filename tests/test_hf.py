@@ -19,7 +19,7 @@ from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models.llama import rope_frequencies
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 from levanter_flax.models.common import with_compute
 
 def _llama(**changes):

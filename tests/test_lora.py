@@ -21,7 +21,7 @@ from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.models import common, lora
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
 from test_resume import run_killed_after_checkpoint
 

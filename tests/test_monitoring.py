@@ -19,7 +19,7 @@ from levanter_flax import monitoring, report
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader
 from levanter_flax.errors import UserError
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 
 
 def trace_event_names(workdir) -> set[str]:

@@ -9,7 +9,7 @@ import pytest
 from conftest import train_losses
 from levanter_flax import optim
 from levanter_flax.config import default_config, load_preset, to_run_config
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 
 A = np.array([[3.0, 0.5, -1.0, 0.2], [0.5, 2.0, 0.3, 0.0], [-1.0, 0.3, 1.5, 0.4],
               [0.2, 0.0, 0.4, 0.7]], np.float32)

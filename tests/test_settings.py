@@ -15,7 +15,7 @@ from conftest import REPO, train_losses
 from levanter_flax import config as config_module, hf, models, schema, settings
 from levanter_flax.config import default_config, flat_dict, load_config_file, to_run_config
 from levanter_flax.schema import CHOSEN, FREE, MODEL, STATE, setting
-from levanter_flax.train import train_and_evaluate
+from levanter_flax.loop import train_and_evaluate
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 

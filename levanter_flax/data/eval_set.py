@@ -219,6 +219,10 @@ def evaluate_pairs(eval_set: EvalSet, eval_step, params, batch_size: int,
           _standard_error(pairs["loss"]))
 
 
+# Eval batches dispatched ahead of the device at most (as the train loop's steps).
+_MAX_BATCHES_AHEAD = 8
+
+
 def _scored_outputs(eval_set: EvalSet, eval_step, params, batch_size: int,
                     sharding: jax.sharding.Sharding):
   """eval_step's output for the set's windows (a tree of per-window arrays), in float64,
@@ -226,10 +230,15 @@ def _scored_outputs(eval_set: EvalSet, eval_step, params, batch_size: int,
   rows = process_rows(sharding, batch_size, eval_set.process_count)
   batches = loader.global_arrays(
       ((batch, None) for batch in eval_set.local_batches(len(rows[0]))), sharding)
-  # Counts dispatched batches: the device runs a few behind, and waiting for it would slow eval.
-  outputs = [eval_step(params, batch) for batch, _ in progress.iterate(
-      batches, f"eval {eval_set.source.name}", total=eval_set.num_batches(len(rows[0])),
-      unit="batches", shown=jax.process_index() == 0)]
+  outputs = []
+  for batch, _ in progress.iterate(batches, f"eval {eval_set.source.name}",
+                                   total=eval_set.num_batches(len(rows[0])), unit="batches",
+                                   shown=jax.process_index() == 0):
+    outputs.append(eval_step(params, batch))
+    if len(outputs) > _MAX_BATCHES_AHEAD:
+      # Unbounded, dozens of steps in flight on a CPU split into devices starve XLA's thread
+      # pool: each one's collective waits for devices whose threads run the others (deadlock).
+      jax.block_until_ready(outputs[-_MAX_BATCHES_AHEAD - 1])
   scored = eval_set.scored(rows)
   return jax.tree.map(lambda *parts: np.concatenate(parts).astype(np.float64)[scored],
                       *jax.device_get(outputs))
