@@ -19,7 +19,6 @@ from levanter_flax.monitoring import MonitoringConfig
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
 from levanter_flax.schema import CHOSEN, setting
-from levanter_flax.wandb_writer import WandbConfig
 
 _AUTO_BATCH = ("trainer.batch_size", "auto")
 
@@ -30,6 +29,40 @@ def _device_mesh(key: str, value: Any) -> tuple[tuple[str, int], ...]:
     raise UserError(f"config key {key} must map axis names to sizes, e.g. data=-1, model=1; "
                     f"got {value!r}")
   return tuple(items)
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _tags(key: str, value: Any) -> tuple[str, ...]:
+  """"" (none), "a,b" or ["a", "b"] -> a tuple of tags."""
+  if isinstance(value, str):
+    return tuple(tag.strip() for tag in value.split(",") if tag.strip())
+  if isinstance(value, (list, tuple)) and all(isinstance(tag, str) for tag in value):
+    return tuple(value)
+  raise UserError(f"config key {key} must be tags like \"baseline,gpt2\" (\"\" for none); "
+                  f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+  """Logging to Weights & Biases (config.trainer.wandb): off until a project is named."""
+  project: str = setting("", "W&B project to log the run to; \"\": no W&B")
+  entity: str = setting("", "W&B user or team that owns the project; \"\": your default entity")
+  name: str = setting("", "The W&B run's display name; \"\": the workdir's name")
+  tags: tuple[str, ...] = setting((), "The W&B run's tags, e.g. \"baseline,gpt2\"",
+                                  convert=_tags, written="")
+  mode: str = setting("online", "online: log to the W&B server; offline: write the run under "
+                      "<workdir>/wandb to upload later with `wandb sync`; disabled: no W&B")
+
+  def __post_init__(self):
+    if self.mode not in WANDB_MODES:
+      raise UserError(f"config.trainer.wandb.mode must be one of {', '.join(WANDB_MODES)}; "
+                      f"got {self.mode!r}")
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.project) and self.mode != "disabled"
 
 
 @dataclasses.dataclass(frozen=True)

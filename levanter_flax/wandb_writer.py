@@ -7,7 +7,6 @@ A restart continues the same W&B run: its id is chosen on the run's first start 
 <workdir>/wandb_run_id, and every start opens the run with resume="allow". In offline mode each
 start writes its own local run directory under the same id; `wandb sync` joins them.
 """
-import dataclasses
 import os
 import re
 import secrets
@@ -22,43 +21,11 @@ from etils import epath
 
 from levanter_flax import paths
 from levanter_flax.errors import UserError
-from levanter_flax.schema import setting
+from levanter_flax.settings import WandbConfig
 
-MODES = ("online", "offline", "disabled")
 RUN_ID_FILE = "wandb_run_id"
 # What W&B accepts as a run id, kept to the characters that need no quoting anywhere.
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _tags(key: str, value: Any) -> tuple[str, ...]:
-  """"" (none), "a,b" or ["a", "b"] -> a tuple of tags."""
-  if isinstance(value, str):
-    return tuple(tag.strip() for tag in value.split(",") if tag.strip())
-  if isinstance(value, (list, tuple)) and all(isinstance(tag, str) for tag in value):
-    return tuple(value)
-  raise UserError(f"config key {key} must be tags like \"baseline,gpt2\" (\"\" for none); "
-                  f"got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class WandbConfig:
-  """Logging to Weights & Biases (config.trainer.wandb): off until a project is named."""
-  project: str = setting("", "W&B project to log the run to; \"\": no W&B")
-  entity: str = setting("", "W&B user or team that owns the project; \"\": your default entity")
-  name: str = setting("", "The W&B run's display name; \"\": the workdir's name")
-  tags: tuple[str, ...] = setting((), "The W&B run's tags, e.g. \"baseline,gpt2\"",
-                                  convert=_tags, written="")
-  mode: str = setting("online", "online: log to the W&B server; offline: write the run under "
-                      "<workdir>/wandb to upload later with `wandb sync`; disabled: no W&B")
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise UserError(f"config.trainer.wandb.mode must be one of {', '.join(MODES)}; "
-                      f"got {self.mode!r}")
-
-  @property
-  def enabled(self) -> bool:
-    return bool(self.project) and self.mode != "disabled"
 
 
 def run_id(workdir: epath.Path) -> str:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import read_metrics
-from levanter_flax import metrics, wandb_writer
+from levanter_flax import metrics, settings, wandb_writer
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.loop import train_and_evaluate
@@ -216,7 +216,7 @@ def test_tags_are_comma_separated(tiny_config):
   assert to_run_config(with_wandb(tiny_config, tags="a, b,,c")).trainer.wandb.tags == (
       "a", "b", "c")
   assert to_run_config(with_wandb(tiny_config, tags="")).trainer.wandb.tags == ()
-  tags = wandb_writer._tags  # pylint: disable=protected-access
+  tags = settings._tags  # pylint: disable=protected-access
   assert tags("config.trainer.wandb.tags", ["x"]) == ("x",)  # As a config.json holds them.
   with pytest.raises(UserError, match=r"config key config.trainer.wandb.tags must be tags"):
     tags("config.trainer.wandb.tags", [1])
