@@ -40,6 +40,9 @@ class Callbacks:
   """The callbacks of a run, each called on its due steps."""
 
   def __init__(self, callbacks: Sequence[Callback]):
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, (list, tuple)):
+      raise UserError(f"callbacks must be a list of levanter_flax.Callback(every_steps, fn); got "
+                      f"{callbacks!r}")
     callbacks = list(callbacks)
     for callback in callbacks:
       if not isinstance(callback, Callback):

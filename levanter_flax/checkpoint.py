@@ -496,6 +496,30 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
 
   A damaged checkpoint is skipped with a warning, and left where it is.
   """
+  model_cfg, saved, steps = run_checkpoints(workdir)
+  for step in steps:
+    path = workdir / "checkpoints" / str(step)
+    try:
+      params = _restore_to_host(path / "state", "params")
+    except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
+      verdict = _classified(e, path)
+      if isinstance(verdict, UserError):
+        raise verdict from None
+      logging.warning("Checkpoint %s is damaged (%s); using the one before it", path, verdict)
+      continue
+    if model_cfg.lora.rank:  # The adapters, on the base the run saved when it started.
+      try:
+        params = lora.merged(_restore_to_host(workdir / FROZEN_BASE), params)
+      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore: many kinds.
+        raise UserError(f"cannot read {workdir / FROZEN_BASE}, the frozen base model of this "
+                        f"LoRA run: {_first_line(e)}") from None
+    return model_cfg, params, saved
+  raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
+
+
+def run_checkpoints(workdir: epath.Path) -> tuple[Any, dict, list[int]]:
+  """(model config, saved config.json, checkpoint steps newest first) of a workdir, read without
+  a checkpoint's arrays: what run_params checks before reading any, in a moment."""
   from levanter_flax import config  # pylint: disable=g-import-not-at-top  # It imports this module.
   try:
     saved = config.read_saved(workdir)
@@ -515,24 +539,7 @@ def run_params(workdir: epath.Path) -> tuple[Any, Any, dict]:
                  reverse=True)
   if not steps:
     raise UserError(f"{workdir}/checkpoints holds no checkpoint")
-  for step in steps:
-    path = workdir / "checkpoints" / str(step)
-    try:
-      params = _restore_to_host(path / "state", "params")
-    except Exception as e:  # pylint: disable=broad-except  # orbax and tensorstore raise many kinds.
-      verdict = _classified(e, path)
-      if isinstance(verdict, UserError):
-        raise verdict from None
-      logging.warning("Checkpoint %s is damaged (%s); using the one before it", path, verdict)
-      continue
-    if model_cfg.lora.rank:  # The adapters, on the base the run saved when it started.
-      try:
-        params = lora.merged(_restore_to_host(workdir / FROZEN_BASE), params)
-      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore: many kinds.
-        raise UserError(f"cannot read {workdir / FROZEN_BASE}, the frozen base model of this "
-                        f"LoRA run: {_first_line(e)}") from None
-    return model_cfg, params, saved
-  raise UserError(f"every checkpoint in {workdir}/checkpoints ({steps}) is damaged")
+  return model_cfg, saved, steps
 
 
 def _restore_to_host(path: epath.Path, item: Optional[str] = None) -> Any:

@@ -118,11 +118,15 @@ def find_config_file(name: str | pathlib.Path, what: str,
   "optim/sophia_h_large"); a leading configs/ is the checkout's link to it, so a checkout's
   paths (configs/gpt2.py) work from any directory, and from an installed package. A file
   that exists wins over a shipped config of the same name. `what` names the file in errors,
-  which list the shipped configs `listed` matches.
+  which list the shipped configs `listed` matches. A path that starts at the working directory
+  (./gpt2.py) or above it names only a local file.
   """
   path = pathlib.Path(name)
   if path.is_file():
     return path
+  if str(name).startswith(("./", "../", ".\\", "..\\")):
+    raise UserError(f"{what} {name} does not exist (a path from the working directory, "
+                    f"{pathlib.Path.cwd()}, names a local file, not a shipped config)")
   shipped = _shipped_config(path)
   if shipped is None:
     raise UserError(f"{what} {name} does not exist, and is no shipped config's name; shipped: "

@@ -19,8 +19,7 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from levanter_flax import cli, hf, models, partitioning, paths, sample
-from levanter_flax.checkpoint import run_params
+from levanter_flax import checkpoint, cli, hf, models, partitioning, paths, sample
 from levanter_flax.errors import UserError, exit_with_error
 
 
@@ -33,31 +32,37 @@ def lm_eval_harness():
   return harness
 
 
-def check_one_model(workdir: str, hf_dir: str) -> None:
+def model_directory(workdir: str, hf_dir: str) -> epath.Path:
+  """The run's workdir or the HF checkpoint directory (exactly one of the two given), checked
+  as far as it can be without reading the weights: known bad before the tasks load."""
   if bool(workdir) == bool(hf_dir):
     raise UserError("give --workdir (a training run) or --init_from_hf (a Hugging Face "
                     "checkpoint directory), not both or neither")
-
-
-def model_and_tokenizer(workdir: str, hf_dir: str):
-  """(model config, host params, tokenizer) of a run's newest usable checkpoint or of an HF
-  checkpoint directory: exactly one of the two."""
-  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
-  check_one_model(workdir, hf_dir)
   if workdir:
-    workdir = paths.resolve(workdir, "--workdir")
-    model_cfg, params, saved = run_params(workdir)
-    return model_cfg, params, sample.run_tokenizer(workdir, saved)
+    directory = paths.resolve(workdir, "--workdir")
+    checkpoint.run_checkpoints(directory)
+    return directory
   directory = paths.resolve(hf_dir, "--init_from_hf")
-  if not (directory / "tokenizer.json").exists():
-    raise UserError(f"--init_from_hf {directory} holds no tokenizer.json to encode the tasks "
-                    f"with")
+  for name, holds in (("config.json", "the model's shape"),
+                      ("tokenizer.json", "the tokenizer to encode the tasks with")):
+    if not (directory / name).exists():
+      raise UserError(f"--init_from_hf {directory} holds no {name} ({holds})")
+  return directory
+
+
+def model_and_tokenizer(directory: epath.Path, is_run: bool):
+  """(model config, host params, tokenizer) of a run's newest usable checkpoint or of an HF
+  checkpoint directory (model_directory's)."""
+  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  if is_run:
+    model_cfg, params, saved = checkpoint.run_params(directory)
+    return model_cfg, params, sample.run_tokenizer(directory, saved)
   model_cfg, params = hf.load(directory)
   return model_cfg, params, tokenizers.load_tokenizer(str(directory / "tokenizer.json"))
 
 
 def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_size: int,
-             limit: int | None, num_fewshot: int | None, max_gen_toks: int) -> dict:
+             limit: int | float | None, num_fewshot: int | None, max_gen_toks: int) -> dict:
   """lm-eval's results for `names`, the batches data-parallel over every device."""
   harness = lm_eval_harness()
   if jax.process_count() > 1:
@@ -82,6 +87,16 @@ def write_results(results: dict, output: epath.Path) -> None:
     raise UserError(f"cannot write --output {output}: {e.strerror or e}") from None
 
 
+def document_limit(limit: float | None) -> int | float | None:
+  """--limit as lm-eval takes it: a count of documents per task, or below 1 a fraction of them."""
+  if limit is None or limit < 1:
+    return limit
+  if limit != int(limit):
+    raise UserError(f"--limit must be a number of documents (a whole number) or a fraction "
+                    f"below 1 of them; got {limit}")
+  return int(limit)
+
+
 def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
@@ -89,21 +104,21 @@ def main(argv: list[str]) -> None:
   try:
     harness = lm_eval_harness()
     names = harness.task_names(flag.tasks, "--tasks")
-    check_one_model(flag.workdir, flag.init_from_hf)
+    directory = model_directory(flag.workdir, flag.init_from_hf)
     output = paths.resolve(flag.output, "--output") if flag.output else None
     if output is not None:  # Known writable before minutes of evaluation.
       if output.is_dir():
         raise UserError(f"--output {output} is a directory; give a file name")
-      paths.make_dirs(output.parent, "--output's directory")
+      paths.probe_writable(output, "--output")
     include_path = ""
     if flag.include_path:
       include_path = str(paths.resolve(flag.include_path, "--include_path"))
       if not epath.Path(include_path).is_dir():
         raise UserError(f"--include_path {flag.include_path} is not a directory of task YAMLs")
     manager = harness.load_tasks(names, include_path)  # Before the model: minutes, for a large one.
-    model_cfg, params, tokenizer = model_and_tokenizer(flag.workdir, flag.init_from_hf)
+    model_cfg, params, tokenizer = model_and_tokenizer(directory, is_run=bool(flag.workdir))
     results = evaluate(model_cfg, params, tokenizer, names, manager, batch_size=flag.batch_size,
-                       limit=flag.limit, num_fewshot=flag.num_fewshot,
+                       limit=document_limit(flag.limit), num_fewshot=flag.num_fewshot,
                        max_gen_toks=flag.max_gen_toks)
     if output is not None:
       write_results(results, output)
@@ -122,8 +137,10 @@ if __name__ == "__main__":
                       required=True)
   flags.DEFINE_string("include_path", None, "A directory of lm-eval task YAMLs, whose tasks "
                       "--tasks may name besides the built-in ones.")
-  flags.DEFINE_integer("limit", None, "Evaluate at most this many documents per task.",
-                       lower_bound=1)
+  flags.DEFINE_float("limit", None, "Evaluate at most this many documents per task; below 1, "
+                     "this fraction of them.", lower_bound=0)
+  flags.register_validator("limit", lambda limit: limit is None or limit > 0,
+                           "--limit must be above 0")
   flags.DEFINE_integer("num_fewshot", None, "Few-shot examples per prompt (default: each task's "
                        "own).", lower_bound=0)
   flags.DEFINE_string("output", None, "Write lm-eval's results as JSON to this file.")

@@ -18,6 +18,7 @@ Tasks are lm-eval's built-in names or those of a directory of task YAMLs (`inclu
 `load_tasks` checks them all, data included, before anything runs. lm_eval is imported here
 only: loop.py imports this module when the in-run harness is on.
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -99,8 +100,8 @@ class LevanterLM(TemplateLM):
     self._tokenizer = tokenizer
     self._param_shardings, self._batch_sharding = param_shardings, batch_sharding
     self._params = None if params is None else jax.device_put(params, param_shardings)
-    parallel = data_parallel_size(batch_sharding)
-    self._rows = -(-batch_size // parallel) * parallel
+    self._parallel = data_parallel_size(batch_sharding)
+    self._max_rows = -(-batch_size // self._parallel) * self._parallel
     self.max_gen_toks, self._seed = max_gen_toks, seed
     self._score = jax.jit(functools.partial(_token_scores, models.build(self._model_cfg)),
                           in_shardings=(param_shardings, batch_sharding, batch_sharding),
@@ -143,11 +144,12 @@ class LevanterLM(TemplateLM):
   def _score_rows(self, rows: list[Scored]) -> list[tuple[float, bool]]:
     answers = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i].inputs))
-    for start in self._batch_starts(len(order), "harness: log-likelihoods"):
-      batch = order[start:start + self._rows]
+    batch_rows = self._batch_rows(len(order))
+    for start in self._batch_starts(len(order), batch_rows, "harness: log-likelihoods"):
+      batch = order[start:start + batch_rows]
       length = padded_length(len(rows[batch[0]].inputs), self.max_length)
-      inputs = np.zeros((self._rows, length), np.int32)
-      targets = np.zeros((self._rows, length), np.int32)
+      inputs = np.zeros((batch_rows, length), np.int32)
+      targets = np.zeros((batch_rows, length), np.int32)
       for slot, i in enumerate(batch):
         inputs[slot, :len(rows[i].inputs)] = rows[i].inputs
         targets[slot, :len(rows[i].targets)] = rows[i].targets
@@ -221,26 +223,32 @@ class LevanterLM(TemplateLM):
     decode = self._decoder(cfg)
     texts = [None] * len(contexts)
     order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
-    for start in self._batch_starts(len(order), "harness: generation"):
-      batch = order[start:start + self._rows]
+    batch_rows = self._batch_rows(len(order))
+    for start in self._batch_starts(len(order), batch_rows, "harness: generation"):
+      batch = order[start:start + batch_rows]
       length = padded_length(len(contexts[batch[0]]), room)
-      tokens = np.zeros((self._rows, length), np.int32)
-      mask = np.zeros((self._rows, length), bool)
+      tokens = np.zeros((batch_rows, length), np.int32)
+      mask = np.zeros((batch_rows, length), bool)
       mask[len(batch):, -1] = True  # Padding rows: one token each, never decoded from.
       for slot, i in enumerate(batch):
         tokens[slot, length - len(contexts[i]):] = contexts[i]
         mask[slot, length - len(contexts[i]):] = True
       positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-      active = np.arange(self._rows) < len(batch)
+      active = np.arange(batch_rows) < len(batch)
       generated, lengths = jax.device_get(decode(self._params, tokens, mask, positions, stops,
                                                  active, jax.random.key(cfg.seed + start)))
       for slot, i in enumerate(batch):
         texts[i] = self.tok_decode(generated[slot, :lengths[slot]].tolist())
     return texts
 
-  def _batch_starts(self, count: int, what: str):
+  def _batch_rows(self, count: int) -> int:
+    """Rows per batch for `count` requests: the batch size, or as few as hold them all (a
+    multiple of the data-parallel size), so a batch size above the requests pads no rows."""
+    return min(self._max_rows, -(-count // self._parallel) * self._parallel)
+
+  def _batch_starts(self, count: int, batch_rows: int, what: str):
     """The first request of each batch of `count`, shown as progress in batches."""
-    return progress.iterate(range(0, count, self._rows), what, total=-(-count // self._rows),
+    return progress.iterate(range(0, count, batch_rows), what, total=-(-count // batch_rows),
                             unit="batches")
 
   def _decoder(self, cfg: decoding.SamplingConfig):
@@ -286,6 +294,11 @@ def load_tasks(names: Sequence[str], include_path: str = ""):
   Only the directory's tasks are indexed when it holds them all: indexing lm-eval's thousands
   of built-in ones takes seconds.
   """
+  with _their_bars_on_a_terminal_only():
+    return _load_tasks(names, include_path)
+
+
+def _load_tasks(names: Sequence[str], include_path: str):
   from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top  # Loads lm_eval's registry.
   manager = None
   if include_path:
@@ -315,12 +328,35 @@ def _first_line(error: Exception) -> str:
   return text.splitlines()[0] if text else type(error).__name__
 
 
-def evaluate(lm: LevanterLM, names: Sequence[str], manager, *, limit: int | None = None,
+def evaluate(lm: LevanterLM, names: Sequence[str], manager, *, limit: int | float | None = None,
              num_fewshot: int | None = None) -> dict:
-  """lm-eval's simple_evaluate of `names` on our LM: its results dict."""
+  """lm-eval's simple_evaluate of `names` on our LM: its results dict. `limit`: documents per
+  task, or below 1 a fraction of them."""
   from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
-  return evaluator.simple_evaluate(model=lm, tasks=list(names), task_manager=manager, limit=limit,
-                                   num_fewshot=num_fewshot, log_samples=False)
+  with _their_bars_on_a_terminal_only():
+    return evaluator.simple_evaluate(model=lm, tasks=list(names), task_manager=manager,
+                                     limit=limit, num_fewshot=num_fewshot, log_samples=False)
+
+
+@contextlib.contextmanager
+def _their_bars_on_a_terminal_only():
+  """lm-eval's and datasets' own tqdm bars, off unless on a terminal: in a log file they are
+  carriage-return noise, and progress.py writes lines there instead. lm-eval builds each
+  task's requests under a bar that takes no `disable`, so its module's tqdm is swapped."""
+  if progress.on_terminal():
+    yield
+    return
+  import datasets  # pylint: disable=g-import-not-at-top
+  from lm_eval.api import task as lm_eval_task  # pylint: disable=g-import-not-at-top
+  bar, were_disabled = lm_eval_task.tqdm, datasets.are_progress_bars_disabled()
+  lm_eval_task.tqdm = functools.partial(bar, disable=True)
+  datasets.disable_progress_bars()
+  try:
+    yield
+  finally:
+    lm_eval_task.tqdm = bar
+    if not were_disabled:
+      datasets.enable_progress_bars()
 
 
 def scalar_metrics(results: dict, prefix: str = "harness") -> dict[str, float]:

@@ -110,6 +110,18 @@ def make_dirs(directory: epath.Path, what: str) -> epath.Path:
   return directory
 
 
+def probe_writable(path: epath.Path, what: str) -> None:
+  """Raises a UserError calling `path` `what` unless a file can be written beside it: known
+  before long work whose result goes there (os.access can't tell, as root or on gs://)."""
+  make_dirs(path.parent, f"{what}'s directory")
+  probe = path.with_name(f".{path.name}.probe-{os.getpid()}")
+  try:
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f"cannot write {what} {path}: {e.strerror or e}") from None
+
+
 def write_atomically(path: epath.Path, data: Union[str, bytes]) -> None:
   """Readers see the old content or the new, never a part: a temp file, then a rename.
 

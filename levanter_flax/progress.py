@@ -23,7 +23,7 @@ LOG_EVERY_SECONDS = 30.0
 _REDRAW_EVERY_SECONDS = 1.0
 
 
-def _on_terminal() -> bool:
+def on_terminal() -> bool:
   return sys.stderr.isatty()
 
 
@@ -54,7 +54,7 @@ class Progress:
     self._ticker = None
     if not shown:
       return
-    if _on_terminal():
+    if on_terminal():
       import tqdm  # pylint: disable=g-import-not-at-top
       self._bar = tqdm.tqdm(total=total, desc=what, unit=f" {unit}" if unit else "it",
                             dynamic_ncols=True, leave=True, file=sys.stderr)

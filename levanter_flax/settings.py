@@ -4,6 +4,7 @@ Each section is declared by the module that reads it (schema.setting); RunConfig
 Free of ml_collections: what runs on an accelerator machine (bench/, the step) builds these
 directly; config.py turns a ConfigDict into them.
 """
+import ast
 import dataclasses
 from typing import Any
 
@@ -35,11 +36,18 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _tags(key: str, value: Any) -> tuple[str, ...]:
-  """"" (none), "a,b" or ["a", "b"] -> a tuple of tags."""
-  if isinstance(value, str):
-    return tuple(tag.strip() for tag in value.split(",") if tag.strip())
-  if isinstance(value, (list, tuple)) and all(isinstance(tag, str) for tag in value):
-    return tuple(value)
+  """"" (none), "a,b" or ["a", "b"] (a list, or its literal from the command line) -> a tuple of
+  tags."""
+  tags = value
+  if isinstance(value, str) and value.strip().startswith(("[", "(")):
+    try:
+      tags = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      tags = None
+  elif isinstance(value, str):
+    tags = [tag.strip() for tag in value.split(",") if tag.strip()]
+  if isinstance(tags, (list, tuple)) and all(isinstance(tag, str) for tag in tags):
+    return tuple(tags)
   raise UserError(f"config key {key} must be tags like \"baseline,gpt2\" (\"\" for none); "
                   f"got {value!r}")
 
@@ -140,6 +148,9 @@ class TrainerConfig:
       raise UserError(f"config.trainer.eval_harness_every_steps is "
                       f"{self.eval_harness_every_steps}, but config.trainer.eval_harness_tasks "
                       f"names no lm-eval task to run")
+    if self.eval_harness_tasks.strip(" ,") and not self.eval_harness_every_steps:
+      raise UserError(f"config.trainer.eval_harness_tasks is {self.eval_harness_tasks!r}, but "
+                      f"config.trainer.eval_harness_every_steps is 0 (never): set it to run them")
 
 
 @dataclasses.dataclass(frozen=True)

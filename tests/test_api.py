@@ -110,6 +110,9 @@ def test_a_config_by_name_and_bad_input_are_named(tmp_path, monkeypatch):
     lf.Callback(0, print)
   with pytest.raises(UserError, match="must be levanter_flax.Callback"):
     lf.train("gpt2:nano", tmp_path / "run", callbacks=[print])
+  with pytest.raises(UserError, match=r"^callbacks must be a list of levanter_flax.Callback\("
+                                      r"every_steps, fn\); got Callback\(every_steps=2"):
+    lf.train("gpt2:nano", tmp_path / "run", callbacks=lf.Callback(2, print))
   with pytest.raises(UserError, match="config must be a ConfigDict"):
     lf.train({"model": {}}, tmp_path / "run")
   with pytest.raises(UserError, match="has no config.json: not a levanter_flax workdir"):

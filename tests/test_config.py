@@ -308,6 +308,8 @@ def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
     ("gpt3:nano", "config file gpt3 does not exist"),
     ("configs/nope.py", "config file configs/nope.py does not exist, and is no shipped"),
     ("../gpt2", "config file ../gpt2 does not exist"),
+    ("./gpt2_nano", "config file ./gpt2_nano does not exist (a path from the working directory"),
+    ("./gpt2:nano", "config file ./gpt2 does not exist (a path from the working directory"),
     ("gpt2:tiny", "config file gpt2: unknown variant 'tiny'; choose one of nano, small, medium, "
                   "small_fast"),
     ("gpt2_nano:small", "config file gpt2_nano is gpt2.py:nano and takes no variant; got 'small' "

@@ -1,6 +1,7 @@
 """lm-eval-harness (harness.py, evaluate.py, the in-run harness) against lm-eval's own Hugging
 Face backend (HFLM) on a tiny seeded transformers Llama, with tasks written here as YAML over
 local JSON lines. All offline."""
+import contextlib
 import json
 import os
 import subprocess
@@ -67,10 +68,9 @@ def reference(hf_dir):
   return HFLM(pretrained=str(hf_dir), dtype="float32", batch_size=4, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def ours(hf_dir):
-  """LevanterLM on the import of the same checkpoint, data-parallel over the 8 fake devices
-  (a batch of 3 rounds up to 8 rows)."""
+@contextlib.contextmanager
+def levanter_lm(hf_dir, batch_size):
+  """LevanterLM on the import of the HF checkpoint, data-parallel over the 8 fake devices."""
   cfg, params = hf.load(hf_dir)
   mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
   partitioner = partitioning.Partitioner(
@@ -78,7 +78,14 @@ def ours(hf_dir):
   with partitioner.activation_context():
     yield harness.LevanterLM(cfg, params, tokenizers.load_tokenizer(str(hf_dir / "tokenizer.json")),
                              param_shardings=partitioner.param_shardings(params),
-                             batch_sharding=partitioner.batch_sharding(), batch_size=3)
+                             batch_sharding=partitioner.batch_sharding(), batch_size=batch_size)
+
+
+@pytest.fixture(scope="module")
+def ours(hf_dir):
+  """Batches of 3 requests, rounded up to 8 rows."""
+  with levanter_lm(hf_dir, batch_size=3) as lm:
+    yield lm
 
 
 def write_jsonl(path, rows):
@@ -169,6 +176,21 @@ def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, referenc
                              reference.loglikelihood_rolling(texts), rtol=0, atol=1e-3)
 
 
+def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_dir):
+  """evaluate --batch_size=100000 on a few requests: batches of 8 rows (the devices), the same
+  answers, not 100000 rows of padding."""
+  requests = [Instance("loglikelihood", {}, (q, " fine"), 0) for q in QUESTIONS[:3]]
+  with levanter_lm(hf_dir, batch_size=100_000) as big:
+    score, shapes = big._score, []  # pylint: disable=protected-access
+
+    def recorded(params, inputs, targets):
+      shapes.append(inputs.shape[0])
+      return score(params, inputs, targets)
+    big._score = recorded  # pylint: disable=protected-access
+    assert big.loglikelihood(requests) == ours.loglikelihood(requests)
+  assert shapes == [8]
+
+
 def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
   """The while_loop ends a row right after its stop sequence's last token (kept), at a stop id
   (left out), and never decodes a padding row; other rows run to the budget."""
@@ -247,6 +269,10 @@ def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run,
   config.trainer.eval_harness_tasks = ""
   with pytest.raises(UserError, match="eval_harness_tasks names no lm-eval task"):
     to_run_config(config)
+  config.trainer.eval_harness_tasks, config.trainer.eval_harness_every_steps = "tiny_mc", 0
+  with pytest.raises(UserError, match="eval_harness_tasks is 'tiny_mc', but config.trainer."
+                     "eval_harness_every_steps is 0"):
+    to_run_config(config)
 
 
 def evaluate_cli(*flags):
@@ -261,7 +287,13 @@ def test_the_evaluate_command_writes_its_results(harness_run, hf_dir, tasks, tmp
                         "--limit=3", f"--output={tmp_path / 'run.json'}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "tiny_mc" in result.stdout and "acc" in result.stdout
+  assert "\r" not in result.stderr  # In a log, no library's bar: progress.py's lines.
   assert json.loads((tmp_path / "run.json").read_text())["results"]["tiny_mc"]["acc,none"] >= 0
+
+  result = evaluate_cli(f"--workdir={workdir}", "--tasks=tiny_mc", f"--include_path={tasks}",
+                        "--limit=0.5", f"--output={tmp_path / 'half.json'}")  # Half the 6.
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((tmp_path / "half.json").read_text())["n-samples"]["tiny_mc"]["effective"] == 3
 
   result = evaluate_cli(f"--init_from_hf={hf_dir}", "--tasks=tiny_mc,tiny_gen",
                         f"--include_path={tasks}", f"--output={tmp_path / 'hf.json'}")
@@ -272,8 +304,15 @@ def test_the_evaluate_command_writes_its_results(harness_run, hf_dir, tasks, tmp
 
 @pytest.mark.parametrize("flags, message", [
     (["--tasks=nope_not_a_task"], "unknown lm-eval task 'nope_not_a_task'"),
-    (["--tasks=tiny_mc", "--limit=0"], "--limit"),
+    (["--tasks=tiny_mc", "--limit=0"], "--limit must be above 0"),
+    (["--tasks=tiny_mc", "--limit=2.5"], "--limit must be a number of documents (a whole number) "
+                                         "or a fraction below 1 of them; got 2.5"),
+    (["--tasks=tiny_mc", "--output={tmp}"], "--output {tmp} is a directory"),
+    (["--tasks=tiny_mc", "--output=/proc/results.json"], "cannot write --output /proc/results"),
     (["--tasks=tiny_mc", "--workdir={tmp}/nowhere"], "{tmp}/nowhere has no config.json"),
+    # The model's directory is checked before the tasks' minutes of loading.
+    (["--tasks=nope_not_a_task", "--workdir={tmp}"], "{tmp} has no config.json"),
+    (["--tasks=tiny_mc", "--init_from_hf={tmp}"], "--init_from_hf {tmp} holds no config.json"),
     (["--tasks=tiny_mc", "--workdir={tmp}", "--init_from_hf={tmp}"], "not both or neither"),
 ])
 def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message):

@@ -58,7 +58,7 @@ def _log_lines(monkeypatch) -> list[str]:
 
 
 def test_a_log_file_gets_periodic_lines_without_carriage_returns(monkeypatch, capsys):
-  monkeypatch.setattr(progress, "_on_terminal", lambda: False)
+  monkeypatch.setattr(progress, "on_terminal", lambda: False)
   monkeypatch.setattr(progress, "_REDRAW_EVERY_SECONDS", 0.01)
   lines = _log_lines(monkeypatch)
   with progress.Progress("eval", total=3, unit="batches", log_every_seconds=0.02) as bar:
@@ -71,7 +71,7 @@ def test_a_log_file_gets_periodic_lines_without_carriage_returns(monkeypatch, ca
 
 
 def test_short_work_in_a_log_file_writes_nothing_unless_summarized(monkeypatch):
-  monkeypatch.setattr(progress, "_on_terminal", lambda: False)
+  monkeypatch.setattr(progress, "on_terminal", lambda: False)
   lines = _log_lines(monkeypatch)
   with progress.Progress("eval", total=1) as bar:
     bar.advance(1)
@@ -82,7 +82,7 @@ def test_short_work_in_a_log_file_writes_nothing_unless_summarized(monkeypatch):
 
 
 def test_a_terminal_gets_a_bar(monkeypatch):
-  monkeypatch.setattr(progress, "_on_terminal", lambda: True)
+  monkeypatch.setattr(progress, "on_terminal", lambda: True)
   err = io.StringIO()
   monkeypatch.setattr(progress.sys, "stderr", err)
   lines = _log_lines(monkeypatch)
@@ -94,7 +94,7 @@ def test_a_terminal_gets_a_bar(monkeypatch):
 
 
 def test_hidden_progress_shows_nothing(monkeypatch):
-  monkeypatch.setattr(progress, "_on_terminal", lambda: True)
+  monkeypatch.setattr(progress, "on_terminal", lambda: True)
   err = io.StringIO()
   monkeypatch.setattr(progress.sys, "stderr", err)
   lines = _log_lines(monkeypatch)

@@ -218,6 +218,9 @@ def test_tags_are_comma_separated(tiny_config):
   assert to_run_config(with_wandb(tiny_config, tags="")).trainer.wandb.tags == ()
   tags = settings._tags  # pylint: disable=protected-access
   assert tags("config.trainer.wandb.tags", ["x"]) == ("x",)  # As a config.json holds them.
+  assert tags("config.trainer.wandb.tags", '["a", "b,c"]') == ("a", "b,c")  # A flag's list.
+  with pytest.raises(UserError, match=r"must be tags.*got '\[\"a\"'$"):
+    tags("config.trainer.wandb.tags", '["a"')
   with pytest.raises(UserError, match=r"config key config.trainer.wandb.tags must be tags"):
     tags("config.trainer.wandb.tags", [1])
 
