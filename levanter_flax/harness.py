@@ -342,21 +342,29 @@ def evaluate(lm: LevanterLM, names: Sequence[str], manager, *, limit: int | floa
 def _their_bars_on_a_terminal_only():
   """lm-eval's and datasets' own tqdm bars, off unless on a terminal: in a log file they are
   carriage-return noise, and progress.py writes lines there instead. lm-eval builds each
-  task's requests under a bar that takes no `disable`, so its module's tqdm is swapped."""
+  task's requests, and tokenizes them, under bars it never lets a caller turn off, so its
+  modules' tqdm is swapped."""
   if progress.on_terminal():
     yield
     return
   import datasets  # pylint: disable=g-import-not-at-top
-  from lm_eval.api import task as lm_eval_task  # pylint: disable=g-import-not-at-top
-  bar, were_disabled = lm_eval_task.tqdm, datasets.are_progress_bars_disabled()
-  lm_eval_task.tqdm = functools.partial(bar, disable=True)
+  from lm_eval.api import model as lm_eval_model, task as lm_eval_task  # pylint: disable=g-import-not-at-top
+  modules = (lm_eval_model, lm_eval_task)
+  bars, were_disabled = [m.tqdm for m in modules], datasets.are_progress_bars_disabled()
+  for module, bar in zip(modules, bars):
+    module.tqdm = functools.partial(_disabled, bar)
   datasets.disable_progress_bars()
   try:
     yield
   finally:
-    lm_eval_task.tqdm = bar
+    for module, bar in zip(modules, bars):
+      module.tqdm = bar
     if not were_disabled:
       datasets.enable_progress_bars()
+
+
+def _disabled(bar, *args, **kwargs):
+  return bar(*args, **(kwargs | {"disable": True}))  # Over a caller's disable=False too.
 
 
 def scalar_metrics(results: dict, prefix: str = "harness") -> dict[str, float]:
