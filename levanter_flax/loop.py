@@ -15,7 +15,8 @@ from clu import periodic_actions
 from etils import epath
 
 from levanter_flax import (callbacks as callbacks_lib, distributed, flops, locks, metrics, models,
-                           monitoring, partitioning, paths, preemption, report, resume, step)
+                           monitoring, partitioning, paths, preemption, report, resume, spikes,
+                           step)
 from levanter_flax.checkpoint import Checkpointer
 from levanter_flax.settings import RunConfig
 from levanter_flax.data import eval_set, loader
@@ -63,9 +64,14 @@ def _steps_running(history: list[dict]) -> int:
   return running
 
 
+# Counts since the run began: reported as of the interval's last step, not averaged.
+_RUNNING_TOTALS = ("train/spike_skipped_steps",)
+
+
 def _mean(history: list[dict]) -> dict[str, float]:
   history = jax.device_get(history)  # Never empty: callers check.
-  return {k: float(np.mean([m[k] for m in history])) for k in history[0]}
+  return {k: float(history[-1][k] if k in _RUNNING_TOTALS else np.mean([m[k] for m in history]))
+          for k in history[0]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +313,8 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
                               checkpointer, progress)
+  spikes_skipped = spikes.skipped_spikes(state.opt_state)  # Restored with the state.
+  spikes_skipped = None if spikes_skipped is None else int(spikes_skipped)
   position = progress.position
   watching = run.monitoring
   profile = monitoring.ProfileWindow(workdir, watching.profiler_start_step,
@@ -359,6 +367,11 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
                         | monitoring.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
         history, data_wait, steps_running = [], 0.0, 0
+        if spikes_skipped is not None and last_metrics["train/spike_skipped_steps"] > spikes_skipped:
+          logging.warning("Loss spikes skipped up to step %d: %d, %d in all",
+                          step_num, last_metrics["train/spike_skipped_steps"] - spikes_skipped,
+                          last_metrics["train/spike_skipped_steps"])
+          spikes_skipped = int(last_metrics["train/spike_skipped_steps"])
       report_progress(step_num)
       # The clock is asked on log steps only, where the host waits for the device anyway.
       due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step)

@@ -8,7 +8,7 @@ import ast
 import dataclasses
 from typing import Any
 
-from levanter_flax import checks, schema
+from levanter_flax import checks, schema, spikes
 from levanter_flax.batch_search import BatchSearchConfig
 from levanter_flax.checkpoint import CheckpointConfig
 from levanter_flax.data import DataConfig
@@ -19,7 +19,7 @@ from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.monitoring import MonitoringConfig
 from levanter_flax.optim import OptimizerConfig
 from levanter_flax.partitioning import ShardingConfig
-from levanter_flax.schema import CHOSEN, setting
+from levanter_flax.schema import CHOSEN, STATE, setting
 
 _AUTO_BATCH = ("trainer.batch_size", "auto")
 
@@ -106,6 +106,16 @@ class TrainerConfig:
       "stops the run naming the step, skip warns, counts it and goes on")
   max_consecutive_skipped_steps: int = setting(
       10, "With nan_policy=skip: this many skipped steps in a row mean divergence; the run halts")
+  spike_policy: str = setting(
+      "none", "none, or skip: a step whose loss or gradient norm exceeds the mean of the last "
+      "spike_window steps' by spike_threshold standard deviations updates nothing, and is "
+      "counted (train/spike_skipped_steps). The statistics are in the checkpointed optimizer "
+      "state", STATE)
+  spike_threshold: float = setting(
+      6.0, "spike_policy=skip: how many standard deviations above the window's mean a spike is")
+  spike_window: int = setting(
+      128, "spike_policy=skip: the steps the mean and deviation are over; nothing is a spike "
+      "before half of them have run", STATE)
   init_from_hf: str = setting(
       "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) whose "
       "shape matches config.model; fresh optimizer and data")
@@ -144,6 +154,7 @@ class TrainerConfig:
         "eval_harness_limit": checks.at_least(0, "0: all"),
         "jax_persistent_cache_min_compile_time_secs": checks.at_least(0),
     })
+    self._check_spike_settings()
     if self.eval_harness_every_steps and not self.eval_harness_tasks.strip(" ,"):
       raise UserError(f"config.trainer.eval_harness_every_steps is "
                       f"{self.eval_harness_every_steps}, but config.trainer.eval_harness_tasks "
@@ -151,6 +162,20 @@ class TrainerConfig:
     if self.eval_harness_tasks.strip(" ,") and not self.eval_harness_every_steps:
       raise UserError(f"config.trainer.eval_harness_tasks is {self.eval_harness_tasks!r}, but "
                       f"config.trainer.eval_harness_every_steps is 0 (never): set it to run them")
+
+  def _check_spike_settings(self) -> None:
+    if self.spike_policy not in spikes.POLICIES:
+      raise UserError(f"config.trainer.spike_policy must be one of {', '.join(spikes.POLICIES)}; "
+                      f"got {self.spike_policy!r}")
+    checks.ranges(self, "trainer", {"spike_threshold": checks.above(0),
+                                    "spike_window": checks.at_least(4)})
+    if self.spike_policy == "none":
+      defaults = {f.name: f.default for f in dataclasses.fields(self)}
+      for field in ("spike_threshold", "spike_window"):
+        if getattr(self, field) != defaults[field]:
+          raise UserError(f"config.trainer.{field} is {getattr(self, field)}, but "
+                          f"config.trainer.spike_policy is 'none', which reads it not: set "
+                          f"spike_policy=skip, or leave {field} unset")
 
 
 @dataclasses.dataclass(frozen=True)

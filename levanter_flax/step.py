@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import dpo, models, optim, partitioning
+from levanter_flax import dpo, models, optim, partitioning, spikes
 from levanter_flax.models import common, lora
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
@@ -282,7 +282,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
 
     The step still counts (its batch is consumed), and train/nonfinite says it
-    was skipped; the loop then warns or halts per trainer.nan_policy.
+    was skipped; the loop then warns or halts per trainer.nan_policy. Under
+    trainer.spike_policy=skip the optimizer (spikes.py) gives a spike a zero update, counted
+    in train/spike_skipped_steps.
     """
     weights = batch.get("loss_weights")
     dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
@@ -298,7 +300,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     hessian_tokens = batch["tokens"][::num_microbatches]
     hessian_weights = None if weights is None else weights[::num_microbatches]
     updates, opt_state = optimizer.update(
-        grads, state.opt_state, state.params,
+        grads, state.opt_state, state.params, loss=parts["loss"],
         loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
                                          hessian_tokens, eos_id, hessian_weights,
                                          preference=preference)[0])
@@ -317,6 +319,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
         "train/nonfinite": 1.0 - finite.astype(jnp.float32),
         "train/loss_tokens": loss_tokens(batch),
     }
+    skipped = spikes.skipped_spikes(new_state.opt_state)
+    if skipped is not None:
+      metrics["train/spike_skipped_steps"] = skipped.astype(jnp.float32)
     return new_state, metrics
   return train_step
 
@@ -419,6 +424,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model = models.build(common.with_compute(run.model, attention_impl=attention))
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
+  if run.trainer.spike_policy == "skip":
+    optimizer = spikes.skip_spikes(optimizer, run.trainer.spike_window, run.trainer.spike_threshold)
   init = functools.partial(init_state, model, optimizer, preference=preference)
   shapes = jax.eval_shape(init, jax.random.key(0))
   frozen_shardings = lambda tree: None if tree is None else partitioner.param_shardings(tree)

@@ -68,7 +68,9 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   common = {"model.architecture", "model.vocab_size", "model.num_layers", "model.num_heads",
             "model.hidden_dim", "model.tie_word_embeddings", "model.compute.param_dtype",
             "model.compute.scan_layers", "model.lora.rank", "model.lora.targets",
-            "optimizer.name"}  # LoRA's rank and targets: which adapters the state holds.
+            "optimizer.name", "trainer.spike_policy", "trainer.spike_window"}
+  # LoRA's rank and targets: which adapters the state holds; the spike policy and window: the
+  # optimizer state's spike window.
   # GPT-2's position table has seq_len rows; RoPE has no table.
   assert set(settings.keys_of_kind(STATE, "gpt2")) == common | {"model.seq_len"}
   llama_state = common | {"model.num_kv_heads", "model.intermediate_dim", "model.qkv_bias"}
