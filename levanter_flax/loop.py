@@ -366,12 +366,13 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
                                         run.model.seq_len * train_batches.groups.count)
                         | monitoring.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
-        history, data_wait, steps_running = [], 0.0, 0
         if spikes_skipped is not None and last_metrics["train/spike_skipped_steps"] > spikes_skipped:
-          logging.warning("Loss spikes skipped up to step %d: %d, %d in all",
-                          step_num, last_metrics["train/spike_skipped_steps"] - spikes_skipped,
+          logging.warning("Steps %d-%d: %d loss spike(s) skipped, their updates dropped (%d in all)",
+                          step_num - len(history) + 1, step_num,
+                          last_metrics["train/spike_skipped_steps"] - spikes_skipped,
                           last_metrics["train/spike_skipped_steps"])
           spikes_skipped = int(last_metrics["train/spike_skipped_steps"])
+        history, data_wait, steps_running = [], 0.0, 0
       report_progress(step_num)
       # The clock is asked on log steps only, where the host waits for the device anyway.
       due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step)
