@@ -281,3 +281,24 @@ def test_muon_under_zero3_and_tensor_parallelism_trains_as_on_one_device(layout,
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(state.params),
                           jax.tree.leaves(one_state.params)):
     np.testing.assert_allclose(x, y, atol=1e-5, err_msg=path_name(path))
+
+
+def test_a_muon_wsd_run_extended_from_its_checkpoint_trains_as_one_longer_run(tiny_config,
+                                                                              tmp_path):
+  """5 steps, then resumed to 10, against 10 straight. With decay_fraction 0.2 the 5-step run's
+  one decay step lowers the rate only after its last update (count 4 is the decay's t=0), so every
+  update it made was one of the 10-step run's; the restored Muon state (momenta of the matrices,
+  AdamW's moments of the rest) carries on."""
+  tiny_config.optimizer.name = "muon"
+  tiny_config.optimizer.schedule, tiny_config.optimizer.decay_fraction = "wsd", 0.2
+  straight = tmp_path / "straight"
+  train_and_evaluate(to_run_config(tiny_config), straight)
+  resumed = tmp_path / "resumed"
+  tiny_config.trainer.num_train_steps = 5
+  train_and_evaluate(to_run_config(tiny_config), resumed)
+  tiny_config.trainer.num_train_steps = 10
+  train_and_evaluate(to_run_config(tiny_config), resumed)
+  expected, got = train_losses(straight), train_losses(resumed)
+  assert sorted(got) == list(range(1, 11))
+  for step in range(1, 11):
+    assert got[step] == pytest.approx(expected[step], rel=1e-6), step
