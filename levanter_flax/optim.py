@@ -15,8 +15,9 @@ from levanter_flax.schema import STATE, setting
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """The optimizer and its schedule (config.optimizer). A setting the chosen optimizer does not
-  read must keep its default. configs/optim/ holds presets (config.load_preset)."""
+  """The optimizer and its schedule (config.optimizer). A setting that neither the chosen
+  optimizer nor the chosen schedule reads must keep its default. configs/optim/ holds presets
+  (config.load_preset)."""
   learning_rate: float = setting(6e-4, "Peak, after linear warmup; the schedule follows")
   warmup_steps: int = setting(200, "Steps of linear warmup from 0")
   schedule: str = setting("cosine", "After the warmup, a key of schedules.SCHEDULES: cosine or "
