@@ -22,7 +22,7 @@ from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
-from levanter_flax import models, optim, schema, settings
+from levanter_flax import models, optim, schedules, schema, settings
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.settings import RunConfig
 
@@ -454,7 +454,7 @@ def _check_across_sections(run: RunConfig) -> None:
   if run.trainer.nan_policy not in ("halt", "skip"):
     raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; "
                     f"got {run.trainer.nan_policy!r}")
-  _check_optimizer(run.optimizer)
+  _check_optimizer(run.optimizer, run.trainer.num_train_steps)
 
 
 def _settings_of(value: Any, prefix: str = ""):
@@ -580,18 +580,38 @@ def keep_chosen(wanted: dict[str, Any], saved: Optional[dict[str, Any]]) -> dict
   return {**wanted, **{k: saved[k] for k in chosen_at_start(wanted) if k in saved}}
 
 
-def _check_optimizer(chosen: optim.OptimizerConfig) -> None:
-  """A known name, and no key set that the chosen optimizer would silently ignore."""
-  if chosen.name not in optim.OPTIMIZERS:
-    raise UserError(f"config.optimizer.name must be one of {', '.join(optim.OPTIMIZERS)}; "
-                    f"got {chosen.name!r}")
+def _check_optimizer(chosen: optim.OptimizerConfig, num_train_steps: int) -> None:
+  """A known optimizer and schedule, no key set that neither would silently ignore, and a
+  schedule that fits num_train_steps."""
+  for key, known in (("name", optim.OPTIMIZERS), ("schedule", schedules.SCHEDULES)):
+    if getattr(chosen, key) not in known:
+      raise UserError(f"config.optimizer.{key} must be one of {', '.join(known)}; "
+                      f"got {getattr(chosen, key)!r}")
   default = optim.OptimizerConfig()
-  for key in optim.ignored_keys(chosen.name):
+  for key in optim.ignored_keys(chosen.name, chosen.schedule):
     if getattr(chosen, key) != getattr(default, key):
-      reads = ", ".join(optim.OPTIMIZERS[chosen.name].keys)
       raise UserError(f"config.optimizer.{key} ({getattr(chosen, key)}) does not apply to "
-                      f"{chosen.name}, which reads only {reads} besides the schedule: set it "
-                      f"back to its default ({getattr(default, key)}) or choose another optimizer")
+                      f"{_reader_of(key, chosen)}: set it back to its default "
+                      f"({getattr(default, key)}) or choose another {_chooser_of(key)}")
+  optim.learning_rate_schedule(chosen, num_train_steps)  # Its own checks (WSD's warmup).
+
+
+def _is_schedule_key(key: str) -> bool:
+  return any(key in schedule.keys for schedule in schedules.SCHEDULES.values())
+
+
+def _reader_of(key: str, chosen: optim.OptimizerConfig) -> str:
+  """The chosen schedule (for a key some schedule reads) or optimizer, and what it reads."""
+  if _is_schedule_key(key):
+    reads = schedules.SCHEDULES[chosen.schedule].keys
+    return (f"the {chosen.schedule} schedule, which reads only "
+            f"{', '.join(reads + ('learning_rate', 'warmup_steps'))}")
+  reads = ", ".join(optim.OPTIMIZERS[chosen.name].keys)
+  return f"{chosen.name}, which reads only {reads} besides the schedule"
+
+
+def _chooser_of(key: str) -> str:
+  return "schedule (config.optimizer.schedule)" if _is_schedule_key(key) else "optimizer"
 
 
 def model_like(model: ml_collections.ConfigDict, architecture: str,

@@ -1,4 +1,5 @@
-"""Optimizers: AdamW, Lion, Adafactor (optax) and Sophia-H, with warmup + cosine decay and clipping."""
+"""Optimizers: AdamW, Lion, Adafactor, Muon (optax) and Sophia-H, with clipping, on the schedule
+of optimizer.schedule (schedules.py)."""
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -6,29 +7,45 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax import checks
+from levanter_flax import checks, schedules
+from levanter_flax.errors import UserError
+from levanter_flax.partitioning import path_name
 from levanter_flax.schema import STATE, setting
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """The optimizer and its schedule (config.optimizer). A setting the chosen optimizer does not
-  read must keep its default. configs/optim/ holds presets (config.load_preset)."""
-  learning_rate: float = setting(6e-4, "Peak, after linear warmup; cosine decay follows")
+  """The optimizer and its schedule (config.optimizer). A setting that neither the chosen
+  optimizer nor the chosen schedule reads must keep its default. configs/optim/ holds presets
+  (config.load_preset)."""
+  learning_rate: float = setting(6e-4, "Peak, after linear warmup; the schedule follows")
   warmup_steps: int = setting(200, "Steps of linear warmup from 0")
+  schedule: str = setting("cosine", "After the warmup, a key of schedules.SCHEDULES: cosine or "
+                          "linear decay to the end value at num_train_steps, constant, or wsd "
+                          "(warmup-stable-decay)")
+  decay_fraction: float = setting(0.2, "wsd: the decay's share of num_train_steps, at the end")
+  decay_shape: str = setting("linear", "wsd: the decay, linear or sqrt: end + (peak - end) * "
+                             "(1 - sqrt(t)), t from 0 to 1 through the decay")
   weight_decay: float = setting(0.1, "Decoupled; never on biases or norms")
   max_grad_norm: float = setting(1.0, "Global-norm clipping; 0 turns it off")
   beta1: float = setting(0.9, "First-moment decay")
   beta2: float = setting(0.95, "Second-moment decay")
   epsilon: float = setting(1e-8, "Added to the update's denominator")
-  min_learning_rate_ratio: float = setting(0.1, "The final learning rate as a fraction of the "
-                                           "peak")
-  name: str = setting("adamw", "A key of optim.OPTIMIZERS: adamw, lion, adafactor or sophia_h",
-                      STATE)
+  min_learning_rate_ratio: float = setting(0.1, "The end value of a decaying schedule as a "
+                                           "fraction of the peak")
+  name: str = setting("adamw", "A key of optim.OPTIMIZERS: adamw, lion, adafactor, sophia_h or "
+                      "muon", STATE)
   hessian_update_interval: int = setting(10, "sophia_h: steps between Hessian estimates (the "
                                          "paper's k)")
   sophia_gamma: float = setting(0.01, "sophia_h: the Hessian's scale in the update's "
                                 "denominator (the paper's gamma)")
+  muon_momentum: float = setting(0.95, "muon: the Nesterov momentum of the matrices' gradient "
+                                 "average")
+  muon_ns_steps: int = setting(5, "muon: Newton-Schulz iterations orthogonalizing each matrix's "
+                               "update")
+  muon_update_rms: float = setting(0.2, "muon: each orthogonalized update is scaled to this RMS; "
+                                   "0.2 matches AdamW's (Moonlight), so learning_rate and "
+                                   "weight_decay serve both groups")
 
   def __post_init__(self):
     checks.ranges(self, "optimizer", {
@@ -41,17 +58,18 @@ class OptimizerConfig:
         "beta2": checks.unit(high_open=True),
         "epsilon": checks.above(0),
         "hessian_update_interval": checks.at_least(1),
-        "sophia_gamma": checks.above(0)})
+        "sophia_gamma": checks.above(0),
+        "decay_fraction": checks.unit(low_open=True),
+        "muon_momentum": checks.unit(high_open=True),
+        "muon_ns_steps": checks.at_least(1),
+        "muon_update_rms": checks.above(0)})
+    if self.decay_shape not in schedules.DECAY_SHAPES:
+      raise UserError(f"config.optimizer.decay_shape must be one of "
+                      f"{', '.join(schedules.DECAY_SHAPES)}; got {self.decay_shape!r}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.Schedule:
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=cfg.learning_rate,
-      warmup_steps=cfg.warmup_steps,
-      decay_steps=max(num_train_steps, cfg.warmup_steps + 1),
-      end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
-  )
+  return schedules.SCHEDULES[cfg.schedule].build(cfg, num_train_steps)
 
 
 def decay_mask(params):
@@ -88,27 +106,76 @@ def _sophia_h(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientT
                   weight_decay=cfg.weight_decay, update_interval=cfg.hessian_update_interval)
 
 
+# Muon's groups, by each parameter's role (its path), not its shape: stacked (scanned) layers make
+# biases and norm scales 2-D, and the embeddings and the head are matrices that Muon must not take.
+ADAMW_LEAVES = ("embedding", "scale", "bias")  # Embeddings, norms' scales, biases.
+ADAMW_MODULES = ("lm_head",)  # The head: a kernel, trained with the embeddings.
+MUON_LEAVES = ("kernel", "lora_a", "lora_b")  # Dense projections (a MoE router's too), adapters.
+MUON_MODULES = ("experts",)  # A mixture's stacked expert weights [experts, in, out].
+
+
+def muon_group(path) -> str:
+  """'muon' or 'adamw' for the parameter at `path` (a pytree key path); UserError for one of
+  neither role."""
+  name = path_name(path)
+  parts = name.split("/")
+  if parts[-1] in ADAMW_LEAVES or any(m in parts[:-1] for m in ADAMW_MODULES):
+    return "adamw"
+  if parts[-1] in MUON_LEAVES or any(m in parts[:-1] for m in MUON_MODULES):
+    return "muon"
+  raise UserError(f"optimizer muon: parameter {name} is neither a matrix for Muon (a kernel, an "
+                  f"expert stack or a LoRA adapter) nor in the AdamW group (embeddings, lm_head, "
+                  f"norm scales, biases)")
+
+
+def muon_labels(params):
+  return jax.tree_util.tree_map_with_path(lambda path, _: muon_group(path), params)
+
+
+# Each Muon parameter's matrix is its last two axes, [in, out], as every family's Dense kernel and
+# expert stack store it; the leading axes (a scan's layers, a mixture's experts) are batch axes,
+# each matrix orthogonalized on its own.
+LAST_TWO_AXES = optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+
+
+def _matrix_axes(params):
+  return jax.tree.map(lambda _: LAST_TWO_AXES, params)
+
+
+def _muon(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  # optax's own split (2-D or not) would hand Muon the embeddings and a scanned model's biases,
+  # and its AdamW decays every parameter: the split here is by role, and the AdamW group is this
+  # module's AdamW. Scaled to AdamW's update RMS, the matrices share its learning rate and decay.
+  matrices = optax.contrib.muon(
+      schedule, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=True,
+      weight_decay=cfg.weight_decay, consistent_rms=cfg.muon_update_rms,
+      muon_weight_dimension_numbers=_matrix_axes)
+  return optax.partition({"muon": matrices, "adamw": _adamw(cfg, schedule)}, muon_labels)
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
   build: Callable[[OptimizerConfig, optax.Schedule], optax.GradientTransformation]
   keys: tuple[str, ...]  # The OptimizerConfig fields it reads besides SHARED_KEYS.
 
 
-# What every optimizer reads: its name, the schedule and the clipping.
-SHARED_KEYS = ("name", "learning_rate", "warmup_steps", "min_learning_rate_ratio", "max_grad_norm")
+# What every optimizer and schedule reads: the names, the peak and warmup, and the clipping.
+SHARED_KEYS = ("name", "schedule", "learning_rate", "warmup_steps", "max_grad_norm")
 OPTIMIZERS = {
     "adamw": Optimizer(_adamw, ("weight_decay", "beta1", "beta2", "epsilon")),
     "lion": Optimizer(_lion, ("weight_decay", "beta1", "beta2")),
     "adafactor": Optimizer(_adafactor, ("weight_decay",)),
     "sophia_h": Optimizer(_sophia_h, ("weight_decay", "beta1", "beta2", "epsilon", "sophia_gamma",
                                       "hessian_update_interval")),
+    "muon": Optimizer(_muon, ("weight_decay", "beta1", "beta2", "epsilon", "muon_momentum",
+                              "muon_ns_steps", "muon_update_rms")),
 }
 
 
-def ignored_keys(name: str) -> tuple[str, ...]:
-  """The OptimizerConfig fields that the optimizer `name` does not read."""
-  return tuple(f.name for f in dataclasses.fields(OptimizerConfig)
-               if f.name not in SHARED_KEYS + OPTIMIZERS[name].keys)
+def ignored_keys(name: str, schedule: str) -> tuple[str, ...]:
+  """The OptimizerConfig fields that neither the optimizer `name` nor the schedule reads."""
+  read = SHARED_KEYS + OPTIMIZERS[name].keys + schedules.SCHEDULES[schedule].keys
+  return tuple(f.name for f in dataclasses.fields(OptimizerConfig) if f.name not in read)
 
 
 def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:

@@ -350,16 +350,21 @@ class Partitioner:
   def opt_state_shardings(self, optimizer: optax.GradientTransformation,
                           abstract_opt_state, abstract_params) -> Any:
     """Shards each optimizer leaf like its parameter; counts, scalars and leaves of another
-    shape (Adafactor's factored moments, a fraction of the parameter's size) are replicated."""
+    shape (Adafactor's factored moments, a fraction of the parameter's size) are replicated.
+    A group's state (optax.partition: Muon's) holds a MaskedNode for each parameter of another
+    group, kept as it is."""
     names = jax.tree_util.tree_map_with_path(lambda path, _: path_name(path), abstract_params)
     shapes = {name: x.shape for name, x in zip(jax.tree.leaves(names), jax.tree.leaves(abstract_params))}
 
-    def like_its_parameter(leaf, name: str) -> NamedSharding:
+    def like_its_parameter(leaf, name: str) -> Any:
+      if isinstance(leaf, optax.MaskedNode):
+        return leaf
       if leaf.shape != shapes[name]:
         return self.replicated
       return self.sharding(self.optimizer_spec(name, leaf.shape))
     return optax.tree_map_params(optimizer, like_its_parameter, abstract_opt_state, names,
-                                 transform_non_params=lambda _: self.replicated)
+                                 transform_non_params=lambda _: self.replicated,
+                                 is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
   def batch_sharding(self) -> NamedSharding:
     return self.sharding(PartitionSpec(self.logical_axes["batch"]))

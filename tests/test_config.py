@@ -137,7 +137,12 @@ def test_axes_accept_names_and_comma_lists():
     ("data", "mixture", {"web": {"path": "/d", "weight": 1}}, "config key config.data.mixture.web"),
     ("model", "architecture", "mamba", "config.model.architecture must be one of gpt2, llama, "),
     ("model", "num_kv_heads", 4, "unknown config key config.model.num_kv_heads"),
-    ("optimizer", "name", "sgd", "config.optimizer.name must be one of adamw, lion, adafactor, sophia_h; got 'sgd'"),
+    ("optimizer", "name", "sgd", "config.optimizer.name must be one of adamw, lion, adafactor, sophia_h, muon; got 'sgd'"),
+    ("optimizer", "schedule", "step", "config.optimizer.schedule must be one of cosine, wsd, linear, constant; got 'step'"),
+    ("optimizer", "decay_fraction", 0.0, "config.optimizer.decay_fraction must be in (0, 1]; got 0.0"),
+    ("optimizer", "decay_fraction", 1.5, "config.optimizer.decay_fraction must be in (0, 1]; got 1.5"),
+    ("optimizer", "decay_shape", "cosine", "config.optimizer.decay_shape must be one of linear, sqrt; got 'cosine'"),
+    ("optimizer", "muon_ns_steps", 0, "config.optimizer.muon_ns_steps must be >= 1; got 0"),
     ("trainer", "hang_watchdog_seconds", -1.0, "config.monitoring.hang_watchdog_seconds must be >= 0 (0: off)"),
     ("trainer", "profiler_num_steps", 0, "config key config.monitoring.profiler_num_steps must be positive"),
     ("trainer", "max_consecutive_skipped_steps", 0,
@@ -189,6 +194,40 @@ def test_an_optimizer_key_the_chosen_optimizer_ignores_is_refused():
   config.optimizer.beta1 = 0.9
   with pytest.raises(UserError, match=r"config.optimizer.sophia_gamma \(0.05\) does not apply "
                                       r"to adamw"):
+    to_run_config(config)
+
+
+def test_a_schedule_key_the_chosen_schedule_ignores_is_refused():
+  config = default_config()
+  config.optimizer.schedule, config.optimizer.decay_fraction = "wsd", 0.3  # WSD reads it.
+  assert to_run_config(config).optimizer.decay_fraction == 0.3
+  config.optimizer.schedule = "cosine"
+  with pytest.raises(UserError, match=re.escape(
+      "config.optimizer.decay_fraction (0.3) does not apply to the cosine schedule, which reads "
+      "only min_learning_rate_ratio, learning_rate, warmup_steps: set it back to its default "
+      "(0.2) or choose another schedule (config.optimizer.schedule)")):
+    to_run_config(config)
+  config.optimizer.decay_fraction, config.optimizer.decay_shape = 0.2, "sqrt"
+  with pytest.raises(UserError, match=r"config.optimizer.decay_shape \(sqrt\) does not apply to "
+                                      r"the cosine schedule"):
+    to_run_config(config)
+  config.optimizer.schedule, config.optimizer.decay_shape = "constant", "linear"
+  config.optimizer.min_learning_rate_ratio = 0.05  # A constant schedule never decays.
+  with pytest.raises(UserError, match=r"min_learning_rate_ratio \(0.05\) does not apply to the "
+                                      r"constant schedule, which reads only learning_rate, "
+                                      r"warmup_steps"):
+    to_run_config(config)
+
+
+def test_a_wsd_warmup_must_end_before_its_decay():
+  config = default_config()
+  config.trainer.num_train_steps, config.optimizer.warmup_steps = 1000, 200
+  config.optimizer.schedule, config.optimizer.decay_fraction = "wsd", 0.8  # Decay from step 200.
+  assert to_run_config(config).optimizer.schedule == "wsd"
+  config.optimizer.decay_fraction = 0.81
+  with pytest.raises(UserError, match=re.escape(
+      "config.optimizer.warmup_steps (200) must end by the start of WSD's decay, step 190: the "
+      "last optimizer.decay_fraction (0.81) of trainer.num_train_steps (1000)")):
     to_run_config(config)
 
 

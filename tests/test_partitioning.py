@@ -66,19 +66,20 @@ def spec_of(array: jax.Array) -> tuple:
   return spec + (None,) * (array.ndim - len(spec))
 
 
-def build(partitioner: Partitioner, model: GPT2Config = MODEL) -> step.ShardedSteps:
-  """The model's steps with OPTIMIZER, its schedule over 100 steps, one microbatch a step."""
+def build(partitioner: Partitioner, model: GPT2Config = MODEL,
+          optimizer: optim.OptimizerConfig = OPTIMIZER) -> step.ShardedSteps:
+  """The model's steps with `optimizer`, its schedule over 100 steps, one microbatch a step."""
   nano = to_run_config(load_config_file("gpt2_nano"))
   trainer = dataclasses.replace(nano.trainer, num_train_steps=100, gradient_accumulation_steps=1)
-  run = dataclasses.replace(nano, model=model, optimizer=OPTIMIZER, trainer=trainer)
+  run = dataclasses.replace(nano, model=model, optimizer=optimizer, trainer=trainer)
   return step.build(run, partitioner)
 
 
 def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL,
-          num_steps: int = NUM_STEPS):
+          num_steps: int = NUM_STEPS, optimizer: optim.OptimizerConfig = OPTIMIZER):
   """num_steps steps on fixed random batches; returns (losses, final state)."""
   partitioner = Partitioner(make_mesh(device_mesh, devices), config)
-  steps = build(partitioner, model)
+  steps = build(partitioner, model, optimizer)
   tokens = np.random.default_rng(0).integers(0, 257, (num_steps, BATCH_SIZE, MODEL.seq_len))
   losses = []
   with partitioner.activation_context():
