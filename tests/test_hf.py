@@ -44,6 +44,13 @@ def _qwen3(**changes):  # Heads of 12 on a width of 32: head_dim is not hidden_s
       "tie_word_embeddings": False, **changes})
 
 
+def _olmo2(**changes):
+  return transformers.Olmo2Config(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-6, **changes})
+
+
 def _mistral(**changes):
   return transformers.MistralConfig(**{
       "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -77,6 +84,7 @@ HF_CONFIGS = {
     "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
     "qwen3": lambda: _qwen3(),
     "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True),
+    "olmo2": _olmo2,
     "mistral": lambda: _mistral(sliding_window=4),  # Shorter than the 16 tokens: it matters.
     "mistral_no_window": lambda: _mistral(sliding_window=None),
     "mixtral": _mixtral,
@@ -231,6 +239,8 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
      r"Qwen3 config layer_types=\['full_attention', 'sliding_attention'\] is not supported"),
     ("qwen3", {"attention_bias": True}, r"Qwen3 config attention_bias=True is not supported"),
+    ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),
+    ("olmo2", {"head_dim": 12}, r"head_dim 12 x 4 heads != hidden_size 32: not supported"),
     ("llama", {"num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2.5"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True},
      r"GPT-2 config scale_attn_by_inverse_layer_idx=True is not supported \(only False\)"),

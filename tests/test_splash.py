@@ -113,7 +113,7 @@ def mosaic_calls(hlo: str) -> int:
   return len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "olmo2"])
 def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                          architecture):
   """On this CPU host, 'auto' is splash for the TPU mesh: per layer a forward, a dq and a dkv
