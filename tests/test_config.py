@@ -18,7 +18,7 @@ EARLIER = ["gpt2:nano", "gpt2:small", "gpt2:small_fast", "gpt2:medium", "llama:n
            "mixtral:8x7b"]
 # Each file of variants' choice when --config names none, as its docstring says.
 DEFAULT_VARIANTS = {"gpt2": "small", "llama": "1b", "qwen2": "0_5b", "mistral": "7b",
-                    "mixtral": "8x7b"}
+                    "mixtral": "8x7b", "qwen3": "0_6b", "olmo2": "1b"}
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -166,6 +166,19 @@ def test_bad_values_are_named(section, key, value, message):
   config = default_config()
   config[section] = ml_collections.ConfigDict(dict(config[section]))  # Untyped, as a file may build it.
   config[section][key] = value
+  with pytest.raises(UserError, match=re.escape(message)):
+    to_run_config(config)
+
+
+@pytest.mark.parametrize("family, key, value, message", [
+    ("qwen3", "head_dim", 7, "config.model.head_dim must be even (RoPE turns pairs) and >= 0"),
+    ("qwen3", "qkv_bias", True, "config.model.qkv_bias: Qwen3 has no query, key or value biases"),
+    ("olmo2", "qkv_bias", True, "config.model.qkv_bias: OLMo 2 has no query, key or value biases"),
+    ("olmo2", "sliding_window", 64, "config.model.sliding_window: olmo2 has no sliding window"),
+])
+def test_bad_family_values_are_named(family, key, value, message):
+  config = load_config_file(f"{family}:nano")
+  config.model[key] = value
   with pytest.raises(UserError, match=re.escape(message)):
     to_run_config(config)
 

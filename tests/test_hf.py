@@ -36,6 +36,21 @@ def _qwen2(**changes):
       "rope_theta": 500.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, **changes})
 
 
+def _qwen3(**changes):  # Heads of 12 on a width of 32: head_dim is not hidden_size / heads.
+  return transformers.Qwen3Config(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+      "max_position_embeddings": 16, "rope_theta": 500.0, "rms_norm_eps": 1e-6,
+      "tie_word_embeddings": False, **changes})
+
+
+def _olmo2(**changes):
+  return transformers.Olmo2Config(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+      "rope_theta": 500.0, "rms_norm_eps": 1e-6, **changes})
+
+
 def _mistral(**changes):
   return transformers.MistralConfig(**{
       "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -67,6 +82,9 @@ HF_CONFIGS = {
     "llama_tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2": lambda: _qwen2(),
     "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
+    "qwen3": lambda: _qwen3(),
+    "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True),
+    "olmo2": _olmo2,
     "mistral": lambda: _mistral(sliding_window=4),  # Shorter than the 16 tokens: it matters.
     "mistral_no_window": lambda: _mistral(sliding_window=None),
     "mixtral": _mixtral,
@@ -155,6 +173,15 @@ def test_mistrals_sliding_window_matters_and_none_means_none(tmp_path):
   assert hf.load(_saved(hf_model("mistral_no_window"), tmp_path / "none"))[0].sliding_window == 0
 
 
+def test_a_qwen3_config_without_head_dim_reads_as_transformers_reads_it(tmp_path):
+  """Qwen3Config's head_dim defaults to 128 whatever the width, not hidden_size / heads."""
+  config = json.loads(HF_CONFIGS["qwen3"]().to_json_string())
+  del config["head_dim"]
+  (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"]}))
+  assert hf.read_config(tmp_path).head_dim == 128
+  assert transformers.AutoConfig.from_pretrained(tmp_path).head_dim == 128
+
+
 @pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])
 def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
   model = hf_model(name)
@@ -207,6 +234,13 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
     ("llama", {"tie_word_embeddings": "yes"}, r"tie_word_embeddings must be true or false"),
     ("qwen2", {"use_sliding_window": True},
      r"Qwen2 config use_sliding_window=True is not supported \(only False\)"),
+    ("qwen3", {"use_sliding_window": True},
+     r"Qwen3 config use_sliding_window=True is not supported \(only False\)"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+     r"Qwen3 config layer_types=\['full_attention', 'sliding_attention'\] is not supported"),
+    ("qwen3", {"attention_bias": True}, r"Qwen3 config attention_bias=True is not supported"),
+    ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),
+    ("olmo2", {"head_dim": 12}, r"head_dim 12 x 4 heads != hidden_size 32: not supported"),
     ("llama", {"num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2.5"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True},
      r"GPT-2 config scale_attn_by_inverse_layer_idx=True is not supported \(only False\)"),

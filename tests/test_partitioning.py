@@ -109,9 +109,10 @@ def test_losses_match_single_device(layout_run, single_device_losses):
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5, err_msg=name)
 
 
-# Sizes for a tiny model of any family; each takes the fields it has.
+# Sizes for a tiny model of any family; each takes the fields it has (head_dim: Qwen3's, not
+# hidden_dim / num_heads).
 TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  hidden_dim=64, intermediate_dim=96)
+                  hidden_dim=64, intermediate_dim=96, head_dim=24)
 
 
 @pytest.mark.parametrize("name", sorted(models.FAMILIES))

@@ -17,6 +17,8 @@ from levanter_flax.models.common import ComputeConfig
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
+from levanter_flax.models.olmo2 import Olmo2Config
+from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.sample import SamplingConfig, choose, encode, generate
 from levanter_flax.loop import train_and_evaluate
@@ -31,6 +33,12 @@ MODELS = {
     # A window shorter than the prompts: the cache must forget as training does.
     "mistral": MistralConfig(vocab_size=50, seq_len=24, num_layers=2, num_heads=4,
                              num_kv_heads=2, hidden_dim=16, intermediate_dim=24, sliding_window=3),
+    # QK-norm, and heads of 6 on a width of 16: the cache holds head_dim, not hidden / heads.
+    "qwen3": Qwen3Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                         hidden_dim=16, intermediate_dim=24, head_dim=6),
+    # Norms after the sublayers, QK-norm over the whole projection.
+    "olmo2": Olmo2Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                         hidden_dim=16, intermediate_dim=24),
 }
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
 

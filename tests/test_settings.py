@@ -76,6 +76,8 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   llama_state = common | {"model.num_kv_heads", "model.intermediate_dim", "model.qkv_bias"}
   assert set(settings.keys_of_kind(STATE, "llama")) == llama_state
   assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.num_experts"}
+  assert set(settings.keys_of_kind(STATE, "qwen3")) == llama_state | {"model.head_dim"}
+  assert set(settings.keys_of_kind(STATE, "olmo2")) == llama_state
   assert "model.seq_len" in settings.keys_of_kind(FREE, "llama")
   assert {"model.rope_theta", "model.sliding_window"} <= set(settings.keys_of_kind(MODEL, "mistral"))
   assert set(settings.keys_of_kind(CHOSEN, "qwen2")) == {

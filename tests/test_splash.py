@@ -11,7 +11,7 @@ import pytest
 
 from levanter_flax import partitioning, settings, step
 from levanter_flax.errors import UserError
-from levanter_flax.models import attention, build, common
+from levanter_flax.models import FAMILIES, attention, build, common
 from levanter_flax.models.llama import LlamaConfig
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 256, 4, 2, 64
@@ -79,17 +79,19 @@ def test_auto_is_splash_on_a_tpu_cudnn_on_a_gpu_in_16_bits_else_xla():
   assert common.attention_implementation(cfg("bfloat16"), "cpu") == "xla"
 
 
-def tiny_llama(**compute) -> LlamaConfig:
-  return LlamaConfig(vocab_size=256, seq_len=LENGTH, num_layers=2, num_heads=HEADS,
-                     num_kv_heads=KV_HEADS, hidden_dim=HEADS * HEAD_DIM, intermediate_dim=256,
-                     compute=common.ComputeConfig(splash_block_q=BLOCKS[0],
-                                                  splash_block_kv=BLOCKS[1], **compute))
+def tiny_llama(architecture: str = "llama", **compute) -> LlamaConfig:
+  """A tiny model of the Llama kind: Llama's, or a family's built on its module (QK-norm)."""
+  return FAMILIES[architecture].config(
+      vocab_size=256, seq_len=LENGTH, num_layers=2, num_heads=HEADS, num_kv_heads=KV_HEADS,
+      hidden_dim=HEADS * HEAD_DIM, intermediate_dim=256,
+      compute=common.ComputeConfig(splash_block_q=BLOCKS[0], splash_block_kv=BLOCKS[1],
+                                   **compute))
 
 
 def train_step_hlo(devices, device_mesh, sharding=partitioning.ShardingConfig(), eos_id=None,
-                   **compute) -> str:
+                   architecture="llama", **compute) -> str:
   """The tiny Llama's train step, compiled by step.build for a mesh over `devices`."""
-  run = settings.RunConfig(model=tiny_llama(**compute), sharding=sharding,
+  run = settings.RunConfig(model=tiny_llama(architecture, **compute), sharding=sharding,
                            trainer=settings.TrainerConfig(batch_size=4, num_train_steps=10))
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh, devices), sharding)
   steps = step.build(run, partitioner, eos_id)
@@ -111,12 +113,16 @@ def mosaic_calls(hlo: str) -> int:
   return len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))
 
 
-def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices):
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "olmo2"])
+def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices,
+                                                                         architecture):
   """On this CPU host, 'auto' is splash for the TPU mesh: per layer a forward, a dq and a dkv
-  kernel; XLA's attention has none."""
+  kernel; XLA's attention has none. QK-norm changes nothing in the kernels."""
   mesh = (("data", 2), ("model", 2))
-  assert mosaic_calls(train_step_hlo(tpu_devices, mesh, attention_impl="auto")) == 3 * 2
-  assert mosaic_calls(train_step_hlo(tpu_devices, mesh, attention_impl="xla")) == 0
+  assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
+                                     attention_impl="auto")) == 3 * 2
+  assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
+                                     attention_impl="xla")) == 0
 
 
 def test_context_parallel_splash_compiles_for_a_tpu(tpu_devices):

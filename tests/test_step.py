@@ -49,9 +49,10 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
 
 
 def tiny(family: str, **sizes):
-  """A tiny model of any registered family: each takes the sizes it has fields for."""
+  """A tiny model of any registered family: each takes the sizes it has fields for (head_dim:
+  Qwen3's, not hidden_dim / num_heads)."""
   sizes = dict(vocab_size=128, seq_len=32, num_layers=3, num_heads=4, num_kv_heads=2,
-               hidden_dim=64, intermediate_dim=96) | sizes
+               hidden_dim=64, intermediate_dim=96, head_dim=24) | sizes
   config = models.FAMILIES[family].config
   return config(**{k: v for k, v in sizes.items() if k in {f.name for f in dataclasses.fields(config)}})
 

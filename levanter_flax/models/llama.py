@@ -82,6 +82,10 @@ class LlamaConfig:
   compute: common.ComputeConfig = common.compute_section()
   lora: LoraConfig = lora.lora_section()
   has_sliding_window: ClassVar[bool] = False  # Whether the family may set sliding_window.
+  # RMSNorm on the queries and keys, before RoPE: "" none, "head" each head's (over head_dim,
+  # one scale shared by the heads: Qwen3), "projection" the whole projection's (over
+  # num_heads * head_dim, or num_kv_heads * head_dim: OLMo 2).
+  qk_norm: ClassVar[str] = ""
 
   def __post_init__(self):
     check_config(self, ("vocab_size", "seq_len", "num_layers", "num_heads", "num_kv_heads",
@@ -111,6 +115,8 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
+    """Each attention head's width: hidden_dim / num_heads. A family whose heads are wider or
+    narrower (Qwen3) declares head_dim as a setting of its own, which shadows this."""
     return self.hidden_dim // self.num_heads
 
 
@@ -170,10 +176,15 @@ class Attention(nn.Module):
                segment_ids: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
-    q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj", cfg.qkv_bias)(x).reshape(
-        batch, length, cfg.num_heads, cfg.head_dim)
-    k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name, cfg.qkv_bias)(x).reshape(
-        batch, length, cfg.num_kv_heads, cfg.head_dim) for name in ("k_proj", "v_proj"))
+    q = _dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj", cfg.qkv_bias)(x)
+    k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name, cfg.qkv_bias)(x)
+            for name in ("k_proj", "v_proj"))
+    if cfg.qk_norm == "projection":  # Over the whole width: a reduction across the heads' split.
+      q, k = _rms_norm(cfg, "q_norm")(q), _rms_norm(cfg, "k_norm")(k)
+    q = q.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+    k, v = (t.reshape(batch, length, cfg.num_kv_heads, cfg.head_dim) for t in (k, v))
+    if cfg.qk_norm == "head":
+      q, k = _rms_norm(cfg, "q_norm")(q), _rms_norm(cfg, "k_norm")(k)
     frequencies = rope_frequencies(cfg)
     q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
     k = constrain(rotary_embedding(k, positions, frequencies), "batch", "length", "heads", None)
@@ -183,7 +194,8 @@ class Attention(nn.Module):
                            splash_blocks=(cfg.compute.splash_block_q, cfg.compute.splash_block_kv),
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
                            segment_ids=segment_ids)
-    return _dense(cfg.hidden_dim, cfg, "o_proj")(out.reshape(batch, length, cfg.hidden_dim))
+    return _dense(cfg.hidden_dim, cfg, "o_proj")(
+        out.reshape(batch, length, cfg.num_heads * cfg.head_dim))
 
 
 class MLP(nn.Module):
@@ -267,13 +279,20 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   return LlamaConfig(**llama_fields_from_hf(hf))
 
 
-def llama_fields_from_hf(hf: dict) -> dict[str, Any]:
-  """LlamaConfig's fields from a config.json of the Llama kind (Llama, Qwen2, Mistral)."""
+def llama_fields_from_hf(hf: dict, head_dim: int | None = None) -> dict[str, Any]:
+  """LlamaConfig's fields from a config.json of the Llama kind (Llama, Qwen2, Mistral, ...).
+
+  head_dim: for a family with a head_dim setting (Qwen3), transformers' default for the key,
+  which is then read into the fields; else a head_dim other than hidden_size / heads is refused.
+  """
   heads, hidden_dim = hf_keys.integer(hf, "num_attention_heads"), hf_keys.integer(hf, "hidden_size")
-  head_dim = hf_keys.integer(hf, "head_dim", hidden_dim // heads)
-  if head_dim * heads != hidden_dim:
-    raise UserError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden_dim}: "
-                    f"not supported")
+  if head_dim is not None:
+    decoupled = {"head_dim": hf_keys.integer(hf, "head_dim", head_dim)}
+  else:
+    decoupled = {}
+    if hf_keys.integer(hf, "head_dim", hidden_dim // heads) * heads != hidden_dim:
+      raise UserError(f"head_dim {hf['head_dim']} x {heads} heads != hidden_size {hidden_dim}: "
+                      f"not supported")
   seq_len = hf_keys.integer(hf, "max_position_embeddings")
   tied = hf.get("tie_word_embeddings", False)
   if not isinstance(tied, bool):
@@ -284,7 +303,7 @@ def llama_fields_from_hf(hf: dict) -> dict[str, Any]:
               hidden_dim=hidden_dim, intermediate_dim=hf_keys.integer(hf, "intermediate_size"),
               rms_norm_epsilon=hf_keys.number(hf, "rms_norm_eps", 1e-6),
               initializer_range=hf_keys.number(hf, "initializer_range", 0.02),
-              tie_word_embeddings=tied, **_rope_from_hf(hf, seq_len))
+              tie_word_embeddings=tied, **_rope_from_hf(hf, seq_len), **decoupled)
 
 
 def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
@@ -355,7 +374,7 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict:
 
 
 def hf_tensor_names(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
-  """Our parameter path -> (HF tensor name, transposed?); the same for Qwen2 and Mistral."""
+  """Our parameter path -> (HF tensor name, transposed?); the same for Qwen2, Mistral and Qwen3."""
   names = {"embed_tokens/embedding": ("model.embed_tokens.weight", False),
            "norm/scale": ("model.norm.weight", False)}
   if not cfg.tie_word_embeddings:
@@ -366,6 +385,9 @@ def hf_tensor_names(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
       names[f"layers_{i}/{norm}/scale"] = (f"{prefix}.{norm}.weight", False)
     for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[f"layers_{i}/self_attn/{part}/kernel"] = (f"{prefix}.self_attn.{part}.weight", True)
+    if cfg.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        names[f"layers_{i}/self_attn/{norm}/scale"] = (f"{prefix}.self_attn.{norm}.weight", False)
     if cfg.qkv_bias:
       for part in ("q_proj", "k_proj", "v_proj"):
         names[f"layers_{i}/self_attn/{part}/bias"] = (f"{prefix}.self_attn.{part}.bias", False)
