@@ -18,7 +18,7 @@ from levanter_flax import (callbacks as callbacks_lib, distributed, flops, locks
                            monitoring, partitioning, paths, preemption, report, resume, spikes,
                            step)
 from levanter_flax.checkpoint import Checkpointer
-from levanter_flax.settings import RunConfig
+from levanter_flax.settings import RunConfig, TrainerConfig
 from levanter_flax.data import eval_set, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import DataPosition
@@ -107,7 +107,11 @@ def run_training(run: RunConfig, workdir: epath.Path | str | os.PathLike,
     workdir = paths.resolve(workdir, "workdir")
   workdir = paths.make_dirs(workdir, "workdir")
   with locks.locked_for_job(workdir, "workdir") as lock:
-    return _build_and_train(run, workdir, lock, due_callbacks)
+    while True:
+      try:
+        return _build_and_train(run, workdir, lock, due_callbacks)
+      except spikes.RollBack as rollback:  # Everything closed: start again as a resume does.
+        spikes.roll_back(workdir, rollback, workdir / "checkpoints")
 
 
 def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
@@ -245,8 +249,9 @@ def _data_metrics(position: DataPosition, batches: loader.TrainBatches,
   return metrics_
 
 
-class _NonFiniteSteps:
-  """Counts steps whose update was skipped for a non-finite loss or gradient; halts per policy.
+class _FlaggedSteps:
+  """Counts steps whose update was skipped for a non-finite loss or gradient, and halts per
+  policy; under spike_policy=rollback, its SpikeWatch counts the spikes and may roll back.
 
   The step computes each flag on the device; they are read together at the
   loop's boundaries (a log step, before a checkpoint or an eval, the last
@@ -256,28 +261,38 @@ class _NonFiniteSteps:
   more than `max_consecutive` skipped steps means divergence, and halts too.
   """
 
-  def __init__(self, policy: str, max_consecutive: int, checkpointer: Checkpointer,
+  def __init__(self, trainer: TrainerConfig, checkpointer: Checkpointer,
                restored: resume.Progress):
-    self._policy, self._max_consecutive, self._checkpointer = policy, max_consecutive, checkpointer
+    self._policy, self._max_consecutive = trainer.nan_policy, trainer.max_consecutive_skipped_steps
+    self._checkpointer = checkpointer
     self._pending = []
     # As checkpointed: a run that crash-loops on bad data still reaches max_consecutive.
     self.count, self._consecutive = restored.skipped_steps, restored.consecutive_skipped_steps
     self._restored = restored
+    self._spikes = (spikes.SpikeWatch(trainer.spike_window, trainer.spike_rollback_after,
+                                      restored.recent_spikes)
+                    if trainer.spike_policy == "rollback" else None)
 
   def progress(self, position: DataPosition) -> resume.Progress:
     """What a checkpoint saves with the state, once flushed."""
     return dataclasses.replace(self._restored, position=position, skipped_steps=self.count,
-                               consecutive_skipped_steps=self._consecutive)
+                               consecutive_skipped_steps=self._consecutive,
+                               recent_spikes=self._spikes.recent if self._spikes else ())
 
-  def add(self, step_num: int, step_metrics: dict) -> None:
+  def add(self, step_num: int, position: DataPosition, step_metrics: dict) -> None:
     self._pending.append((step_num, step_metrics["train/nonfinite"]))
+    if self._spikes:
+      self._spikes.add(step_num, position.windows, step_metrics)
 
   def flush(self) -> None:
-    """Reads the flags of every step since the last flush, in order; raises per policy."""
+    """Reads the flags of every step since the last flush, in order; raises per policy (a
+    spikes.RollBack too)."""
     steps, flags = zip(*self._pending) if self._pending else ((), ())
     self._pending = []
     for step_num, flag in zip(steps, jax.device_get(flags)):
       self._report(step_num, flag)
+    if self._spikes:
+      self._spikes.flush()
 
   def _report(self, step_num: int, flag) -> None:
     if not float(flag):
@@ -311,8 +326,8 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
                                               frozen=steps.abstract_state.frozen),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
-  nonfinite = _NonFiniteSteps(trainer.nan_policy, trainer.max_consecutive_skipped_steps,
-                              checkpointer, progress)
+  nonfinite = _FlaggedSteps(trainer, checkpointer, progress)
+  rolled_back = spikes.skipped_windows(workdir)  # Batches earlier rollbacks took out.
   spikes_skipped = spikes.skipped_spikes(state.opt_state)  # Restored with the state.
   spikes_skipped = None if spikes_skipped is None else int(spikes_skipped)
   position = progress.position
@@ -338,6 +353,8 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
         wait_start = time.perf_counter()
         with jax.profiler.TraceAnnotation("data_wait"):
           batch, position = next(train_batches)
+          while position.windows in rolled_back:
+            batch, position = next(train_batches)
         data_wait += time.perf_counter() - wait_start
         if step_num == start_step + 1:
           train_step = compiled_step.result()
@@ -346,7 +363,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       history.append(step_metrics)
       if len(history) > _MAX_STEPS_AHEAD:  # Waits only when the device is that far behind.
         history[-_MAX_STEPS_AHEAD - 1]["train/loss"].block_until_ready()
-      nonfinite.add(step_num, step_metrics)
+      nonfinite.add(step_num, position, step_metrics)
       if step_num == start_step + 1:
         # Leave compilation out of the throughput figures.
         jax.block_until_ready(step_metrics)
@@ -358,6 +375,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
         nonfinite.flush()
         means = _mean(history)
         del means["train/nonfinite"]  # Reported as the running count of skipped steps.
+        means.pop("train/spike", None)  # Likewise: train/spike_skipped_steps.
         last_metrics = (means | throughput.measure(step_num)
                         | {"train/data_wait_seconds": data_wait / len(history),
                            "train/steps_in_flight": steps_running / len(history),

@@ -233,11 +233,14 @@ class Progress:
   skipped_steps: int = 0
   consecutive_skipped_steps: int = 0
   dpo: bool = False
+  # spike_policy=rollback: the spikes within the last spike_window steps, (step, windows).
+  recent_spikes: tuple[tuple[int, int], ...] = ()
 
   def to_json(self) -> dict:
     return self.position.to_json() | {"skipped_steps": self.skipped_steps,
                                       "consecutive_skipped_steps": self.consecutive_skipped_steps,
-                                      "dpo": self.dpo}
+                                      "dpo": self.dpo,
+                                      "recent_spikes": [list(s) for s in self.recent_spikes]}
 
   @classmethod
   def from_json(cls, value: dict) -> "Progress":
@@ -249,7 +252,12 @@ class Progress:
       raise ValueError(f"not a count of skipped steps: {counts}")
     if not isinstance(value.get("dpo", False), bool):
       raise ValueError(f"dpo is not a boolean: {value['dpo']!r}")
-    return cls(position, *counts, dpo=value.get("dpo", False))
+    spikes = value.get("recent_spikes", [])
+    if not (isinstance(spikes, list) and all(
+        isinstance(s, list) and len(s) == 2 and all(type(n) is int for n in s) for s in spikes)):
+      raise ValueError(f"not a list of recent spikes: {spikes!r}")
+    return cls(position, *counts, dpo=value.get("dpo", False),
+               recent_spikes=tuple(tuple(s) for s in spikes))
 
 
 def initial_state(start: Start, workdir: epath.Path, steps: step.ShardedSteps,

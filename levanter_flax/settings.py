@@ -107,15 +107,20 @@ class TrainerConfig:
   max_consecutive_skipped_steps: int = setting(
       10, "With nan_policy=skip: this many skipped steps in a row mean divergence; the run halts")
   spike_policy: str = setting(
-      "none", "none, or skip: a step whose loss or gradient norm exceeds the mean of the last "
+      "none", "none; skip: a step whose loss or gradient norm exceeds the mean of the last "
       "spike_window steps' by spike_threshold standard deviations updates nothing, and is "
-      "counted (train/spike_skipped_steps). The statistics are in the checkpointed optimizer "
-      "state", STATE)
+      "counted (train/spike_skipped_steps; the statistics are in the checkpointed optimizer "
+      "state); rollback: skip, and after spike_rollback_after spikes within spike_window steps "
+      "restore the newest checkpoint from before the first of them and train on without the "
+      "batches that made them", STATE)
   spike_threshold: float = setting(
-      6.0, "spike_policy=skip: how many standard deviations above the window's mean a spike is")
+      6.0, "spike_policy skip or rollback: how many standard deviations above the window's mean "
+      "a spike is")
   spike_window: int = setting(
-      128, "spike_policy=skip: the steps the mean and deviation are over; nothing is a spike "
-      "before half of them have run", STATE)
+      128, "spike_policy skip or rollback: the steps the mean and deviation are over; nothing "
+      "is a spike before half of them have run", STATE)
+  spike_rollback_after: int = setting(
+      3, "spike_policy=rollback: this many spikes within spike_window steps roll the run back")
   init_from_hf: str = setting(
       "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) whose "
       "shape matches config.model; fresh optimizer and data")
@@ -169,13 +174,16 @@ class TrainerConfig:
                       f"got {self.spike_policy!r}")
     checks.ranges(self, "trainer", {"spike_threshold": checks.above(0),
                                     "spike_window": checks.at_least(4)})
-    if self.spike_policy == "none":
-      defaults = {f.name: f.default for f in dataclasses.fields(self)}
-      for field in ("spike_threshold", "spike_window"):
-        if getattr(self, field) != defaults[field]:
-          raise UserError(f"config.trainer.{field} is {getattr(self, field)}, but "
-                          f"config.trainer.spike_policy is 'none', which reads it not: set "
-                          f"spike_policy=skip, or leave {field} unset")
+    checks.ranges(self, "trainer", {"spike_rollback_after": checks.at_least(1)})
+    read = {"none": (), "skip": ("spike_threshold", "spike_window"),
+            "rollback": ("spike_threshold", "spike_window", "spike_rollback_after")}
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    for field in read["rollback"]:
+      if field not in read[self.spike_policy] and getattr(self, field) != defaults[field]:
+        reader = next(policy for policy in ("skip", "rollback") if field in read[policy])
+        raise UserError(f"config.trainer.{field} is {getattr(self, field)}, but "
+                        f"config.trainer.spike_policy is {self.spike_policy!r}, which reads it "
+                        f"not: set spike_policy={reader}, or leave {field} unset")
 
 
 @dataclasses.dataclass(frozen=True)

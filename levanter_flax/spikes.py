@@ -1,22 +1,45 @@
 """Loss spikes (config.trainer.spike_policy): a step whose loss or gradient norm stands out of
-the recent ones updates nothing.
+the recent ones updates nothing; under rollback, several such steps close together send the run
+back to its newest checkpoint from before them, never to train on their batches again.
 
 `skip_spikes` wraps the optimizer, as Levanter's skip-step does: the rolling statistics are
 part of the optimizer state, so they live on the device, are checkpointed with it (a resume
 keeps them), and never make the loop wait for a step. A step is a spike when its loss or its
 gradient norm (before clipping) exceeds the mean of the last `window` steps' by more than
 `threshold` of their standard deviations. Until half the window has been seen, nothing is a
-spike: the first steps' fast-falling loss has no stable band yet. A spike's values enter the
-window too, so a lasting change of level (a new data mixture) is learned within a window
-rather than skipped forever. Non-finite steps are the nan_policy's, and stay out of it.
+spike: the first steps' fast-falling loss has no stable band yet. A spike enters the window
+at the band's edge (winsorized): a lasting change of level (a new data mixture) raises the band
+step by step rather than being skipped forever, while one huge spike does not widen it enough
+to hide the next. Non-finite steps are the nan_policy's, and stay out of it.
+
+Rollback (`SpikeWatch`, `RollBack`, `roll_back`) is the host's part. The loop reads each step's
+spike flag at its boundaries (log, checkpoint, eval), as it reads the non-finite flags, so no
+step waits; it counts the spikes of the last spike_window steps, in step order, and at the step
+where they reach spike_rollback_after it raises RollBack. The run then sets aside its
+checkpoints from the first of those spikes on, records the spikes' batches in
+<workdir>/spike_rollbacks.json, and starts again as a resume does: from the newest checkpoint
+left, skipping those batches wherever the stream reaches them (a restart reads the file too).
+A batch is known by its stream position (the reader groups' window count once it is read),
+which the data order fixes. Everything is decided from the step's replicated metrics and the
+checkpointed count of recent spikes, so every process, and a run killed and resumed anywhere,
+decides alike.
 """
+import dataclasses
+import json
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
 
-POLICIES = ("none", "skip")
+from levanter_flax import paths
+from levanter_flax.errors import UserError
+
+POLICIES = ("none", "skip", "rollback")
+ROLLBACKS_FILE = "spike_rollbacks.json"
 
 
 class SpikeState(NamedTuple):
@@ -28,19 +51,18 @@ class SpikeState(NamedTuple):
   skipped: jax.Array  # Spikes skipped since the run began.
 
 
-def is_spike(state: SpikeState, loss: jax.Array, grad_norm: jax.Array,
-             threshold: float) -> jax.Array:
-  """Whether (loss, grad_norm) exceeds the window's mean by over `threshold` deviations."""
+def spike_bounds(state: SpikeState, threshold: float) -> tuple[jax.Array, jax.Array]:
+  """(loss, gradient norm) above which a step is a spike: the window's mean plus `threshold`
+  deviations; +inf until half the window has run."""
   window = state.losses.shape[0]
   held = jnp.arange(window) < state.seen
   count = jnp.maximum(state.seen, 1)
 
-  def beyond(history, value):
+  def bound(history):
     mean = jnp.where(held, history, 0).sum() / count
     deviation = jnp.sqrt(jnp.where(held, (history - mean) ** 2, 0).sum() / count)
-    return value > mean + threshold * deviation
-  ready = state.seen >= max(2, window // 2)
-  return ready & (beyond(state.losses, loss) | beyond(state.grad_norms, grad_norm))
+    return jnp.where(state.seen >= max(2, window // 2), mean + threshold * deviation, jnp.inf)
+  return bound(state.losses), bound(state.grad_norms)
 
 
 def skip_spikes(inner: optax.GradientTransformation, window: int,
@@ -56,16 +78,20 @@ def skip_spikes(inner: optax.GradientTransformation, window: int,
 
   def update(grads, state: SpikeState, params=None, *, loss, **extra_args):
     grad_norm = optax.tree.norm(grads)
-    spike = is_spike(state, loss, grad_norm, threshold)
+    loss_bound, grad_norm_bound = spike_bounds(state, threshold)
+    spike = (loss > loss_bound) | (grad_norm > grad_norm_bound)
     updates, inner_state = inner.update(grads, state.inner, params, **extra_args)
     updates = jax.tree.map(lambda u: jnp.where(spike, jnp.zeros_like(u), u), updates)
     inner_state = jax.tree.map(lambda new, old: jnp.where(spike, old, new), inner_state,
                                state.inner)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     slot = state.next_slot
-    record = lambda ring, value: jnp.where(finite, ring.at[slot].set(value), ring)
+    # At most the bound: one huge spike would widen the band enough to hide the next ones.
+    record = lambda ring, value, bound: jnp.where(
+        finite, ring.at[slot].set(jnp.minimum(value, bound)), ring)
     return updates, SpikeState(
-        inner_state, record(state.losses, loss), record(state.grad_norms, grad_norm),
+        inner_state, record(state.losses, loss, loss_bound),
+        record(state.grad_norms, grad_norm, grad_norm_bound),
         jnp.where(finite, jnp.minimum(state.seen + 1, window), state.seen),
         jnp.where(finite, (slot + 1) % window, slot),
         state.skipped + (spike & finite).astype(jnp.int32))
@@ -76,3 +102,71 @@ def skip_spikes(inner: optax.GradientTransformation, window: int,
 def skipped_spikes(opt_state: Any) -> jax.Array | None:
   """How many spikes a run skipped, from its optimizer state; None without skip_spikes."""
   return opt_state.skipped if isinstance(opt_state, SpikeState) else None
+
+
+class RollBack(Exception):
+  """Raised by the loop: go back to before `first_step`, without the batches at `windows`."""
+
+  def __init__(self, first_step: int, windows: tuple[int, ...]):
+    super().__init__(f"{len(windows)} loss spikes from step {first_step}")
+    self.first_step, self.windows = first_step, windows
+
+
+class SpikeWatch:
+  """spike_policy=rollback's count of the spikes of the last `window` steps (see the module's
+  docstring). `recent` is the count a checkpoint saved: (step, windows) of each spike."""
+
+  def __init__(self, window: int, rollback_after: int, recent: tuple[tuple[int, int], ...]):
+    self._window, self._rollback_after = window, rollback_after
+    self.recent, self._pending = tuple(recent), []
+
+  def add(self, step_num: int, windows: int, step_metrics: dict) -> None:
+    self._pending.append((step_num, windows, step_metrics["train/spike"]))
+
+  def flush(self) -> None:
+    """Reads the flags of the steps since the last flush, in order; raises RollBack at the
+    step whose spike makes spike_rollback_after within the window."""
+    pending, self._pending = self._pending, []
+    flags = jax.device_get([flag for _, _, flag in pending])
+    for (step_num, windows, _), flag in zip(pending, flags):
+      recent = self.recent + (((step_num, windows),) if float(flag) else ())
+      self.recent = tuple((s, w) for s, w in recent if s > step_num - self._window)
+      if len(self.recent) >= self._rollback_after:
+        raise RollBack(self.recent[0][0], tuple(w for _, w in self.recent))
+
+
+def skipped_windows(workdir: epath.Path) -> frozenset[int]:
+  """The batches (by stream position) that earlier rollbacks took out of this run."""
+  path = workdir / ROLLBACKS_FILE
+  if not path.exists():
+    return frozenset()
+  try:
+    rollbacks = json.loads(path.read_text())
+    return frozenset(int(w) for rollback in rollbacks for w in rollback["skipped_windows"])
+  except (ValueError, TypeError, KeyError) as e:
+    raise UserError(f"{path} is damaged ({e}): it lists the batches rolled-back loss spikes "
+                    f"came from; restore it, or start a new run") from None
+
+
+def roll_back(workdir: epath.Path, rollback: RollBack, checkpoints: epath.Path) -> None:
+  """Sets aside the checkpoints from rollback.first_step on, then records its batches: a kill
+  between the two replays the spikes and rolls back again, to the same end."""
+  newer = sorted(int(p.name) for p in checkpoints.glob("*")
+                 if p.name.isdigit() and int(p.name) >= rollback.first_step)
+  if jax.process_index() == 0:  # Every process decided alike; one writes.
+    for step in newer:
+      paths.move_tree(checkpoints / str(step),
+                      checkpoints / f"{step}.rolled-back-{len(_rollbacks(workdir))}")
+    entry = {"first_spike_step": rollback.first_step, "skipped_windows": list(rollback.windows),
+             "checkpoints_set_aside": newer}
+    paths.write_atomically(workdir / ROLLBACKS_FILE,
+                           json.dumps(_rollbacks(workdir) + [entry], indent=1))
+  multihost_utils.sync_global_devices("levanter_flax: spike rollback recorded")
+  logging.warning("Rolled back: %s. Checkpoints %s set aside; restarting from the newest before "
+                  "step %d, without those batches (%s)", rollback, newer or "(none)",
+                  rollback.first_step, workdir / ROLLBACKS_FILE)
+
+
+def _rollbacks(workdir: epath.Path) -> list:
+  path = workdir / ROLLBACKS_FILE
+  return json.loads(path.read_text()) if path.exists() else []

@@ -322,6 +322,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     skipped = spikes.skipped_spikes(new_state.opt_state)
     if skipped is not None:
       metrics["train/spike_skipped_steps"] = skipped.astype(jnp.float32)
+      metrics["train/spike"] = (skipped - spikes.skipped_spikes(state.opt_state)).astype(
+          jnp.float32)
     return new_state, metrics
   return train_step
 
@@ -424,7 +426,7 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model = models.build(common.with_compute(run.model, attention_impl=attention))
   schedule = optim.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
   optimizer = optim.make_optimizer(run.optimizer, schedule)
-  if run.trainer.spike_policy == "skip":
+  if run.trainer.spike_policy != "none":
     optimizer = spikes.skip_spikes(optimizer, run.trainer.spike_window, run.trainer.spike_threshold)
   init = functools.partial(init_state, model, optimizer, preference=preference)
   shapes = jax.eval_shape(init, jax.random.key(0))

@@ -1,6 +1,10 @@
 """trainer.spike_policy=skip (spikes.py): which steps are spikes, that a spike updates nothing,
 and that the statistics survive a kill -9."""
+import json
+import os
 import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,29 +12,30 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import read_metrics
+from conftest import REPO, read_metrics
 from levanter_flax import spikes, step
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.loop import train_and_evaluate
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from test_main import NANO, TINY
 from test_resume import run_killed_after_checkpoint
 
 
 def numpy_spikes(losses, grad_norms, window, threshold):
   """The rule, written out: over the last `window` finite steps (once half of them have run),
-  a step is a spike if its loss or gradient norm is above mean + threshold * std."""
+  a step is a spike if its loss or gradient norm is above mean + threshold * std; it is
+  remembered as at most that bound."""
   seen, verdicts = [], []
-  for loss, norm in zip(losses, grad_norms):
+  for values in zip(losses, grad_norms):
     history = np.asarray(seen[-window:], np.float64).reshape(-1, 2)
-    spike = False
+    bounds = np.full(2, np.inf)
     if len(history) >= max(2, window // 2):
-      mean, std = history.mean(axis=0), history.std(axis=0)
-      spike = bool(loss > mean[0] + threshold * std[0] or norm > mean[1] + threshold * std[1])
-    verdicts.append(spike)
-    if np.isfinite(loss) and np.isfinite(norm):
-      seen.append((loss, norm))
+      bounds = history.mean(axis=0) + threshold * history.std(axis=0)
+    verdicts.append(bool(np.any(np.asarray(values) > bounds)))
+    if np.all(np.isfinite(values)):
+      seen.append(np.minimum(values, bounds))
   return verdicts
 
 
@@ -118,9 +123,73 @@ def test_a_changed_spike_policy_is_refused_on_resume(tiny_config, tmp_path):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
 
 
+def test_rollback_counts_the_window_in_step_order():
+  watch = spikes.SpikeWatch(window=4, rollback_after=2, recent=((1, 8),))
+  for step_num in range(2, 6):
+    watch.add(step_num, 8 * step_num, {"train/spike": 0.0})
+  watch.flush()  # Step 1's spike left the window at step 5.
+  assert watch.recent == ()
+  for step_num, flag in ((6, 1.0), (7, 0.0), (8, 0.0), (9, 0.0), (10, 1.0), (11, 1.0), (12, 1.0)):
+    watch.add(step_num, 8 * step_num, {"train/spike": flag})
+  with pytest.raises(spikes.RollBack) as raised:
+    watch.flush()
+  assert (raised.value.first_step, raised.value.windows) == (10, (80, 88))
+
+
+# Spikes at steps 9 and 11 (batches ending at windows 72 and 88: 8 per step): read at the step-12
+# log, past the step-10 checkpoint, which is set aside; the run goes back to step 8's.
+SPIKED_STEPS = (9, 11)
+ROLLBACK = ["--config.trainer.num_train_steps=14", "--config.trainer.log_every_steps=4",
+            "--config.checkpoint.every_steps=2", "--config.trainer.eval_every_steps=100",
+            "--config.trainer.batch_size=8", "--config.data.reader_groups=1",
+            "--config.trainer.spike_policy=rollback", "--config.trainer.spike_window=8",
+            "--config.trainer.spike_threshold=3", "--config.trainer.spike_rollback_after=2",
+            "--config.optimizer.warmup_steps=2"]
+
+
+def run_spiked(workdir, data_cache, kill_after=None):
+  return subprocess.run(
+      [sys.executable, str(REPO / "tests" / "spiked_main.py"), f"--config={NANO}",
+       f"--workdir={workdir}", *TINY, *ROLLBACK, f"--config.data.cache_dir={data_cache}"],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "KILL_AFTER_CHECKPOINT": str(kill_after),
+           "SPIKE_WINDOWS": ",".join(str(8 * s) for s in SPIKED_STEPS)})
+
+
+def final_params(workdir):
+  return jax.tree.leaves(run_params(workdir)[1])
+
+
+def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cache, tmp_path):
+  rolled, killed, never = tmp_path / "rolled", tmp_path / "killed", tmp_path / "never"
+  result = run_spiked(rolled, data_cache)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Rolled back: 2 loss spikes from step 9. Checkpoints [10] set aside" in result.stderr
+  rollbacks = json.loads((rolled / spikes.ROLLBACKS_FILE).read_text())
+  assert rollbacks == [{"first_spike_step": 9, "skipped_windows": [72, 88],
+                        "checkpoints_set_aside": [10]}]
+  assert (rolled / "checkpoints" / "10.rolled-back-0").is_dir()
+  # The same stream with those batches taken out from the start: the same params, bit for bit.
+  never.mkdir()
+  (never / spikes.ROLLBACKS_FILE).write_text(json.dumps(
+      [{"first_spike_step": 0, "skipped_windows": [72, 88], "checkpoints_set_aside": []}]))
+  assert run_spiked(never, data_cache).returncode == 0
+  assert "Rolled back" not in run_spiked(never, data_cache).stderr
+  # Killed after the replay's step-12 checkpoint and resumed: the same again.
+  assert run_spiked(killed, data_cache, kill_after=12).returncode == -signal.SIGKILL
+  result = run_spiked(killed, data_cache)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for rolled_leaf, never_leaf, killed_leaf in zip(
+      final_params(rolled), final_params(never), final_params(killed)):
+    np.testing.assert_array_equal(rolled_leaf, never_leaf)
+    np.testing.assert_array_equal(killed_leaf, never_leaf)
+
+
 @pytest.mark.parametrize("changes, message", [
-    ({"spike_policy": "rollback_all"}, "config.trainer.spike_policy must be one of none, skip; "
-                                       "got 'rollback_all'"),
+    ({"spike_policy": "rollback_all"}, "config.trainer.spike_policy must be one of none, skip, "
+                                       "rollback; got 'rollback_all'"),
+    ({"spike_policy": "skip", "spike_rollback_after": 2}, "config.trainer.spike_rollback_after is "
+     "2, but config.trainer.spike_policy is 'skip', which reads it not: set spike_policy=rollback"),
     ({"spike_policy": "skip", "spike_threshold": 0.0}, "config.trainer.spike_threshold must be > 0"),
     ({"spike_policy": "skip", "spike_window": 2}, "config.trainer.spike_window must be >= 4"),
     ({"spike_window": 64}, "config.trainer.spike_window is 64, but config.trainer.spike_policy is "
