@@ -42,11 +42,12 @@ class CompiledStep:
 def run_config(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
                sharding: partitioning.ShardingConfig = DATA_PARALLEL,
                optimizer: optim.OptimizerConfig = OPTIMIZER, num_microbatches: int = 1,
-               document_masking: bool = False) -> settings.RunConfig:
+               document_masking: bool = False, spike_policy: str = "none") -> settings.RunConfig:
   """A benchmark's run: the model on `device_mesh`, its learning rate scheduled over 1000 steps."""
   trainer = settings.TrainerConfig(batch_size=batch_size, num_train_steps=1000,
                                    device_mesh=device_mesh,
-                                   gradient_accumulation_steps=num_microbatches)
+                                   gradient_accumulation_steps=num_microbatches,
+                                   spike_policy=spike_policy)
   return settings.RunConfig(model=model_cfg, trainer=trainer, optimizer=optimizer,
                             data=DataConfig(document_masking=document_masking), sharding=sharding)
 

@@ -1,4 +1,5 @@
-"""Step time and optimizer-state memory of each optimizer.name, on one model.
+"""Step time and optimizer-state memory of each optimizer.name, and of AdamW under
+trainer.spike_policy=skip, on one model.
 
     python bench/optimizers.py [--num_layers=4 --hidden_dim=128 --batch_size=16 --seq_len=128]
 
@@ -32,15 +33,18 @@ def main():
         f"{args.seq_len}, {jax.devices()[0].platform}; mean of {steps_timed} steps")
   print(f"{'optimizer':12s} {'ms/step':>9s} {'vs adamw':>9s} {'state bytes/param':>18s}")
   baseline = None
-  for name in optim.OPTIMIZERS:
+  # Each optimizer, then AdamW wrapped by trainer.spike_policy's window (spikes.py).
+  for name, spike_policy in [(name, "none") for name in optim.OPTIMIZERS] + [("adamw", "skip")]:
     run = compile_train_step(run_config(cfg, args.batch_size,
-                                        optimizer=dataclasses.replace(OPTIMIZER, name=name)))
+                                        optimizer=dataclasses.replace(OPTIMIZER, name=name),
+                                        spike_policy=spike_policy))
     run.step_once()  # Warm-up.
     seconds = statistics.mean(run.step_once() for _ in range(steps_timed))
     baseline = baseline or seconds
     num_params = sum(x.size for x in jax.tree.leaves(run.state.params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state))
-    print(f"{name:12s} {1e3 * seconds:9.2f} {seconds / baseline:9.2f} {state_bytes / num_params:18.2f}")
+    label = name if spike_policy == "none" else f"{name}+{spike_policy}"
+    print(f"{label:12s} {1e3 * seconds:9.2f} {seconds / baseline:9.2f} {state_bytes / num_params:18.2f}")
 
 
 if __name__ == "__main__":
