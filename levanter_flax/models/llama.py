@@ -162,7 +162,7 @@ def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -
                     bias_init=nn.initializers.zeros, lora=cfg.lora, name=name)
 
 
-def _rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
+def rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
   return nn.RMSNorm(epsilon=cfg.rms_norm_epsilon, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                     name=name)
 
@@ -180,11 +180,11 @@ class Attention(nn.Module):
     k, v = (_dense(cfg.num_kv_heads * cfg.head_dim, cfg, name, cfg.qkv_bias)(x)
             for name in ("k_proj", "v_proj"))
     if cfg.qk_norm == "projection":  # Over the whole width: a reduction across the heads' split.
-      q, k = _rms_norm(cfg, "q_norm")(q), _rms_norm(cfg, "k_norm")(k)
+      q, k = rms_norm(cfg, "q_norm")(q), rms_norm(cfg, "k_norm")(k)
     q = q.reshape(batch, length, cfg.num_heads, cfg.head_dim)
     k, v = (t.reshape(batch, length, cfg.num_kv_heads, cfg.head_dim) for t in (k, v))
     if cfg.qk_norm == "head":
-      q, k = _rms_norm(cfg, "q_norm")(q), _rms_norm(cfg, "k_norm")(k)
+      q, k = rms_norm(cfg, "q_norm")(q), rms_norm(cfg, "k_norm")(k)
     frequencies = rope_frequencies(cfg)
     q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
     k = constrain(rotary_embedding(k, positions, frequencies), "batch", "length", "heads", None)
@@ -218,9 +218,9 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
     x = x + Attention(self.config, self.decode, name="self_attn")(
-        _rms_norm(self.config, "input_layernorm")(x), *positions_and_masks)
+        rms_norm(self.config, "input_layernorm")(x), *positions_and_masks)
     x = x + self.feed_forward(self.config, name="mlp")(
-        _rms_norm(self.config, "post_attention_layernorm")(x))
+        rms_norm(self.config, "post_attention_layernorm")(x))
     return constrain(x, "batch", "length", "embed")
 
 
@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
                    else document_positions(segment_ids))
     x = stack_layers(self.decoder_layer, cfg, self.decode, "layers", x,
                      (positions, token_mask, segment_ids))
-    x = _rms_norm(cfg, "norm")(x)
+    x = rms_norm(cfg, "norm")(x)
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else _dense(cfg.vocab_size, cfg,

@@ -50,8 +50,8 @@ class DecoderLayer(llama.DecoderLayer):
   def __call__(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
     cfg = self.config
     attended = llama.Attention(cfg, self.decode, name="self_attn")(x, *positions_and_masks)
-    x = x + llama._rms_norm(cfg, "post_attention_layernorm")(attended)
-    x = x + llama._rms_norm(cfg, "post_feedforward_layernorm")(
+    x = x + llama.rms_norm(cfg, "post_attention_layernorm")(attended)
+    x = x + llama.rms_norm(cfg, "post_feedforward_layernorm")(
         self.feed_forward(cfg, name="mlp")(x))
     return constrain(x, "batch", "length", "embed")
 
