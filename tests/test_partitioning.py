@@ -112,13 +112,17 @@ def test_losses_match_single_device(layout_run, single_device_losses):
 # hidden_dim / num_heads).
 TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   hidden_dim=64, intermediate_dim=96, head_dim=24)
+# A family's own, to exercise it: Gemma 3's local then global layer, a window shorter than the
+# sequence.
+FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
 
 
 @pytest.mark.parametrize("name", sorted(models.FAMILIES))
 def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   family = models.FAMILIES[name]
   fields = {f.name for f in dataclasses.fields(family.config)}
-  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields})
+  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields},
+                        **FAMILY_SIZES.get(name, {}))
   one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
   config = sharding_config(rules=family.partition_rules, tensor_axis="model", parameter_axis="data",
                            strict=True)
@@ -147,7 +151,8 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
 def tiny(name: str, **fields):
   family = models.FAMILIES[name]
   names = {f.name for f in dataclasses.fields(family.config)}
-  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names}, **fields)
+  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names},
+                       **FAMILY_SIZES.get(name, {}) | fields)
 
 
 def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:

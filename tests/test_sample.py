@@ -17,6 +17,7 @@ from levanter_flax.models.common import ComputeConfig
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
+from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.sample import SamplingConfig, choose, encode, generate
@@ -35,6 +36,13 @@ MODELS = {
     # QK-norm, and heads of 6 on a width of 16: the cache holds head_dim, not hidden / heads.
     "qwen3": Qwen3Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=2,
                          hidden_dim=16, intermediate_dim=24, head_dim=6),
+    # Local (a window of 3, shorter than the prompts) and global layers, the final soft-cap;
+    # scanned, each layer's kind is traced and picks its mask on the cache.
+    **{name: Gemma3Config(vocab_size=50, seq_len=24, num_layers=3, num_heads=4, num_kv_heads=2,
+                          hidden_dim=16, intermediate_dim=24, head_dim=6, sliding_window=3,
+                          sliding_window_pattern=2, final_logit_softcapping=5.0,
+                          compute=ComputeConfig(scan_layers=scan))
+       for name, scan in (("gemma3", False), ("gemma3_scanned", True))},
 }
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
 

@@ -68,8 +68,8 @@ class Gemma3Config(llama.LlamaConfig):
   layer_types: str = setting(
       "", "Each layer's kind, a letter a layer: L local (sliding window), G global, e.g. "
       "'LLG'; \"\": from sliding_window_pattern", MODEL)
-  query_pre_attn_scalar: float = setting(
-      256.0, "Attention scores are scaled by this ** -0.5 (not head_dim's)", MODEL)
+  query_pre_attn_scalar: int = setting(
+      256, "Attention scores are scaled by this ** -0.5 (not head_dim's)", MODEL)
   final_logit_softcapping: float = setting(
       0.0, "> 0: the logits are c * tanh(logits / c) for this c; 0: none", MODEL)
   has_sliding_window = True
@@ -98,7 +98,7 @@ class Gemma3Config(llama.LlamaConfig):
       raise UserError("config.model.sliding_window must be positive: Gemma 3's local layers "
                       "attend within it")
     for key in ("query_pre_attn_scalar", "rope_local_theta"):
-      if not getattr(self, key) > 0:
+      if not getattr(self, key) > 0:  # Its square root divides.
         raise UserError(f"config.model.{key} must be positive; got {getattr(self, key)}")
     if self.final_logit_softcapping < 0:
       raise UserError(f"config.model.final_logit_softcapping must be >= 0 (0: none); got "
@@ -277,7 +277,7 @@ def config_from_hf(hf: dict) -> Gemma3Config:
       **(fields | global_rope), rope_local_theta=local_theta,
       sliding_window=hf_keys.integer(hf, "sliding_window", 0),
       sliding_window_pattern=pattern, layer_types="" if kinds == default_kinds else kinds,
-      query_pre_attn_scalar=hf_keys.number(hf, "query_pre_attn_scalar", 256.0),
+      query_pre_attn_scalar=hf_keys.integer(hf, "query_pre_attn_scalar", 256),
       final_logit_softcapping=0.0 if softcap is None else hf_keys.number(
           hf, "final_logit_softcapping"))
 
