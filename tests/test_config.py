@@ -332,8 +332,8 @@ def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argument, message", [
-    ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: gpt2, "
-             "gpt2_medium, gpt2_nano,"),
+    ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: "
+             "gemma3, gpt2, gpt2_medium, gpt2_nano,"),
     ("gpt3:nano", "config file gpt3 does not exist"),
     ("configs/nope.py", "config file configs/nope.py does not exist, and is no shipped"),
     ("../gpt2", "config file ../gpt2 does not exist"),
