@@ -92,6 +92,9 @@ HF_CONFIGS = {
     "qwen3": lambda: _qwen3(),
     "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True),
     "gemma3": _gemma3,
+    # Layer kinds no pattern gives (global first): kept letter by letter.
+    "gemma3_irregular": lambda: _gemma3(
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
     # transformers' default pattern (every 2nd layer global here), an untied head, the final
     # soft-cap, and linear RoPE scaling on the global layers (Gemma 3 4B's).
     "gemma3_untied_softcap_linear": lambda: _gemma3(
@@ -208,6 +211,9 @@ def test_gemma3s_window_layer_kinds_rope_bases_and_score_scale_matter(change, tm
   cfg, params = hf.load(_saved(model, tmp_path))
   assert (cfg.sliding_window, cfg.global_layers, cfg.rope_local_theta, cfg.rope_theta,
           cfg.query_pre_attn_scalar) == (4, (False, True, False), 50.0, 500.0, 16)
+  # layer_types local, global, local is every 2nd layer global: read as that pattern, so a run
+  # config that says sliding_window_pattern=2 agrees with the checkpoint.
+  assert (cfg.sliding_window_pattern, cfg.layer_types) == (2, "")
   changed = dataclasses.replace(cfg, **{
       "window": {"sliding_window": 16}, "kinds": {"layer_types": "GLG"},
       "local_rope": {"rope_local_theta": 500.0}, "scale": {"query_pre_attn_scalar": 12}}[change])
@@ -236,6 +242,7 @@ def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_
       theirs.rope_parameters["full_attention"]["rope_theta"], "linear", 8.0)
   assert ours.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 50.0
   assert ours.head_dim == 12 and ours.tie_word_embeddings
+  assert (ours.sliding_window_pattern, ours.layer_types) == (2, "")
 
 
 @pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])

@@ -94,6 +94,8 @@ class Gemma3Config(llama.LlamaConfig):
                              or set(self.layer_types) - set("LG")):
       raise UserError(f"config.model.layer_types must be {self.num_layers} letters (num_layers), "
                       f"each L (local) or G (global), or \"\"; got {self.layer_types!r}")
+    if self.layer_types == _pattern_kinds(self.sliding_window_pattern, self.num_layers):
+      object.__setattr__(self, "layer_types", "")  # The pattern's: one spelling, compared equal.
     if not all(self.global_layers) and self.sliding_window <= 0:
       raise UserError("config.model.sliding_window must be positive: Gemma 3's local layers "
                       "attend within it")
@@ -111,9 +113,14 @@ class Gemma3Config(llama.LlamaConfig):
   @property
   def global_layers(self) -> tuple[bool, ...]:
     """Each layer's kind: True global (full attention), False local (sliding window)."""
-    if self.layer_types:
-      return tuple(kind == "G" for kind in self.layer_types)
-    return tuple((i + 1) % self.sliding_window_pattern == 0 for i in range(self.num_layers))
+    kinds = self.layer_types or _pattern_kinds(self.sliding_window_pattern, self.num_layers)
+    return tuple(kind == "G" for kind in kinds)
+
+
+def _pattern_kinds(pattern: int, num_layers: int) -> str:
+  """The layer kinds (L local, G global) of every pattern-th layer global, as transformers'
+  sliding_window_pattern."""
+  return "".join("G" if (i + 1) % pattern == 0 else "L" for i in range(num_layers))
 
 
 class RMSNorm(nn.Module):
@@ -270,13 +277,16 @@ def config_from_hf(hf: dict) -> Gemma3Config:
       {**hf, "rope_scaling": None, "rope_parameters": None,
        "tie_word_embeddings": hf.get("tie_word_embeddings", True)}, head_dim=HF_HEAD_DIM)
   global_rope, local_theta = _rope_from_hf(hf)
+  # The layers as a pattern where one gives them (config.json's first; more than num_layers: all
+  # local), else letter by letter.
   pattern = hf_keys.integer(hf, "sliding_window_pattern", HF_PATTERN)
-  default_kinds = "".join("G" if (i + 1) % pattern == 0 else "L" for i in range(num_layers))
+  pattern = next((p for p in (pattern, *range(1, num_layers + 2))
+                  if _pattern_kinds(p, num_layers) == kinds), pattern)
   softcap = hf.get("final_logit_softcapping")
   return Gemma3Config(
       **(fields | global_rope), rope_local_theta=local_theta,
       sliding_window=hf_keys.integer(hf, "sliding_window", 0),
-      sliding_window_pattern=pattern, layer_types="" if kinds == default_kinds else kinds,
+      sliding_window_pattern=pattern, layer_types=kinds,
       query_pre_attn_scalar=hf_keys.integer(hf, "query_pre_attn_scalar", 256),
       final_logit_softcapping=0.0 if softcap is None else hf_keys.number(
           hf, "final_logit_softcapping"))
@@ -286,8 +296,7 @@ def _layer_types_from_hf(hf: dict, num_layers: int) -> str | None:
   """layer_types as our letters (the sliding_window_pattern's where config.json has none)."""
   types = hf.get("layer_types")
   if types is None:
-    pattern = hf_keys.integer(hf, "sliding_window_pattern", HF_PATTERN)
-    return "".join("G" if (i + 1) % pattern == 0 else "L" for i in range(num_layers))
+    return _pattern_kinds(hf_keys.integer(hf, "sliding_window_pattern", HF_PATTERN), num_layers)
   if not isinstance(types, list) or len(types) != num_layers:
     raise UserError(f"Gemma 3 config layer_types must be a list of num_hidden_layers "
                     f"({num_layers}) layer kinds; got {types!r}")
