@@ -131,6 +131,17 @@ def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
 
 
+def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
+  """Scanned, each layer's kind (local, global) is the scan's input, traced: the lax.cond between
+  the two masks under ZeRO-3 and the tensor split."""
+  model = tiny("gemma3", compute=ComputeConfig(scan_layers=True))
+  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  config = sharding_config(rules=models.FAMILIES["gemma3"].partition_rules, tensor_axis="model",
+                           parameter_axis="data", strict=True)
+  eight, _ = train((("data", 4), ("model", 2)), config, model=model)
+  np.testing.assert_allclose(eight, one, rtol=1e-5)
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
   """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
@@ -392,7 +403,7 @@ def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_l
   assert spec_of(logits) == ("data", "seq", None)  # The model's last constraint.
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma3"])
 def test_context_parallelism_trains_as_on_one_device(name):
   """The sequence split over a mesh axis by the table alone: each device holds a quarter of
   the batch's sequences, halved by length; attention gathers keys and values over it."""
