@@ -18,7 +18,7 @@ EARLIER = ["gpt2:nano", "gpt2:small", "gpt2:small_fast", "gpt2:medium", "llama:n
            "mixtral:8x7b"]
 # Each file of variants' choice when --config names none, as its docstring says.
 DEFAULT_VARIANTS = {"gpt2": "small", "llama": "1b", "qwen2": "0_5b", "mistral": "7b",
-                    "mixtral": "8x7b", "qwen3": "0_6b", "olmo2": "1b"}
+                    "mixtral": "8x7b", "qwen3": "0_6b", "olmo2": "1b", "gemma3": "1b"}
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -175,11 +175,29 @@ def test_bad_values_are_named(section, key, value, message):
     ("qwen3", "qkv_bias", True, "config.model.qkv_bias: Qwen3 has no query, key or value biases"),
     ("olmo2", "qkv_bias", True, "config.model.qkv_bias: OLMo 2 has no query, key or value biases"),
     ("olmo2", "sliding_window", 64, "config.model.sliding_window: olmo2 has no sliding window"),
+    ("gemma3", "layer_types", "LLX", "config.model.layer_types must be 4 letters (num_layers), "
+     "each L (local) or G (global)"),
+    ("gemma3", "sliding_window", 0, "config.model.sliding_window must be positive: Gemma 3's "
+     "local layers"),
+    ("gemma3", "sliding_window_pattern", 0, "config.model.sliding_window_pattern must be >= 1"),
+    ("gemma3", "rope_type", "llama3", "config.model.rope_type 'llama3': Gemma 3's global layers "
+     "take default or linear"),
+    ("gemma3", "final_logit_softcapping", -1.0, "config.model.final_logit_softcapping must be >= 0"),
 ])
 def test_bad_family_values_are_named(family, key, value, message):
   config = load_config_file(f"{family}:nano")
   config.model[key] = value
   with pytest.raises(UserError, match=re.escape(message)):
+    to_run_config(config)
+
+
+def test_gemma3s_final_soft_cap_with_the_blockwise_loss_is_one_line():
+  config = load_config_file("gemma3:nano")
+  config.model.final_logit_softcapping = 30.0
+  to_run_config(config)  # Alone: built.
+  config.model.compute.cross_entropy_block_size = 128
+  with pytest.raises(UserError, match=r"^config.model.final_logit_softcapping is not built with "
+                     r"config.model.compute.cross_entropy_block_size > 0"):
     to_run_config(config)
 
 
@@ -355,8 +373,8 @@ def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argument, message", [
-    ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: gpt2, "
-             "gpt2_medium, gpt2_nano,"),
+    ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: "
+             "gemma3, gpt2, gpt2_medium, gpt2_nano,"),
     ("gpt3:nano", "config file gpt3 does not exist"),
     ("configs/nope.py", "config file configs/nope.py does not exist, and is no shipped"),
     ("../gpt2", "config file ../gpt2 does not exist"),

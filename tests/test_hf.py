@@ -51,6 +51,20 @@ def _olmo2(**changes):
       "rope_theta": 500.0, "rms_norm_eps": 1e-6, **changes})
 
 
+def _gemma3(**changes):
+  """Local, global, local: a window of 4 of the 16 tokens, RoPE bases of their own; heads of 12
+  on a width of 32, scores scaled by 16 ** -0.5 (not 12's), grouped key/value heads."""
+  return transformers.Gemma3TextConfig(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+      "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "sliding_window": 4,
+      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+      "query_pre_attn_scalar": 16,
+      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 500.0}},
+      **changes})
+
+
 def _mistral(**changes):
   return transformers.MistralConfig(**{
       "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -85,6 +99,17 @@ HF_CONFIGS = {
     "qwen3": lambda: _qwen3(),
     "qwen3_tied": lambda: _qwen3(tie_word_embeddings=True),
     "olmo2": _olmo2,
+    "gemma3": _gemma3,
+    # Layer kinds no pattern gives (global first): kept letter by letter.
+    "gemma3_irregular": lambda: _gemma3(
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    # transformers' default pattern (every 2nd layer global here), an untied head, the final
+    # soft-cap, and linear RoPE scaling on the global layers (Gemma 3 4B's).
+    "gemma3_untied_softcap_linear": lambda: _gemma3(
+        layer_types=None, sliding_window_pattern=2, num_hidden_layers=4, tie_word_embeddings=False,
+        final_logit_softcapping=2.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}}),
     "mistral": lambda: _mistral(sliding_window=4),  # Shorter than the 16 tokens: it matters.
     "mistral_no_window": lambda: _mistral(sliding_window=None),
     "mixtral": _mixtral,
@@ -117,10 +142,15 @@ def hf_logits(model) -> np.ndarray:
     return model(torch.tensor(TOKENS)).logits.numpy()
 
 
+# transformers' model_type -> our family, where the two differ.
+FAMILY_OF_MODEL_TYPE = {"gemma3_text": "gemma3"}
+
+
 def our_config(name: str, scan_layers: bool = False):
   """Our model config for HF_CONFIGS[name]."""
   config = HF_CONFIGS[name]()
-  cfg = models.FAMILIES[config.model_type].hf.config_from_hf(config.to_dict())
+  family = FAMILY_OF_MODEL_TYPE.get(config.model_type, config.model_type)
+  cfg = models.FAMILIES[family].hf.config_from_hf(config.to_dict())
   return with_compute(cfg, scan_layers=scan_layers)
 
 
@@ -182,6 +212,47 @@ def test_a_qwen3_config_without_head_dim_reads_as_transformers_reads_it(tmp_path
   assert transformers.AutoConfig.from_pretrained(tmp_path).head_dim == 128
 
 
+@pytest.mark.parametrize("change", ["window", "kinds", "local_rope", "scale"])
+def test_gemma3s_window_layer_kinds_rope_bases_and_score_scale_matter(change, tmp_path):
+  """Each is read from the checkpoint and changes the logits: none is a no-op at this size."""
+  model = hf_model("gemma3")
+  cfg, params = hf.load(_saved(model, tmp_path))
+  assert (cfg.sliding_window, cfg.global_layers, cfg.rope_local_theta, cfg.rope_theta,
+          cfg.query_pre_attn_scalar) == (4, (False, True, False), 50.0, 500.0, 16)
+  # layer_types local, global, local is every 2nd layer global: read as that pattern, so a run
+  # config that says sliding_window_pattern=2 agrees with the checkpoint.
+  assert (cfg.sliding_window_pattern, cfg.layer_types) == (2, "")
+  changed = dataclasses.replace(cfg, **{
+      "window": {"sliding_window": 16}, "kinds": {"layer_types": "GLG"},
+      "local_rope": {"rope_local_theta": 500.0}, "scale": {"query_pre_attn_scalar": 12}}[change])
+  assert np.max(np.abs(np.asarray(models.build(changed).apply({"params": params}, TOKENS))
+                       - hf_logits(model))) > 1e-3
+
+
+def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_path):
+  """Gemma 3 1B's config.json as published (transformers 4.50): the RoPE bases as rope_theta and
+  rope_local_base_freq, the layers as sliding_window_pattern, no rope_parameters or layer_types."""
+  published = {
+      "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 61,
+      "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+      "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12,
+      "max_position_embeddings": 16, "rms_norm_eps": 1e-6, "sliding_window": 4,
+      "sliding_window_pattern": 2, "rope_theta": 500.0, "rope_local_base_freq": 50.0,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 16,
+      "final_logit_softcapping": None, "attn_logit_softcapping": None,
+      "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
+  (tmp_path / "config.json").write_text(json.dumps(published))
+  ours = hf.read_config(tmp_path)
+  theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert ours.global_layers == tuple(t == "full_attention" for t in theirs.layer_types) == (
+      False, True, False)
+  assert (ours.rope_theta, ours.rope_type, ours.rope_factor) == (
+      theirs.rope_parameters["full_attention"]["rope_theta"], "linear", 8.0)
+  assert ours.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"] == 50.0
+  assert ours.head_dim == 12 and ours.tie_word_embeddings
+  assert (ours.sliding_window_pattern, ours.layer_types) == (2, "")
+
+
 @pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])
 def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
   model = hf_model(name)
@@ -241,6 +312,27 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
     ("qwen3", {"attention_bias": True}, r"Qwen3 config attention_bias=True is not supported"),
     ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),
     ("olmo2", {"head_dim": 12}, r"head_dim 12 x 4 heads != hidden_size 32: not supported"),
+    ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     r"Gemma 3 config layer_types\[1\]='chunked_attention' is not supported \(only "
+     r"'sliding_attention' and 'full_attention'\)"),
+    ("gemma3", {"layer_types": ["full_attention"]},
+     r"Gemma 3 config layer_types must be a list of num_hidden_layers \(3\) layer kinds"),
+    ("gemma3", {"attn_logit_softcapping": 50.0},
+     r"Gemma 3 config attn_logit_softcapping=50.0 is not supported \(only None\)"),
+    ("gemma3", {"use_bidirectional_attention": True},
+     r"Gemma 3 config use_bidirectional_attention=True is not supported"),
+    ("gemma3", {"hidden_activation": "gelu"},
+     r"Gemma 3 config hidden_activation='gelu' is not supported \(only 'gelu_pytorch_tanh'\)"),
+    ("gemma3", {"attention_bias": True}, r"Gemma 3 config attention_bias=True is not supported"),
+    ("gemma3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"Gemma 3 config rope_parameters.full_attention.rope_type='yarn' is not supported \(only "
+     r"default, linear\)"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 50.0}}},
+     r"Gemma 3 config rope_parameters.sliding_attention.rope_type='linear' is not supported "
+     r"\(only default\)"),
+    ("gemma3", {"sliding_window": None},
+     r"config.model.sliding_window must be positive: Gemma 3's local layers"),
     ("llama", {"num_hidden_layers": 2.5}, r"num_hidden_layers must be a positive integer, got 2.5"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True},
      r"GPT-2 config scale_attn_by_inverse_layer_idx=True is not supported \(only False\)"),

@@ -113,19 +113,34 @@ def test_losses_match_single_device(layout_run, single_device_losses):
 # hidden_dim / num_heads).
 TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   hidden_dim=64, intermediate_dim=96, head_dim=24)
+# A family's own, to exercise it: Gemma 3's local then global layer, a window shorter than the
+# sequence.
+FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
 
 
 @pytest.mark.parametrize("name", sorted(models.FAMILIES))
 def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   family = models.FAMILIES[name]
   fields = {f.name for f in dataclasses.fields(family.config)}
-  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields})
+  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields},
+                        **FAMILY_SIZES.get(name, {}))
   one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
   config = sharding_config(rules=family.partition_rules, tensor_axis="model", parameter_axis="data",
                            strict=True)
   eight, state = train((("data", 4), ("model", 2)), config, model=model)
   np.testing.assert_allclose(eight, one, rtol=1e-5)
   assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
+
+
+def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
+  """Scanned, each layer's kind (local, global) is the scan's input, traced: the lax.cond between
+  the two masks under ZeRO-3 and the tensor split."""
+  model = tiny("gemma3", compute=ComputeConfig(scan_layers=True))
+  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  config = sharding_config(rules=models.FAMILIES["gemma3"].partition_rules, tensor_axis="model",
+                           parameter_axis="data", strict=True)
+  eight, _ = train((("data", 4), ("model", 2)), config, model=model)
+  np.testing.assert_allclose(eight, one, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -148,7 +163,8 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
 def tiny(name: str, **fields):
   family = models.FAMILIES[name]
   names = {f.name for f in dataclasses.fields(family.config)}
-  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names}, **fields)
+  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names},
+                       **FAMILY_SIZES.get(name, {}) | fields)
 
 
 def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:
@@ -388,7 +404,7 @@ def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_l
   assert spec_of(logits) == ("data", "seq", None)  # The model's last constraint.
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma3"])
 def test_context_parallelism_trains_as_on_one_device(name):
   """The sequence split over a mesh axis by the table alone: each device holds a quarter of
   the batch's sequences, halved by length; attention gathers keys and values over it."""

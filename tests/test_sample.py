@@ -18,6 +18,7 @@ from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
 from levanter_flax.models.olmo2 import Olmo2Config
+from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.sample import SamplingConfig, choose, encode, generate
@@ -39,6 +40,13 @@ MODELS = {
     # Norms after the sublayers, QK-norm over the whole projection.
     "olmo2": Olmo2Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=2,
                          hidden_dim=16, intermediate_dim=24),
+    # Local (a window of 3, shorter than the prompts) and global layers, the final soft-cap;
+    # scanned, each layer's kind is traced and picks its mask on the cache.
+    **{name: Gemma3Config(vocab_size=50, seq_len=24, num_layers=3, num_heads=4, num_kv_heads=2,
+                          hidden_dim=16, intermediate_dim=24, head_dim=6, sliding_window=3,
+                          sliding_window_pattern=2, final_logit_softcapping=5.0,
+                          compute=ComputeConfig(scan_layers=scan))
+       for name, scan in (("gemma3", False), ("gemma3_scanned", True))},
 }
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
 

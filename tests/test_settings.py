@@ -78,6 +78,10 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.num_experts"}
   assert set(settings.keys_of_kind(STATE, "qwen3")) == llama_state | {"model.head_dim"}
   assert set(settings.keys_of_kind(STATE, "olmo2")) == llama_state
+  assert set(settings.keys_of_kind(STATE, "gemma3")) == llama_state | {"model.head_dim"}
+  assert {"model.sliding_window", "model.sliding_window_pattern", "model.layer_types",
+          "model.rope_local_theta", "model.query_pre_attn_scalar",
+          "model.final_logit_softcapping"} <= set(settings.keys_of_kind(MODEL, "gemma3"))
   assert "model.seq_len" in settings.keys_of_kind(FREE, "llama")
   assert {"model.rope_theta", "model.sliding_window"} <= set(settings.keys_of_kind(MODEL, "mistral"))
   assert set(settings.keys_of_kind(CHOSEN, "qwen2")) == {

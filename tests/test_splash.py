@@ -79,19 +79,22 @@ def test_auto_is_splash_on_a_tpu_cudnn_on_a_gpu_in_16_bits_else_xla():
   assert common.attention_implementation(cfg("bfloat16"), "cpu") == "xla"
 
 
-def tiny_llama(architecture: str = "llama", **compute) -> LlamaConfig:
-  """A tiny model of the Llama kind: Llama's, or a family's built on its module (QK-norm)."""
+def tiny_llama(architecture: str = "llama", model_fields: dict | None = None,
+               **compute) -> LlamaConfig:
+  """A tiny model of the Llama kind: Llama's, or a family's built on its module (QK-norm), or
+  Gemma 3's; model_fields: the family's own settings."""
   return FAMILIES[architecture].config(
       vocab_size=256, seq_len=LENGTH, num_layers=2, num_heads=HEADS, num_kv_heads=KV_HEADS,
-      hidden_dim=HEADS * HEAD_DIM, intermediate_dim=256,
+      hidden_dim=HEADS * HEAD_DIM, intermediate_dim=256, **(model_fields or {}),
       compute=common.ComputeConfig(splash_block_q=BLOCKS[0], splash_block_kv=BLOCKS[1],
                                    **compute))
 
 
 def train_step_hlo(devices, device_mesh, sharding=partitioning.ShardingConfig(), eos_id=None,
-                   architecture="llama", **compute) -> str:
+                   architecture="llama", model_fields=None, **compute) -> str:
   """The tiny Llama's train step, compiled by step.build for a mesh over `devices`."""
-  run = settings.RunConfig(model=tiny_llama(architecture, **compute), sharding=sharding,
+  run = settings.RunConfig(model=tiny_llama(architecture, model_fields, **compute),
+                           sharding=sharding,
                            trainer=settings.TrainerConfig(batch_size=4, num_train_steps=10))
   partitioner = partitioning.Partitioner(partitioning.make_mesh(device_mesh, devices), sharding)
   steps = step.build(run, partitioner, eos_id)
@@ -123,6 +126,20 @@ def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_dev
                                      attention_impl="auto")) == 3 * 2
   assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
                                      attention_impl="xla")) == 0
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_gemma3s_local_and_global_layers_compile_to_mosaic_kernels_for_a_tpu(tpu_devices,
+                                                                            scan_layers):
+  """A local layer (splash's LocalMask, a window of 128 of the 256 tokens) and a global one
+  (CausalMask), with document masking. Unrolled, each layer's kind is static: a forward, a dq and
+  a dkv kernel each. Scanned, the kind is the scan's per-layer input, and a lax.cond holds both
+  masks' kernels (it runs one): the same six calls, in the one scanned block."""
+  mesh = (("data", 2), ("model", 2))
+  hlo = train_step_hlo(tpu_devices, mesh, eos_id=0, architecture="gemma3",
+                       model_fields=dict(sliding_window=128, sliding_window_pattern=2),
+                       attention_impl="auto", scan_layers=scan_layers)
+  assert mosaic_calls(hlo) == 3 * 2
 
 
 def test_context_parallel_splash_compiles_for_a_tpu(tpu_devices):

@@ -48,11 +48,16 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   assert_trees_close(new_grads, grads, 1e-5)
 
 
+# What a family's tiny model needs beyond the shared sizes to exercise it: Gemma 3's local
+# and global layers (3 layers: local, global, local) with a window shorter than the sequence.
+FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
+
+
 def tiny(family: str, **sizes):
   """A tiny model of any registered family: each takes the sizes it has fields for (head_dim:
-  Qwen3's, not hidden_dim / num_heads)."""
+  Qwen3's and Gemma 3's, not hidden_dim / num_heads)."""
   sizes = dict(vocab_size=128, seq_len=32, num_layers=3, num_heads=4, num_kv_heads=2,
-               hidden_dim=64, intermediate_dim=96, head_dim=24) | sizes
+               hidden_dim=64, intermediate_dim=96, head_dim=24) | FAMILY_SIZES.get(family, {}) | sizes
   config = models.FAMILIES[family].config
   return config(**{k: v for k, v in sizes.items() if k in {f.name for f in dataclasses.fields(config)}})
 

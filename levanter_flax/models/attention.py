@@ -1,8 +1,10 @@
 """Causal attention for every model family, with a KV cache for decoding.
 
 A `window` > 0 (Mistral's sliding window) lets each token see only itself and
-the window - 1 tokens before it, in training and on the cache alike. Training
-calls it on whole sequences. Decoding (`decode=True`) keeps each
+the window - 1 tokens before it, in training and on the cache alike; `windowed` says whether it
+applies, per layer (Gemma 3's local layers have it, its global ones not), and may be traced (a
+scanned stack's per-layer input: training then runs both masks' kernels under a lax.cond, which
+executes one). Training calls it on whole sequences. Decoding (`decode=True`) keeps each
 layer's keys and values in the "cache" collection: the first call with a
 sequence as long as the cache creates it, then each call writes its tokens at
 the cache index and attends to everything written so far that is a real token
@@ -36,14 +38,24 @@ from levanter_flax.models.common import (SPLASH_BLOCK_MULTIPLE, check_attention_
 def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
                      implementation: str, splash_blocks: tuple[int, int],
                      decode: bool = False, token_mask: jax.Array | None = None, window: int = 0,
-                     segment_ids: jax.Array | None = None) -> jax.Array:
+                     segment_ids: jax.Array | None = None,
+                     windowed: bool | jax.Array = True) -> jax.Array:
   """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
 
   implementation: xla, cudnn or splash (common.attention_implementation), for training;
   splash_blocks: splash's (query, key/value) block sizes. segment_ids [batch, length]
   (training only): a token attends only to tokens of its own segment (document masking).
-  cuDNN takes the mask as an additive bias [batch, 1, length, length].
+  cuDNN takes the mask as an additive bias [batch, 1, length, length]. windowed: whether
+  `window` applies to this layer, a bool or a traced boolean scalar.
   """
+  if windowed is False:
+    window = 0
+  traced = window and not isinstance(windowed, bool)
+  if traced and not decode:  # Each kernel with its static mask; the cond runs one.
+    attend = lambda w: lambda q, k, v, s: causal_attention(
+        module, q, k, v, implementation=implementation, splash_blocks=splash_blocks, window=w,
+        segment_ids=s)
+    return jax.lax.cond(windowed, attend(window), attend(0), q, k, v, segment_ids)
   if not decode and implementation == "splash":
     return splash_attention(q, k, v, window=window, segment_ids=segment_ids,
                             block_sizes=splash_blocks)
@@ -71,7 +83,8 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
   query_slots = start + jnp.arange(length)[:, None]
   visible = slots[None, :] <= query_slots  # [length, cache]: causal.
   if window:  # Prompts are left-padded, so slots after a real token are real: slots count tokens.
-    visible &= slots[None, :] > query_slots - window
+    near = slots[None, :] > query_slots - window
+    visible &= (near | ~windowed) if traced else near
   mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
   return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from levanter_flax.errors import UserError
 from levanter_flax.schema import STATE, setting
@@ -146,20 +147,35 @@ def constrain(x: jax.Array, *logical_axes) -> jax.Array:
   return nn.with_logical_constraint(x, logical_axes)
 
 
-def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared) -> jax.Array:
+def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
+                 per_layer: tuple | None = None) -> jax.Array:
   """cfg.num_layers layers, each rematerialised per cfg.compute.remat, unrolled (<name>_<i>) or as
   one nn.scan over parameters stacked on a leading layer axis (<name>), e.g. h/attn/c_attn/kernel
   of shape [L, D, 3D]; in decode mode the KV caches are stacked the same way. Every layer is
-  called as layer(x, shared): `shared` (the token mask, positions) is the same for all."""
+  called as layer(x, shared): `shared` (the token mask, positions) is the same for all.
+
+  per_layer: where the layers differ (Gemma 3's local and global layers), one value a layer,
+  passed as layer(x, shared, value): the Python value itself to an unrolled layer (static: it
+  may choose the code), its element of jnp.asarray(per_layer) to a scanned one (traced).
+  """
   remat = cfg.compute.remat
-  layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat])
+  static = () if per_layer is None or cfg.compute.scan_layers else (3,)  # self, x, shared, value.
+  layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
+                                                     static_argnums=static)
   if cfg.compute.scan_layers:
-    layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
-                     variable_axes={"params": 0, "cache": 0, "losses": 0},
-                     split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
-                     in_axes=nn.broadcast, length=cfg.num_layers)
-    x, _ = layers(layer(cfg, decode, name=name), x, shared)
+    scanned = dict(variable_axes={"params": 0, "cache": 0, "losses": 0},
+                   split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
+                   length=cfg.num_layers)
+    if per_layer is None:
+      layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
+                       in_axes=nn.broadcast, **scanned)
+      x, _ = layers(layer(cfg, decode, name=name), x, shared)
+    else:
+      layers = nn.scan(lambda module, carry, shared, value: (module(carry, shared, value), None),
+                       in_axes=(nn.broadcast, 0), **scanned)
+      x, _ = layers(layer(cfg, decode, name=name), x, shared, jnp.asarray(per_layer))
     return x
   for i in range(cfg.num_layers):
-    x = layer(cfg, decode, name=f"{name}_{i}")(x, shared)
+    extra = () if per_layer is None else (per_layer[i],)
+    x = layer(cfg, decode, name=f"{name}_{i}")(x, shared, *extra)
   return x
