@@ -38,11 +38,10 @@ from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, STATE, overridden, setting
+from levanter_flax.schema import MODEL, overridden, setting
 
-# The per-head norms' scales [head_dim] are small: whole on every device. The four block norms
-# are Llama's rule's (norm/scale$).
-PARTITION_RULES = ((r"self_attn/(q_norm|k_norm)/scale$", (None,)),) + llama.PARTITION_RULES
+# The four block norms are Llama's rule's (norm/scale$).
+PARTITION_RULES = llama.PER_HEAD_NORM_RULES + llama.PARTITION_RULES
 # transformers' Gemma3TextConfig defaults where config.json has no value.
 HF_HEAD_DIM = 256
 HF_PATTERN = 6
@@ -57,8 +56,7 @@ class Gemma3Config(llama.LlamaConfig):
   rms_norm_epsilon: float = overridden(llama.LlamaConfig, "rms_norm_epsilon", 1e-6)
   tie_word_embeddings: bool = overridden(llama.LlamaConfig, "tie_word_embeddings", True)
   sliding_window: int = overridden(llama.LlamaConfig, "sliding_window", 4096)
-  head_dim: int = setting(0, "Width of each attention head (query, key and value); 0: "
-                          "hidden_dim / num_heads. Gemma 3's is 256 (1B: 4 heads on 1152)", STATE)
+  head_dim: int = llama.head_dim_setting("Gemma 3's is 256 (1B: 4 heads on 1152)")
   rope_local_theta: float = setting(
       10000.0, "RoPE's base in the local (sliding-window) layers, unscaled; rope_theta and the "
       "rope_* scaling are the global layers'", MODEL)
@@ -79,11 +77,7 @@ class Gemma3Config(llama.LlamaConfig):
     super().__post_init__()
     if self.qkv_bias:
       raise UserError("config.model.qkv_bias: Gemma 3 has no query, key or value biases")
-    if self.head_dim < 0 or self.head_dim % 2:
-      raise UserError(f"config.model.head_dim must be even (RoPE turns pairs) and >= 0 (0: "
-                      f"hidden_dim / num_heads); got {self.head_dim}")
-    if not self.head_dim:
-      object.__setattr__(self, "head_dim", self.hidden_dim // self.num_heads)
+    llama.resolve_head_dim(self)
     if self.rope_type not in GLOBAL_ROPE_TYPES:
       raise UserError(f"config.model.rope_type {self.rope_type!r}: Gemma 3's global layers take "
                       f"{' or '.join(GLOBAL_ROPE_TYPES)}")

@@ -42,6 +42,9 @@ PARTITION_RULES = (
     (r"lm_head/kernel$", ("embed", "vocab")),  # Only with tie_word_embeddings=False.
     (r"(input_layernorm|post_attention_layernorm|norm)/scale$", ("embed",)),  # Small: whole.
 )
+# The per-head query and key norms' scales [head_dim] (Qwen3, Gemma 3) are small: whole on every
+# device.
+PER_HEAD_NORM_RULES = ((r"self_attn/(q_norm|k_norm)/scale$", (None,)),)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -118,6 +121,23 @@ class LlamaConfig:
     """Each attention head's width: hidden_dim / num_heads. A family whose heads are wider or
     narrower (Qwen3) declares head_dim as a setting of its own, which shadows this."""
     return self.hidden_dim // self.num_heads
+
+
+def head_dim_setting(example: str):
+  """The head_dim setting of a family whose heads are not hidden_dim / num_heads wide (Llama's
+  property): 0 is resolved once, by resolve_head_dim, and stored resolved, so a
+  dataclasses.replace that changes the width or the heads keeps it."""
+  return setting(0, f"Width of each attention head (query, key and value); 0: hidden_dim / "
+                 f"num_heads. {example}", STATE)
+
+
+def resolve_head_dim(cfg: LlamaConfig) -> None:
+  """Checks a head_dim setting (head_dim_setting's) and stores 0 as hidden_dim / num_heads."""
+  if cfg.head_dim < 0 or cfg.head_dim % 2:
+    raise UserError(f"config.model.head_dim must be even (RoPE turns pairs) and >= 0 (0: "
+                    f"hidden_dim / num_heads); got {cfg.head_dim}")
+  if not cfg.head_dim:
+    object.__setattr__(cfg, "head_dim", cfg.hidden_dim // cfg.num_heads)
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:

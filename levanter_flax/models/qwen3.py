@@ -13,10 +13,9 @@ import dataclasses
 from levanter_flax.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import STATE, overridden, setting
+from levanter_flax.schema import overridden
 
-# The per-head norms' scales [head_dim] are small: whole on every device.
-PARTITION_RULES = ((r"self_attn/(q_norm|k_norm)/scale$", (None,)),) + llama.PARTITION_RULES
+PARTITION_RULES = llama.PER_HEAD_NORM_RULES + llama.PARTITION_RULES
 # transformers' Qwen3Config.head_dim when config.json has none (not hidden_size / heads).
 HF_HEAD_DIM = 128
 
@@ -26,10 +25,7 @@ class Qwen3Config(llama.LlamaConfig):
   architecture: str = overridden(llama.LlamaConfig, "architecture", "qwen3")
   rope_theta: float = overridden(llama.LlamaConfig, "rope_theta", 1_000_000.0)
   rms_norm_epsilon: float = overridden(llama.LlamaConfig, "rms_norm_epsilon", 1e-6)
-  # A field where Llama's is a property: 0 is resolved in __post_init__ and stored resolved,
-  # so a dataclasses.replace that changes the width or heads keeps the resolved head_dim.
-  head_dim: int = setting(0, "Width of each attention head (query, key and value); 0: "
-                          "hidden_dim / num_heads. Qwen3's is 128 at every size", STATE)
+  head_dim: int = llama.head_dim_setting("Qwen3's is 128 at every size")
   qk_norm = "head"
 
   def __post_init__(self):
@@ -37,11 +33,7 @@ class Qwen3Config(llama.LlamaConfig):
     if self.qkv_bias:
       raise UserError("config.model.qkv_bias: Qwen3 has no query, key or value biases (Qwen2 "
                       "has: architecture='qwen2')")
-    if self.head_dim < 0 or self.head_dim % 2:
-      raise UserError(f"config.model.head_dim must be even (RoPE turns pairs) and >= 0 (0: "
-                      f"hidden_dim / num_heads); got {self.head_dim}")
-    if not self.head_dim:
-      object.__setattr__(self, "head_dim", self.hidden_dim // self.num_heads)
+    llama.resolve_head_dim(self)
 
 
 def config_from_hf(hf: dict) -> Qwen3Config:
