@@ -154,13 +154,12 @@ def roll_back(workdir: epath.Path, rollback: RollBack, checkpoints: epath.Path) 
   newer = sorted(int(p.name) for p in checkpoints.glob("*")
                  if p.name.isdigit() and int(p.name) >= rollback.first_step)
   if jax.process_index() == 0:  # Every process decided alike; one writes.
+    earlier = _rollbacks(workdir)
     for step in newer:
-      paths.move_tree(checkpoints / str(step),
-                      checkpoints / f"{step}.rolled-back-{len(_rollbacks(workdir))}")
+      paths.move_tree(checkpoints / str(step), checkpoints / f"{step}.rolled-back-{len(earlier)}")
     entry = {"first_spike_step": rollback.first_step, "skipped_windows": list(rollback.windows),
              "checkpoints_set_aside": newer}
-    paths.write_atomically(workdir / ROLLBACKS_FILE,
-                           json.dumps(_rollbacks(workdir) + [entry], indent=1))
+    paths.write_atomically(workdir / ROLLBACKS_FILE, json.dumps(earlier + [entry], indent=1))
   multihost_utils.sync_global_devices("levanter_flax: spike rollback recorded")
   logging.warning("Rolled back: %s. Checkpoints %s set aside; restarting from the newest before "
                   "step %d, without those batches (%s)", rollback, newer or "(none)",
