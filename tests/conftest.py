@@ -22,6 +22,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       tempfile.mkdtemp(prefix="levanter_flax-tests-jax-cache-"))
 
 import pathlib  # pylint: disable=g-import-not-at-top
+# Imported now, not by pytest's unraisable-exception hook: should a finalizer raise while
+# tensorflow_datasets holds etils' lazy-import context open, the hook's own `import tracemalloc`
+# would run inside it, fail, and fail the test that happened to be running.
+import tracemalloc  # pylint: disable=g-import-not-at-top,unused-import
 
 import pytest  # pylint: disable=g-import-not-at-top
 
