@@ -167,6 +167,11 @@ class TrainerConfig:
     if self.eval_harness_tasks.strip(" ,") and not self.eval_harness_every_steps:
       raise UserError(f"config.trainer.eval_harness_tasks is {self.eval_harness_tasks!r}, but "
                       f"config.trainer.eval_harness_every_steps is 0 (never): set it to run them")
+    for key in ("eval_harness_include_path", "eval_harness_limit"):
+      if getattr(self, key) and not self.eval_harness_every_steps:
+        raise UserError(f"config.trainer.{key} is {getattr(self, key)!r}, but "
+                        f"config.trainer.eval_harness_every_steps is 0: no harness runs to read "
+                        f"it (set eval_harness_every_steps and eval_harness_tasks)")
 
   def _check_spike_settings(self) -> None:
     if self.spike_policy not in spikes.POLICIES:

@@ -1,5 +1,4 @@
 """DPO: prepare's preference source, the loss against NumPy's, and runs that learn a preference."""
-import json
 import math
 
 import jax

@@ -273,6 +273,14 @@ def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run,
   with pytest.raises(UserError, match="eval_harness_tasks is 'tiny_mc', but config.trainer."
                      "eval_harness_every_steps is 0"):
     to_run_config(config)
+  config.trainer.eval_harness_tasks = ""
+  with pytest.raises(UserError, match="eval_harness_include_path is '.*tasks.*', but config."
+                     "trainer.eval_harness_every_steps is 0: no harness runs to read it"):
+    to_run_config(config)
+  config.trainer.eval_harness_include_path = ""
+  with pytest.raises(UserError, match="eval_harness_limit is 4, but config.trainer."
+                     "eval_harness_every_steps is 0: no harness runs to read it"):
+    to_run_config(config)
 
 
 def evaluate_cli(*flags):

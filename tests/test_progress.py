@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-from absl import logging
 
 from levanter_flax import progress
 from conftest import random_documents

@@ -20,7 +20,7 @@ from levanter_flax.errors import UserError
 from levanter_flax.partitioning import Partitioner, make_mesh
 from levanter_flax.resume import Progress, _check_resumed_config
 from levanter_flax.loop import train_and_evaluate
-from test_eval_set import EASY, HARD
+from test_eval_set import HARD
 from test_main import NANO, TINY
 
 
