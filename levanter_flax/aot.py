@@ -33,7 +33,7 @@ import jax
 from absl import app, flags, logging
 
 from levanter_flax import batch_search, models, partitioning, progress, settings, step
-from levanter_flax.config import define_config_flag, parse_flags, to_run_config
+from levanter_flax.config import define_config_flag, parse_flags, run_config_of_flags
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.models import common
 
@@ -395,7 +395,7 @@ def main(argv):
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    run = to_run_config(flags.FLAGS.config)
+    run = run_config_of_flags()
     result = plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices, flags.FLAGS.compiler_costs)
   except UserError as e:
     exit_with_error(str(e))

@@ -188,9 +188,9 @@ def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
 def main(argv):
   del argv
   # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
-  from levanter_flax.config import to_run_config
+  from levanter_flax.config import run_config_of_flags
   try:
-    run = to_run_config(flags.FLAGS.config)
+    run = run_config_of_flags()
     mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
     partitioner = partitioning.Partitioner(mesh, run.sharding)
     trainer = resolve(run, partitioner)

@@ -15,14 +15,14 @@ import sys
 import traceback
 import types
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import ml_collections
 from absl import flags
 from etils import epath
 from ml_collections import config_flags
 
-from levanter_flax import models, optim, schedules, schema, settings
+from levanter_flax import hf, models, optim, paths, schedules, schema, settings
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.settings import RunConfig
 
@@ -417,8 +417,15 @@ def _build(cls: type, path: str, values: dict[str, Any]):
   return cls(**kwargs)
 
 
-def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
-  """Validates `config` and returns it as plain typed objects."""
+def run_config_of_flags(flag_values: flags.FlagValues = flags.FLAGS) -> RunConfig:
+  """to_run_config of a command's --config, with the keys its --config.KEY=VALUE flags set."""
+  return to_run_config(flag_values.config, config_flags.get_override_values(flag_values["config"]))
+
+
+def to_run_config(config: ml_collections.ConfigDict,
+                  set_on_command_line: Collection[str] = ()) -> RunConfig:
+  """Validates `config` and returns it as plain typed objects. `set_on_command_line`: the keys
+  ("model.num_layers") the user set by flag, over the config file's."""
   model = config.get("model")
   architecture = (model.get("architecture", "gpt2") if isinstance(model, ml_collections.ConfigDict)
                   else "gpt2")
@@ -431,7 +438,35 @@ def to_run_config(config: ml_collections.ConfigDict) -> RunConfig:
   run = dataclasses.replace(run, sharding=dataclasses.replace(
       run.sharding, rules=run.sharding.rules + models.family(run.model).partition_rules))
   _check_across_sections(run)
+  if run.trainer.init_from_hf:
+    run = _model_of_checkpoint(run, set_on_command_line)
   return run
+
+
+def _model_of_checkpoint(run: RunConfig, set_on_command_line: Collection[str]) -> RunConfig:
+  """`run` with the model settings that config.trainer.init_from_hf's config.json decides
+  (hf.decided_by_checkpoint) taken from it: a config file's shape is a template, so any
+  checkpoint of the family starts without restating it. Decided before anything is built, the
+  same on every process (each reads the same file), and saved as the run's config, so its
+  resumes agree. A flag is the user's word: one that config.json contradicts is refused, as is
+  a checkpoint of another family."""
+  directory = paths.resolve(run.trainer.init_from_hf, "config.trainer.init_from_hf")
+  checkpoint = hf.read_config(directory)
+  file = directory / "config.json"
+  if checkpoint.architecture != run.model.architecture:
+    raise UserError(f"{file} (config.trainer.init_from_hf) holds a {checkpoint.architecture} "
+                    f"model, but config.model.architecture is {run.model.architecture!r}: "
+                    f"start from a {checkpoint.architecture} config, e.g. "
+                    f"--config={checkpoint.architecture}")
+  decided = hf.decided_by_checkpoint(checkpoint)
+  for name in decided:
+    ours, theirs = getattr(run.model, name), getattr(checkpoint, name)
+    if f"model.{name}" in set_on_command_line and ours != theirs:
+      raise UserError(f"--config.model.{name}={ours!r} disagrees with {file} "
+                      f"(config.trainer.init_from_hf), which has {theirs!r}: drop the flag; "
+                      f"the checkpoint decides config.model.{name}")
+  return dataclasses.replace(run, model=dataclasses.replace(
+      run.model, **{name: getattr(checkpoint, name) for name in decided}))
 
 
 def _check_across_sections(run: RunConfig) -> None:

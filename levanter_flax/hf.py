@@ -257,12 +257,20 @@ def _get(tree: dict, path: str):
   return tree
 
 
+def decided_by_checkpoint(cfg: Any) -> list[str]:
+  """The model settings of cfg's family that an HF checkpoint decides: those that shape the
+  weights or change what they compute (schema.STATE or MODEL). The rest are the run's: the
+  compute section (the weights are laid out and cast for it), LoRA, and seq_len where no
+  weight depends on it (RoPE; GPT-2's position table makes it a shape)."""
+  return [f.name for f in dataclasses.fields(cfg)
+          if f.metadata.get("kind") in (schema.STATE, schema.MODEL)]
+
+
 def differences(hf_cfg: Any, run_cfg: Any) -> list[str]:
-  """'model.num_layers 12 (checkpoint) != 24 (config)' for each setting that shapes the weights
-  or changes what they compute (schema.STATE or MODEL). The compute section is the run's own:
-  the weights are laid out and cast for it."""
-  fields = list(dict.fromkeys(f.name for cfg in (hf_cfg, run_cfg) for f in dataclasses.fields(cfg)
-                              if f.metadata.get("kind") in (schema.STATE, schema.MODEL)))
+  """'model.num_layers 12 (checkpoint) != 24 (config)' for each setting the checkpoint decides
+  (decided_by_checkpoint) in either config."""
+  fields = list(dict.fromkeys(name for cfg in (hf_cfg, run_cfg)
+                              for name in decided_by_checkpoint(cfg)))
   return [f"model.{f} {getattr(hf_cfg, f, None)} (checkpoint) != "
           f"{getattr(run_cfg, f, None)} (config)" for f in fields
           if getattr(hf_cfg, f, None) != getattr(run_cfg, f, None)]

@@ -9,10 +9,10 @@ from ml_collections import config_flags
 
 from levanter_flax import backend, cli, paths
 from levanter_flax.config import (define_config_flag, describe_config, parse_flags, run_name,
-                                  to_run_config)
+                                  run_config_of_flags)
 from levanter_flax.errors import UserError, exit_with_error
 
-_CONFIG = define_config_flag("A config file's path, or a shipped config's name (gpt2_nano, "
+define_config_flag("A config file's path, or a shipped config's name (gpt2_nano, "
                              "gpt2:nano), with an optional :VARIANT.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and metrics; default runs/<config name> "
                                "(runs/gpt2_nano for configs/gpt2.py:nano).")
@@ -28,12 +28,12 @@ def main(argv: list[str]) -> None:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   try:
+    run = run_config_of_flags()
     if _PRINT_CONFIG.value:
-      print(describe_config(to_run_config(_CONFIG.value)))
+      print(describe_config(run))
       return
     workdir = paths.resolve(_WORKDIR.value or f"runs/{run_name(config_file)}",
                             "--workdir")
-    run = to_run_config(_CONFIG.value)
     backend.start(run.trainer)
     # Heavy (jax, tf); by its module's path: the package's `train` is the Python API's.
     from levanter_flax.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top

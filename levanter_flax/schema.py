@@ -14,7 +14,7 @@ from levanter_flax.errors import UserError
 # The kinds of setting, by what a resume may do with them.
 STATE = "state"  # Shapes the saved state: a resume that changes it is refused.
 MODEL = "model"  # What the weights compute, not their shapes: free on resume, but a Hugging
-                 # Face checkpoint loaded into the run must agree.
+                 # Face checkpoint's config.json decides it (trainer.init_from_hf).
 FREE = "free"  # Free to change on resume; the change is logged.
 CHOSEN = "chosen"  # Chosen when the run first starts unless set (see chosen_when), then kept:
                    # config.json holds the choice, and a resume keeps it.

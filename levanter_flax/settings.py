@@ -122,8 +122,10 @@ class TrainerConfig:
   spike_rollback_after: int = setting(
       3, "spike_policy=rollback: this many spikes within spike_window steps roll the run back")
   init_from_hf: str = setting(
-      "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) whose "
-      "shape matches config.model; fresh optimizer and data")
+      "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) of "
+      "config.model's family, with fresh optimizer and data. Its config.json sets config.model's "
+      "state and model keys (the shape, RoPE, norm epsilon, tied head); seq_len (but GPT-2's), "
+      "compute and lora stay this config's; a --config.model flag it contradicts is refused")
   jax_compilation_cache_dir: str = setting(
       "", "Keep compiled programs here across runs (a shared path serves many nodes); \"\" uses "
       "$JAX_COMPILATION_CACHE_DIR if set, else no cache")

@@ -9,7 +9,7 @@ import ml_collections
 from absl import flags
 
 from levanter_flax.config import (call_from_file, define_config_flag, flat_dict, load_config_file,
-                                  modern_key, to_run_config)
+                                  modern_key, run_config_of_flags)
 from levanter_flax.errors import UserError
 
 Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
@@ -106,7 +106,7 @@ def _resolve(unit_flags: list[str], where: str) -> dict[str, Any]:
   define_config_flag("The unit's config file.", flag_values=values, sys_argv=argv)
   try:
     values(argv)
-    return flat_dict(to_run_config(values.config))
+    return flat_dict(run_config_of_flags(values))
   except UserError as e:
     raise UserError(f"{where}: {e}") from None
   except Exception as e:  # pylint: disable=broad-except  # config_flags' errors for a bad value.
