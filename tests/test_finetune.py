@@ -15,18 +15,16 @@ from test_chat import conversation, make_tokenizer, write_jsonl
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-# Qwen2-0.5B's config with a tiny model's shape: the flags a user's own model would not need.
-TINY_SHAPE = {"vocab_size": 320, "seq_len": 64, "num_layers": 2, "num_heads": 4,
-              "num_kv_heads": 2, "hidden_dim": 32, "intermediate_dim": 64}
+SEQ_LEN = 64  # The run's context; the rest of the shape is the checkpoint's config.json's.
 
 
 def tiny_qwen2(directory, tokenizer_dir) -> None:
   """A seeded Qwen2 checkpoint in the layout of a hub snapshot: weights, config, tokenizer."""
   torch.manual_seed(0)
   model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-      vocab_size=TINY_SHAPE["vocab_size"], hidden_size=32, intermediate_size=64,
+      vocab_size=320, hidden_size=32, intermediate_size=64,
       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      max_position_embeddings=TINY_SHAPE["seq_len"], rope_theta=1e6, tie_word_embeddings=True))
+      max_position_embeddings=SEQ_LEN, rope_theta=1e6, tie_word_embeddings=True))
   model.save_pretrained(directory)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(tokenizer_dir / name, directory / name)
@@ -54,7 +52,7 @@ def test_the_readmes_fine_tuning_path_runs_end_to_end(tmp_path):
   run("levanter_flax.main", "--config=configs/qwen2.py:0_5b_sft", f"--workdir={workdir}",
       f"--config.trainer.init_from_hf={model_dir}", f"--config.data.dataset={tmp_path / 'data'}",
       f"--config.data.tokenizer={tokenizer}",
-      *[f"--config.model.{key}={value}" for key, value in TINY_SHAPE.items()],
+      f"--config.model.seq_len={SEQ_LEN}",
       "--config.model.compute.cross_entropy_block_size=0", "--config.trainer.batch_size=4",
       "--config.trainer.num_train_steps=3", "--config.trainer.log_every_steps=1",
       "--config.trainer.eval_every_steps=3", "--config.trainer.eval_tokens=all")

@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from conftest import REPO, load_config_file
+from conftest import REPO, load_config_file, train_losses
 from levanter_flax import hf, models
 from levanter_flax.checkpoint import run_params
 from levanter_flax.config import to_run_config
@@ -418,9 +418,9 @@ def test_missing_or_misshapen_tensors_are_named(tmp_path, damage, message, scan_
 
 @pytest.fixture
 def tiny_llama(data_cache):
+  """llama:nano, short and quick; with trainer.init_from_hf, its checkpoint's shape."""
   config = load_config_file("llama_nano")
-  config.model.seq_len, config.model.num_layers = 64, 2
-  config.model.hidden_dim, config.model.intermediate_dim = 64, 128
+  config.model.seq_len = 64
   config.trainer.batch_size, config.trainer.num_train_steps = 8, 1
   config.trainer.eval_tokens = 512
   config.data.cache_dir = str(data_cache)
@@ -429,17 +429,23 @@ def tiny_llama(data_cache):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_layers, tmp_path):
+  # Every shape key other than llama:nano's, and no flag restating one: config.json decides.
   source = transformers.LlamaConfig(
-      vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-      rms_norm_eps=1e-5, tie_word_embeddings=False)
+      vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64,
+      rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(source).save_pretrained(tmp_path / "hf")
   tiny_llama.trainer.init_from_hf = str(tmp_path / "hf")
   tiny_llama.model.compute.scan_layers = scan_layers
   # One step this small (0 is refused) leaves float32 weights exactly as loaded.
   tiny_llama.optimizer.learning_rate = 1e-30
+  tiny_llama.trainer.log_every_steps = 1
   train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")
+  # The resume reads the same config.json, so it agrees with the run's saved config.
+  tiny_llama.trainer.num_train_steps = 2
+  train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")
+  assert sorted(train_losses(tmp_path / "run")) == [1, 2]
   _, trained, _ = run_params(tmp_path / "run")
   _, loaded = hf.load(tmp_path / "hf", scan_layers)
   assert jax.tree.structure(trained) == jax.tree.structure(loaded)
@@ -465,10 +471,48 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_la
   assert not any((tmp_path / "out" / name).exists() for name in stale)
   assert hf.load(tmp_path / "out")[0] == hf.read_config(tmp_path / "hf")
 
-  tiny_llama.model.num_layers = 3
-  with pytest.raises(UserError, match=r"config.trainer.init_from_hf .* does not fit this model: "
-                                      r"model.num_layers 2 \(checkpoint\) != 3 \(config\)"):
-    train_and_evaluate(to_run_config(tiny_llama), tmp_path / "other")
+
+@pytest.mark.parametrize("name, config_file, seq_len", [
+    ("llama_tied", "llama_nano", 128),  # RoPE: the run's context, not max_position_embeddings.
+    ("gpt2_untied", "gpt2_nano", 16)])  # The position table's rows: a shape, config.json's.
+def test_init_from_hf_takes_the_model_from_config_json_before_anything_is_built(
+    name, config_file, seq_len, tmp_path, monkeypatch):
+  directory = _saved(hf_model(name), tmp_path / "hf")
+  for builder in ("build", "init_params"):
+    monkeypatch.setattr(models, builder, lambda *a, **k: pytest.fail("a model was built"))
+  config = load_config_file(config_file)
+  config.trainer.init_from_hf = str(directory)
+  config.model.compute.scan_layers = True
+  model = to_run_config(config).model
+  assert model == dataclasses.replace(our_config(name, scan_layers=True), seq_len=seq_len)
+  # A flag that agrees with config.json is no conflict; one that does not is one line.
+  config.model.num_layers, config.model.vocab_size = 2, 7
+  assert to_run_config(config, {"model.num_layers", "model.compute.scan_layers"}).model == model
+  with pytest.raises(UserError) as refused:
+    to_run_config(config, {"model.num_layers", "model.vocab_size"})
+  assert str(refused.value) == (
+      f"--config.model.vocab_size=7 disagrees with {directory / 'config.json'} "
+      f"(config.trainer.init_from_hf), which has 61: drop the flag; the checkpoint decides "
+      f"config.model.vocab_size")
+  other = load_config_file("qwen2_nano")
+  other.trainer.init_from_hf = str(directory)
+  with pytest.raises(UserError, match=rf"^{re.escape(str(directory / 'config.json'))} \(config"
+                                      rf".trainer.init_from_hf\) holds a {model.architecture} model, but "
+                                      rf"config.model.architecture is 'qwen2': start from a "):
+    to_run_config(other)
+
+
+def test_a_contradicted_flag_stops_the_command_in_one_line_before_its_workdir(tmp_path):
+  directory = _saved(hf_model("llama"), tmp_path / "hf")
+  result = subprocess.run(
+      [sys.executable, "-m", "levanter_flax.main", "--config=llama_nano",
+       f"--workdir={tmp_path / 'run'}", f"--config.trainer.init_from_hf={directory}",
+       "--config.model.seq_len=8", "--config.model.num_kv_heads=4"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert_one_error_line(result, f"--config.model.num_kv_heads=4 disagrees with "
+                                f"{directory / 'config.json'} (config.trainer.init_from_hf), "
+                                f"which has 2")
+  assert not (tmp_path / "run").exists()
 
 
 def export(workdir, output_dir, *flags):
