@@ -4,6 +4,9 @@ The command line (main.py) and the Python API (api.py) start it the same way. A 
 start it more than once (lf.train called twice): what is already so is kept, and what can no
 longer change is named.
 """
+import importlib.util
+import os
+
 import jax
 from absl import logging
 
@@ -17,11 +20,26 @@ def start(trainer) -> None:
   if _backends_exist():
     _check_cpu_split(trainer.cpu_devices)
   else:
+    skip_absent_tpu()
     partitioning.split_cpu(trainer.cpu_devices)
   if not _distributed_started():
     distributed.initialize(trainer.distributed)
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)
+
+
+def skip_absent_tpu() -> None:
+  """Runs jax on the CPU alone where this machine has no TPU chip and no GPU but libtpu is
+  installed (the tpu-aot extra, for `aot`): jax would otherwise start libtpu for the missing
+  chip at every command and print its failure on stderr. A JAX_PLATFORMS the user set is kept;
+  `aot`, which asks for a TPU, does not come here (its topology needs no TPU backend)."""
+  # The checks jax's own TPU start makes (cloud_tpu_init); no public query.
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  if (_backends_exist() or jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None
+      or hardware_utils.num_available_tpu_chips_and_device_id()[0]
+      or hardware_utils.has_visible_nvidia_gpu() or os.path.exists("/dev/kfd")):
+    return
+  jax.config.update("jax_platforms", "cpu")
 
 
 def _backends_exist() -> bool:

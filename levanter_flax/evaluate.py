@@ -19,7 +19,7 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from levanter_flax import checkpoint, cli, hf, models, partitioning, paths, sample
+from levanter_flax import backend, checkpoint, cli, hf, models, partitioning, paths, sample
 from levanter_flax.errors import UserError, exit_with_error
 
 
@@ -101,6 +101,7 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   cli.quiet_orbax()
+  backend.skip_absent_tpu()
   try:
     harness = lm_eval_harness()
     names = harness.task_names(flag.tasks, "--tasks")

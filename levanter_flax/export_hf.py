@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from levanter_flax import cli, hf, models, paths
+from levanter_flax import backend, cli, hf, models, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.models import lora
@@ -183,6 +183,7 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   cli.quiet_orbax()
+  backend.skip_absent_tpu()
   try:
     output_dir = paths.resolve(flag.output_dir, "--output_dir")
     workdir = paths.resolve(flag.workdir, "--workdir")

@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from levanter_flax import cli, decoding, paths
+from levanter_flax import backend, cli, decoding, paths
 from levanter_flax.checkpoint import run_params
 from levanter_flax.decoding import SamplingConfig, choose  # pylint: disable=unused-import  # Its API.
 from levanter_flax.errors import UserError, exit_with_error
@@ -204,6 +204,7 @@ def main(argv: list[str]) -> None:
   cfg = SamplingConfig(flag.max_new_tokens, flag.temperature, flag.top_k, flag.top_p, flag.seed,
                        flag.long_prompt)
   cli.quiet_orbax()
+  backend.skip_absent_tpu()
   try:
     if not flag.prompt:
       raise UserError("give at least one --prompt")

@@ -1,4 +1,5 @@
 """The command line as a user runs it: overrides reach the trainer, bad input is one line."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -151,3 +152,20 @@ def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache
   assert "in load_manifest" in loud.stderr
   assert loud.stderr.strip().splitlines()[-1].startswith(
       "levanter_flax: error: /nowhere/data is not a prepared dataset (no manifest.json)")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the tpu-aot extra")
+def test_libtpu_is_silent_on_a_machine_without_a_tpu():
+  """Every jax command starts through backend (main, api) or backend.skip_absent_tpu (sample,
+  evaluate, export_hf); with libtpu installed and no chip, jax would try the chip and say so."""
+  from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu():
+    pytest.skip("this machine has an accelerator")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  script = ("from levanter_flax import backend; backend.skip_absent_tpu(); import jax; "
+            "print(jax.default_backend())")
+  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.strip() == "cpu"
+  assert "tpu" not in result.stderr.lower(), result.stderr[-2000:]
