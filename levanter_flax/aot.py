@@ -83,7 +83,7 @@ def topology(name: str) -> tuple[str, str]:
 
 def chips(name: str) -> int:
   """Chips in one slice of the topology `name`."""
-  return math.prod(int(n) for n in topology(name)[1].split(":")[1].split("x"))
+  return _chip_count(topology(name)[1].split(":")[1])
 
 
 def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
@@ -99,8 +99,18 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   # v4 runs as megacore, one device per chip, as on a real v4 VM.
   options = {"chip_config_name": "megacore"} if generation == "v4" else {}
-  return list(topologies.get_topology_desc(topology_name=jax_name, platform="tpu",
-                                           num_slices=num_slices, **options).devices)
+  try:
+    return list(topologies.get_topology_desc(topology_name=jax_name, platform="tpu",
+                                             num_slices=num_slices, **options).devices)
+  except jax.errors.JaxRuntimeError as e:
+    shapes, _ = _GENERATIONS[generation]
+    raise UserError(f"--topology={name}: libtpu has no {generation} topology {jax_name} "
+                    f"({str(e).splitlines()[0]}); {generation} comes in "
+                    f"{', '.join(sorted(set(shapes.values()), key=_chip_count))}") from e
+
+
+def _chip_count(shape: str) -> int:
+  return math.prod(int(n) for n in shape.split("x"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,17 +327,29 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "model_flops_per_step": tokens * models.flops_per_token(
           run.model, steps.abstract_state.model_params, frozen=steps.abstract_state.frozen),
   }
+  planned = {**result, **_memory_and_costs(run, partitioner, steps, compiler_costs)}
+  if not planned["fits"]:
+    # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
+    planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1)
+  return planned
+
+
+def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+                      steps: step.ShardedSteps, compiler_costs: bool) -> dict[str, Any]:
+  """The compiled step's memory per chip, whether it fits, and its costs."""
+  capacity = HBM_BYTES[partitioner.mesh.devices.flat[0].device_kind]
   try:
     compiled = _compile(run, partitioner, steps)
   except jax.errors.JaxRuntimeError as e:
     temporaries = batch_search.out_of_memory_bytes(e)
     if temporaries is None:
-      raise UserError(f"the TPU compiler rejected the step for {topology_name}: "
+      raise UserError(f"the TPU compiler rejected the step for {partitioner.mesh.size} "
+                      f"{partitioner.mesh.devices.flat[0].device_kind} chips: "
                       f"{_compiler_error(e)}") from None
     # The compiler refuses a step that does not fit: no program, so no counts, and the memory
     # from its message and the state's layout.
     arguments = partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings)
-    return {**result, "bytes_per_chip": arguments + temporaries,
+    return {"bytes_per_chip": arguments + temporaries,
             "argument_bytes_per_chip": arguments, "temp_bytes_per_chip": temporaries,
             "fits": False, "compiler_flops_per_step": None, "compiler_bound_seconds": None,
             "collective_bytes_per_step": {}}
@@ -336,7 +358,6 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
   costs = (step_costs(run, partitioner, compiled)
            if compiler_costs or not run.model.compute.scan_layers else None)
   return {
-      **result,
       "bytes_per_chip": needed,
       "argument_bytes_per_chip": memory.argument_size_in_bytes,
       "temp_bytes_per_chip": memory.temp_size_in_bytes,
@@ -349,7 +370,8 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
 
 
 def advice(run: settings.RunConfig, result: dict[str, Any]) -> str:
-  """The setting likely to save the most memory per chip, for a step that does not fit."""
+  """What to try for a step that does not fit: the setting likely to save the most memory per
+  chip; where not even the smallest batch fits, every remedy but a smaller batch."""
   temps, arguments = result["temp_bytes_per_chip"], result["argument_bytes_per_chip"]
   data_parallel = dict(result["mesh"]).get("data", 1)
   savings = {"a smaller trainer.batch_size (or more gradient_accumulation_steps)": temps / 2}
@@ -357,7 +379,14 @@ def advice(run: settings.RunConfig, result: dict[str, Any]) -> str:
     savings["ZeRO-3: sharding.parameter_axis=data"] = arguments * (1 - 1 / data_parallel)
   if run.model.compute.remat == "none":
     savings["model.compute.remat=full"] = temps * 0.7
-  return max(savings, key=savings.get)
+  smallest = result.get("smallest_step_bytes_per_chip", 0)
+  if smallest <= result["hbm_per_chip_bytes"]:
+    return "try " + max(savings, key=savings.get)
+  del savings["a smaller trainer.batch_size (or more gradient_accumulation_steps)"]
+  remedies = [*sorted(savings, key=savings.get, reverse=True),
+              "more chips (a larger --topology or --num_slices)"]
+  return (f"no batch fits: even the smallest (one sequence per data-parallel device, no "
+          f"accumulation) needs {smallest / GIB:.2f} GiB per chip; try " + ", or ".join(remedies))
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -409,7 +438,7 @@ def main(argv):
   if not result["fits"]:
     short = (result["bytes_per_chip"] - result["hbm_per_chip_bytes"]) / GIB
     exit_with_error(f"the step needs {short:.2f} GiB per chip more than {result['topology']}'s "
-                    f"HBM; try {advice(run, result)}")
+                    f"HBM; {advice(run, result)}")
 
 
 if __name__ == "__main__":  # Its flags only then: bench/tpu_plan.py imports this module.

@@ -80,10 +80,11 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   try:
     return needed_bytes(lowered.compile().memory_analysis())
   except jax.errors.JaxRuntimeError as e:
-    refused = out_of_memory_bytes(e)
-    if refused is None:
+    temporaries = out_of_memory_bytes(e)
+    if temporaries is None:
       raise
-    return refused
+    # The compiler names only what it needs beyond the arguments: the state is resident too.
+    return partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
 
 
 def needed_bytes(memory) -> int:

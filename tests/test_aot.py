@@ -119,6 +119,29 @@ def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
   assert "does NOT fit" in result.stdout
 
 
+def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
+  """Two 8192-wide layers outgrow a v5e chip whatever the batch: batch 4 is already one
+  sequence per device, so the smallest step is this step, its state counted as well."""
+  pytest.importorskip("libtpu")
+  plan_file = tmp_path / "plan.json"
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+                           "--topology=v5e-4", "--config.model.num_layers=2",
+                           "--config.model.hidden_dim=8192", "--config.trainer.batch_size=4",
+                           f"--output={plan_file}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert_one_line_error(result, "no batch fits", "sharding.parameter_axis=data",
+                        "model.compute.remat=full", "more chips")
+  assert "smaller trainer.batch_size" not in result.stderr
+  plan = json.loads(plan_file.read_text())
+  assert plan["smallest_step_bytes_per_chip"] == plan["bytes_per_chip"]
+
+
+def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
+  pytest.importorskip("libtpu")
+  with pytest.raises(UserError, match=r"^--topology=v5e:3x3: .* v5e comes in 1x1, 2x2, 2x4"):
+    aot.devices("v5e:3x3")
+
+
 def test_a_mesh_of_another_size_than_the_topology_is_one_line():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "
