@@ -40,6 +40,15 @@ def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_star
                                       rf"config.data.restart_changed_datasets=True"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
   assert [m["step"] for m in read_metrics(tmp_path / "run") if "train/loss" in m] == [1, 2]
+  # Pointed at another path: the path is what changed, and the message says so.
+  other = write_dataset(tmp_path / "other", HARD[1:], HARD[:20])
+  tiny_config.data.dataset = str(other)
+  with pytest.raises(UserError, match=rf"^dataset \w+ is now read from {other}, but the "
+                                      rf"checkpoint's data position was counted in {directory}.*"
+                                      rf"the path changed.*back at {directory}, or set "
+                                      rf"config.data.restart_changed_datasets=True"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
+  tiny_config.data.dataset = str(directory)
 
   tiny_config.data.restart_changed_datasets = True
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")

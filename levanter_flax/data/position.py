@@ -82,35 +82,39 @@ class DataPosition:
   The counts are per reader group, so they mean something only for the
   `reader_groups` they were read with (None: not known, from before it was
   saved), and only in the datasets they were counted in: `datasets` holds each
-  source's manifest hash (empty: from before it was saved).
+  source's manifest hash (empty: from before it was saved), `directories` where it was read
+  (empty: from before that was saved), so that a source moved to another path is named so.
   """
   windows: int
   per_source: dict[str, int]
   reader_groups: Optional[int] = None
   datasets: dict[str, str] = dataclasses.field(default_factory=dict)
+  directories: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def start(cls, sources: list[PreparedDataset], reader_groups: int) -> "DataPosition":
     return cls(0, {s.name: 0 for s in sources}, reader_groups,
-               {s.name: s.manifest_sha256 for s in sources})
+               {s.name: s.manifest_sha256 for s in sources}, _directories(sources))
 
   def to_json(self) -> dict:
     return {"windows": self.windows, "per_source": dict(self.per_source),
-            "reader_groups": self.reader_groups, "datasets": dict(self.datasets)}
+            "reader_groups": self.reader_groups, "datasets": dict(self.datasets),
+            "directories": dict(self.directories)}
 
   @classmethod
   def from_json(cls, value: dict) -> "DataPosition":
     """Raises ValueError for anything but what to_json writes."""
     try:
       position = cls(value["windows"], dict(value["per_source"]), value.get("reader_groups"),
-                     dict(value.get("datasets", {})))
+                     dict(value.get("datasets", {})), dict(value.get("directories", {})))
     except (AttributeError, KeyError, TypeError, ValueError):
       raise ValueError(f"not a data position: {value!r}") from None
     counts = [position.windows, *position.per_source.values()]
     if position.reader_groups is not None:
       counts.append(position.reader_groups - 1)
     if (not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
-        or not all(isinstance(h, str) for h in position.datasets.values())):
+        or not all(isinstance(h, str) for h in (*position.datasets.values(),
+                                                *position.directories.values()))):
       raise ValueError(f"not a data position: {value!r}")
     return position
 
@@ -125,6 +129,15 @@ class DataPosition:
                != s.manifest_sha256]
     if changed and not restart_changed:
       source = changed[0]
+      counted_in = self.directories.get(source.name, str(source.directory))
+      if counted_in != str(source.directory):
+        raise UserError(
+            f"dataset {source.name} is now read from {source.directory}, but the checkpoint's "
+            f"data position was counted in {counted_in}, other data (manifest sha256 "
+            f"{source.manifest_sha256[:12]}, was {self.datasets[source.name][:12]}): the path "
+            f"changed, and resuming would read other data from that position. Point the config "
+            f"back at {counted_in}, or set config.data.restart_changed_datasets=True to read "
+            f"{source.directory} from its start")
       raise UserError(
           f"dataset {source.directory} is not the one the checkpoint's data position counts in "
           f"(its manifest's sha256 is {source.manifest_sha256[:12]}, was "
@@ -139,4 +152,9 @@ class DataPosition:
                       self.datasets[source.name][:12])
     return dataclasses.replace(
         self, per_source={**self.per_source, **{s.name: 0 for s in changed}},
-        datasets={**self.datasets, **{s.name: s.manifest_sha256 for s in sources}})
+        datasets={**self.datasets, **{s.name: s.manifest_sha256 for s in sources}},
+        directories={**self.directories, **_directories(sources)})
+
+
+def _directories(sources: list[PreparedDataset]) -> dict[str, str]:
+  return {s.name: str(s.directory) for s in sources}
