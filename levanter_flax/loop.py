@@ -106,15 +106,19 @@ def run_training(run: RunConfig, workdir: epath.Path | str | os.PathLike,
   if not isinstance(workdir, epath.Path):  # A str or os.PathLike, as a user passes it.
     workdir = paths.resolve(workdir, "workdir")
   workdir = paths.make_dirs(workdir, "workdir")
-  with locks.locked_for_job(workdir, "workdir") as lock:
+  # The signal handlers span every attempt: a stop asked for while a rollback restarts the run
+  # ends the attempt after it. They stay until the last save is written (the checkpointer
+  # closes first): a second SIGTERM then waits too.
+  with locks.locked_for_job(workdir, "workdir") as lock, preemption.StopSignal() as stop:
     while True:
       try:
-        return _build_and_train(run, workdir, lock, due_callbacks)
+        return _build_and_train(run, workdir, lock, stop, due_callbacks)
       except spikes.RollBack as rollback:  # Everything closed: start again as a resume does.
-        spikes.roll_back(workdir, rollback, workdir / "checkpoints")
+        spikes.roll_back(workdir, rollback, workdir / "checkpoints", run.trainer.max_rollbacks)
 
 
 def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
+                     stop: preemption.StopSignal,
                      due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
   _check_backend(run.model)
   _use_compilation_cache(run.trainer)
@@ -132,9 +136,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
     logging.info("Parameter layout:\n%s", steps.layout_table())
-    # The signal handlers stay until the last save is written (the checkpointer, handed over
-    # by pop_all, closes first): a second SIGTERM then waits too.
-    with partitioner.activation_context(), preemption.StopSignal() as stop, opened.pop_all():
+    with partitioner.activation_context(), opened.pop_all():
       return _restore_and_train(start, workdir, steps, partitioner, checkpointer, stop, lock,
                                 due_callbacks)
 
@@ -262,7 +264,7 @@ class _FlaggedSteps:
   """
 
   def __init__(self, trainer: TrainerConfig, checkpointer: Checkpointer,
-               restored: resume.Progress):
+               restored: resume.Progress, rollbacks: spikes.Rollbacks):
     self._policy, self._max_consecutive = trainer.nan_policy, trainer.max_consecutive_skipped_steps
     self._checkpointer = checkpointer
     self._pending = []
@@ -270,7 +272,7 @@ class _FlaggedSteps:
     self.count, self._consecutive = restored.skipped_steps, restored.consecutive_skipped_steps
     self._restored = restored
     self._spikes = (spikes.SpikeWatch(trainer.spike_window, trainer.spike_rollback_after,
-                                      restored.recent_spikes)
+                                      restored.recent_spikes, rollbacks.replayed_through())
                     if trainer.spike_policy == "rollback" else None)
 
   def progress(self, position: DataPosition) -> resume.Progress:
@@ -326,8 +328,9 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
                                               frozen=steps.abstract_state.frozen),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
-  nonfinite = _FlaggedSteps(trainer, checkpointer, progress)
-  rolled_back = spikes.skipped_windows(workdir)  # Batches earlier rollbacks took out.
+  rollbacks = spikes.Rollbacks.read(workdir)
+  nonfinite = _FlaggedSteps(trainer, checkpointer, progress, rollbacks)
+  rolled_back = rollbacks.skipped_windows()  # Batches earlier rollbacks took out.
   spikes_skipped = spikes.skipped_spikes(state.opt_state)  # Restored with the state.
   spikes_skipped = None if spikes_skipped is None else int(spikes_skipped)
   position = progress.position

@@ -121,6 +121,9 @@ class TrainerConfig:
       "is a spike before half of them have run", STATE)
   spike_rollback_after: int = setting(
       3, "spike_policy=rollback: this many spikes within spike_window steps roll the run back")
+  max_rollbacks: int = setting(
+      3, "spike_policy=rollback: the most rollbacks a run makes (spike_rollbacks.json counts "
+      "them, across restarts); one more ends it with exit 1, naming the spikes' steps")
   init_from_hf: str = setting(
       "", "Start from a Hugging Face checkpoint directory (config.json + safetensors) of "
       "config.model's family, with fresh optimizer and data. Its config.json sets config.model's "
@@ -181,9 +184,11 @@ class TrainerConfig:
                       f"got {self.spike_policy!r}")
     checks.ranges(self, "trainer", {"spike_threshold": checks.above(0),
                                     "spike_window": checks.at_least(4)})
-    checks.ranges(self, "trainer", {"spike_rollback_after": checks.at_least(1)})
+    checks.ranges(self, "trainer", {"spike_rollback_after": checks.at_least(1),
+                                    "max_rollbacks": checks.at_least(0)})
     read = {"none": (), "skip": ("spike_threshold", "spike_window"),
-            "rollback": ("spike_threshold", "spike_window", "spike_rollback_after")}
+            "rollback": ("spike_threshold", "spike_window", "spike_rollback_after",
+                         "max_rollbacks")}
     defaults = {f.name: f.default for f in dataclasses.fields(self)}
     for field in read["rollback"]:
       if field not in read[self.spike_policy] and getattr(self, field) != defaults[field]:

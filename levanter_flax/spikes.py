@@ -19,6 +19,10 @@ where they reach spike_rollback_after it raises RollBack. The run then sets asid
 checkpoints from the first of those spikes on, records the spikes' batches in
 <workdir>/spike_rollbacks.json, and starts again as a resume does: from the newest checkpoint
 left, skipping those batches wherever the stream reaches them (a restart reads the file too).
+The steps it trains again, up to the one that rolled back, count no spike towards another
+rollback: their spikes are skipped and enter the band at its edge, so a lasting change of level
+(new data, another learning rate) raises the band there instead of rolling back without end.
+trainer.max_rollbacks bounds the rollbacks of a run; one more ends it in one line.
 A batch is known by its stream position (the reader groups' window count once it is read),
 which the data order fixes. Everything is decided from the step's replicated metrics and the
 checkpointed count of recent spikes, so every process, and a run killed and resumed anywhere,
@@ -105,19 +109,27 @@ def skipped_spikes(opt_state: Any) -> jax.Array | None:
 
 
 class RollBack(Exception):
-  """Raised by the loop: go back to before `first_step`, without the batches at `windows`."""
+  """Raised by the loop at step `at_step`: go back to before the first of the spikes at `steps`,
+  without their batches (at stream positions `windows`)."""
 
-  def __init__(self, first_step: int, windows: tuple[int, ...]):
-    super().__init__(f"{len(windows)} loss spikes from step {first_step}")
-    self.first_step, self.windows = first_step, windows
+  def __init__(self, steps: tuple[int, ...], windows: tuple[int, ...], at_step: int):
+    super().__init__(f"{len(windows)} loss spikes from step {steps[0]}")
+    self.steps, self.windows, self.at_step = steps, windows, at_step
+
+  @property
+  def first_step(self) -> int:
+    return self.steps[0]
 
 
 class SpikeWatch:
   """spike_policy=rollback's count of the spikes of the last `window` steps (see the module's
-  docstring). `recent` is the count a checkpoint saved: (step, windows) of each spike."""
+  docstring). `recent` is the count a checkpoint saved: (step, windows) of each spike; the spikes
+  of steps up to `replayed_through`, trained again after a rollback, are not counted."""
 
-  def __init__(self, window: int, rollback_after: int, recent: tuple[tuple[int, int], ...]):
+  def __init__(self, window: int, rollback_after: int, recent: tuple[tuple[int, int], ...],
+               replayed_through: int = 0):
     self._window, self._rollback_after = window, rollback_after
+    self._replayed_through = replayed_through
     self.recent, self._pending = tuple(recent), []
 
   def add(self, step_num: int, windows: int, step_metrics: dict) -> None:
@@ -129,43 +141,65 @@ class SpikeWatch:
     pending, self._pending = self._pending, []
     flags = jax.device_get([flag for _, _, flag in pending])
     for (step_num, windows, _), flag in zip(pending, flags):
-      recent = self.recent + (((step_num, windows),) if float(flag) else ())
+      counted = float(flag) and step_num > self._replayed_through
+      recent = self.recent + (((step_num, windows),) if counted else ())
       self.recent = tuple((s, w) for s, w in recent if s > step_num - self._window)
       if len(self.recent) >= self._rollback_after:
-        raise RollBack(self.recent[0][0], tuple(w for _, w in self.recent))
+        raise RollBack(tuple(s for s, _ in self.recent), tuple(w for _, w in self.recent),
+                       step_num)
 
 
-def skipped_windows(workdir: epath.Path) -> frozenset[int]:
-  """The batches (by stream position) that earlier rollbacks took out of this run."""
-  path = workdir / ROLLBACKS_FILE
-  if not path.exists():
-    return frozenset()
-  try:
-    rollbacks = json.loads(path.read_text())
-    return frozenset(int(w) for rollback in rollbacks for w in rollback["skipped_windows"])
-  except (ValueError, TypeError, KeyError) as e:
-    raise UserError(f"{path} is damaged ({e}): it lists the batches rolled-back loss spikes "
-                    f"came from; restore it, or start a new run") from None
+@dataclasses.dataclass(frozen=True)
+class Rollbacks:
+  """What <workdir>/spike_rollbacks.json says of a run's earlier rollbacks."""
+  entries: tuple[dict, ...] = ()
+
+  @classmethod
+  def read(cls, workdir: epath.Path) -> "Rollbacks":
+    path = workdir / ROLLBACKS_FILE
+    if not path.exists():
+      return cls()
+    try:
+      rollbacks = cls(tuple(json.loads(path.read_text())))
+      rollbacks.skipped_windows()
+      rollbacks.replayed_through()
+      return rollbacks
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+      raise UserError(f"{path} is damaged ({e}): it lists the batches rolled-back loss spikes "
+                      f"came from; restore it, or start a new run") from None
+
+  def skipped_windows(self) -> frozenset[int]:
+    """The batches (by stream position) that the rollbacks took out of this run."""
+    return frozenset(int(w) for entry in self.entries for w in entry["skipped_windows"])
+
+  def replayed_through(self) -> int:
+    """The last step trained again after a rollback (0: none); files from before it was
+    recorded say nothing of it."""
+    return max((int(entry.get("rolled_back_at_step", 0)) for entry in self.entries), default=0)
 
 
-def roll_back(workdir: epath.Path, rollback: RollBack, checkpoints: epath.Path) -> None:
+def roll_back(workdir: epath.Path, rollback: RollBack, checkpoints: epath.Path,
+              max_rollbacks: int) -> None:
   """Sets aside the checkpoints from rollback.first_step on, then records its batches: a kill
-  between the two replays the spikes and rolls back again, to the same end."""
+  between the two replays the spikes and rolls back again, to the same end. Past
+  `max_rollbacks`, a UserError instead, and nothing is changed."""
+  earlier = list(Rollbacks.read(workdir).entries)
+  if len(earlier) >= max_rollbacks:
+    before = ", ".join(str(entry["first_spike_step"]) for entry in earlier) or "none"
+    raise UserError(
+        f"loss spikes at steps {', '.join(map(str, rollback.steps))} would roll the run back "
+        f"once more than config.trainer.max_rollbacks ({max_rollbacks}; earlier rollbacks from "
+        f"steps: {before}, in {workdir / ROLLBACKS_FILE}): the loss level may have changed for "
+        f"good. Raise max_rollbacks, or set spike_policy=skip to train on while the band adapts")
   newer = sorted(int(p.name) for p in checkpoints.glob("*")
                  if p.name.isdigit() and int(p.name) >= rollback.first_step)
   if jax.process_index() == 0:  # Every process decided alike; one writes.
-    earlier = _rollbacks(workdir)
     for step in newer:
       paths.move_tree(checkpoints / str(step), checkpoints / f"{step}.rolled-back-{len(earlier)}")
     entry = {"first_spike_step": rollback.first_step, "skipped_windows": list(rollback.windows),
-             "checkpoints_set_aside": newer}
+             "checkpoints_set_aside": newer, "rolled_back_at_step": rollback.at_step}
     paths.write_atomically(workdir / ROLLBACKS_FILE, json.dumps(earlier + [entry], indent=1))
   multihost_utils.sync_global_devices("levanter_flax: spike rollback recorded")
   logging.warning("Rolled back: %s. Checkpoints %s set aside; restarting from the newest before "
                   "step %d, without those batches (%s)", rollback, newer or "(none)",
                   rollback.first_step, workdir / ROLLBACKS_FILE)
-
-
-def _rollbacks(workdir: epath.Path) -> list:
-  path = workdir / ROLLBACKS_FILE
-  return json.loads(path.read_text()) if path.exists() else []

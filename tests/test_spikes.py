@@ -19,7 +19,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.errors import UserError
 from levanter_flax.loop import train_and_evaluate
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from test_main import NANO, TINY
+from test_main import NANO, TINY, assert_one_line_error
 from test_resume import run_killed_after_checkpoint
 
 
@@ -147,13 +147,14 @@ ROLLBACK = ["--config.trainer.num_train_steps=14", "--config.trainer.log_every_s
             "--config.optimizer.warmup_steps=2"]
 
 
-def run_spiked(workdir, data_cache, kill_after=None):
+def run_spiked(workdir, data_cache, kill_after=None, spike_windows=None, *flags, **env):
+  spike_windows = spike_windows or ",".join(str(8 * s) for s in SPIKED_STEPS)
   return subprocess.run(
       [sys.executable, str(REPO / "tests" / "spiked_main.py"), f"--config={NANO}",
-       f"--workdir={workdir}", *TINY, *ROLLBACK, f"--config.data.cache_dir={data_cache}"],
+       f"--workdir={workdir}", *TINY, *ROLLBACK, f"--config.data.cache_dir={data_cache}", *flags],
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env={**os.environ, "KILL_AFTER_CHECKPOINT": str(kill_after),
-           "SPIKE_WINDOWS": ",".join(str(8 * s) for s in SPIKED_STEPS)})
+           "SPIKE_WINDOWS": spike_windows, **env})
 
 
 def final_params(workdir):
@@ -167,7 +168,7 @@ def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cac
   assert "Rolled back: 2 loss spikes from step 9. Checkpoints [10] set aside" in result.stderr
   rollbacks = json.loads((rolled / spikes.ROLLBACKS_FILE).read_text())
   assert rollbacks == [{"first_spike_step": 9, "skipped_windows": [72, 88],
-                        "checkpoints_set_aside": [10]}]
+                        "checkpoints_set_aside": [10], "rolled_back_at_step": 11}]
   assert (rolled / "checkpoints" / "10.rolled-back-0").is_dir()
   # The same stream with those batches taken out from the start: the same params, bit for bit.
   never.mkdir()
@@ -185,6 +186,30 @@ def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cac
     np.testing.assert_array_equal(killed_leaf, never_leaf)
 
 
+def test_a_lasting_change_of_level_ends_within_max_rollbacks(data_cache, tmp_path):
+  """From step 9 on, every batch is of another level: the replays after each rollback skip and
+  learn from it, and the rollbacks stop at max_rollbacks, in one line, or the run trains on."""
+  result = run_spiked(tmp_path, data_cache, None, "72-", "--config.trainer.max_rollbacks=2")
+  rollbacks = json.loads((tmp_path / spikes.ROLLBACKS_FILE).read_text())
+  assert 1 <= len(rollbacks) <= 2
+  if result.returncode:
+    assert_one_line_error(result, "would roll the run back once more than "
+                                  "config.trainer.max_rollbacks (2;")
+  # The steps replayed after a rollback count no spike: each rollback is past the last.
+  assert all(later["first_spike_step"] > earlier["rolled_back_at_step"]
+             for earlier, later in zip(rollbacks, rollbacks[1:]))
+
+
+@pytest.mark.parametrize("term_at", ["rollback", "restart"])
+def test_a_stop_asked_for_at_a_rollback_ends_the_run_with_a_checkpoint(data_cache, tmp_path,
+                                                                       term_at):
+  result = run_spiked(tmp_path, data_cache, TERM_AT=term_at)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Rolled back: 2 loss spikes from step 9" in result.stderr
+  # Back at step 8's checkpoint, the next attempt stops after its first step, and saves it.
+  assert max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == 9
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"spike_policy": "rollback_all"}, "config.trainer.spike_policy must be one of none, skip, "
                                        "rollback; got 'rollback_all'"),
@@ -192,6 +217,8 @@ def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cac
      "2, but config.trainer.spike_policy is 'skip', which reads it not: set spike_policy=rollback"),
     ({"spike_policy": "skip", "spike_threshold": 0.0}, "config.trainer.spike_threshold must be > 0"),
     ({"spike_policy": "skip", "spike_window": 2}, "config.trainer.spike_window must be >= 4"),
+    ({"spike_policy": "rollback", "max_rollbacks": -1}, "config.trainer.max_rollbacks must be "
+                                                       ">= 0"),
     ({"spike_window": 64}, "config.trainer.spike_window is 64, but config.trainer.spike_policy is "
                            "'none', which reads it not"),
 ])
