@@ -43,22 +43,37 @@ def hf_dir(tmp_path_factory):
   """A seeded Llama with its byte-level BPE, as a hub snapshot holds them. Peaked logits (a
   scaled head) and norms away from 1, so that no greedy choice is a near tie between float
   orders, and a misplaced norm would show."""
-  directory = tmp_path_factory.mktemp("llama")
-  make_tokenizer(directory, template=None)
   # The EOS both sides stop at: ours is the first EOS candidate, transformers' the config's.
+  return make_llama(tmp_path_factory.mktemp("llama"), {"eos_token": "<|endoftext|>"})
+
+
+def make_llama(directory, special_tokens: dict, likes_to_say: int | None = None):
+  """hf_dir's Llama, its tokenizer_config.json naming `special_tokens`; it stops at the corpus
+  EOS and the config's eos_token, as export_hf writes it (and Qwen2-Instruct's generation
+  config). `likes_to_say`: a token it says where it would have said another (its head row
+  that token's, scaled up)."""
+  make_tokenizer(directory, template=None)
   (directory / "tokenizer_config.json").write_text(json.dumps(
-      {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+      special_tokens | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+  eos_ids = sorted({0, tokenizers.load_tokenizer(str(directory / "tokenizer.json")
+                                                 ).special_tokens["eos_token"][0]})
   torch.manual_seed(0)
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-      tie_word_embeddings=False, eos_token_id=0, bos_token_id=None))
+      tie_word_embeddings=False, eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+      bos_token_id=None))
   with torch.no_grad():
     for key, tensor in model.state_dict().items():
       if "norm" in key:
         tensor.add_(0.3 * torch.randn_like(tensor))
       if "lm_head" in key:
         tensor.mul_(30.0)
+  if likes_to_say is not None:  # Said in place of the third token of QUESTIONS[0]'s answer.
+    prompt = tokenizers.load_tokenizer(str(directory / "tokenizer.json")).encode(QUESTIONS[0])
+    said = model.generate(torch.tensor([prompt.tolist()]), max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+      model.lm_head.weight[likes_to_say] = 1.2 * model.lm_head.weight[said[0, -1]]
   model.save_pretrained(directory)
   return directory
 
@@ -174,6 +189,37 @@ def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, referenc
   # Sums over hundreds of tokens: float32's rounding scales with them.
   np.testing.assert_allclose(ours.loglikelihood_rolling(texts),
                              reference.loglikelihood_rolling(texts), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("special_tokens", [
+    {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"},  # Llama's, Mistral's, Gemma's.
+    {"eos_token": "<|im_end|>"},  # Qwen2-Instruct's: another EOS than the corpus's, no BOS.
+], ids=["bos", "other_eos"])
+def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, special_tokens):
+  """HFLM's prefix (the config's BOS, else its EOS) before rolling windows and empty contexts,
+  and its EOS ending generations: the numbers and texts of HFLM, not of the corpus EOS."""
+  # It says <|im_end|> third in QUESTIONS[0]'s answer: with that EOS, the answer ends there.
+  directory = make_llama(tmp_path / "llama", special_tokens, likes_to_say=2)
+  reference = HFLM(pretrained=str(directory), dtype="float32", batch_size=4, device="cpu")
+  pairs = [("", "hello there"), ("", " how are you"), ("abc ", "def")]
+  texts = [" ".join(QUESTIONS * 3), "short"]
+  greedy = {"until": ["\n\n"], "max_gen_toks": GEN_TOKENS, "do_sample": False}
+  assert reference.prefix_token_id != 0  # Not the corpus EOS.
+  with levanter_lm(directory, batch_size=3) as lm:
+    requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
+    np.testing.assert_allclose(lm.loglikelihood(requests), reference.loglikelihood(requests),
+                               rtol=0, atol=1e-4)
+    requests = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in texts]
+    np.testing.assert_allclose(lm.loglikelihood_rolling(requests),
+                               reference.loglikelihood_rolling(requests), rtol=0, atol=1e-3)
+    requests = [Instance("generate_until", {}, (q, greedy), 0) for q in QUESTIONS]
+    generated = lm.generate_until(requests)
+    assert generated == reference.generate_until(requests)
+  prompt = torch.tensor([reference.tok_encode(QUESTIONS[0])])
+  said = reference.model.generate(prompt, max_new_tokens=3, do_sample=False)[0, -3:].tolist()
+  assert said[2] == 2
+  if special_tokens["eos_token"] == "<|im_end|>":  # The answer ended there.
+    assert generated[0] == reference.tok_decode(said[:2])
 
 
 def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_dir):
