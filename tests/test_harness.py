@@ -222,6 +222,19 @@ def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, spec
     assert generated[0] == reference.tok_decode(said[:2])
 
 
+@pytest.mark.parametrize("config, message", [
+    ('{"bos_token": "<s>"}', "its bos_token '<s>' is no token of the tokenizer"),
+    ('{"eos_token": ', "cannot read .*tokenizer_config.json: Expecting value"),
+    ('["eos_token"]', "tokenizer_config.json is not a JSON object"),
+])
+def test_a_bad_tokenizer_config_is_one_line_naming_it(tmp_path, config, message):
+  make_tokenizer(tmp_path, template=None)
+  (tmp_path / "tokenizer_config.json").write_text(config)
+  with pytest.raises(UserError, match=message) as raised:
+    tokenizers.load_tokenizer(str(tmp_path / "tokenizer.json")).special_tokens  # pylint: disable=expression-not-assigned
+  assert "\n" not in str(raised.value)
+
+
 def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_dir):
   """evaluate --batch_size=100000 on a few requests: batches of 8 rows (the devices), the same
   answers, not 100000 rows of padding."""
@@ -278,6 +291,13 @@ def test_bad_tasks_are_one_line_naming_them(tasks, tmp_path, names, message):
 
 @pytest.fixture(scope="module")
 def harness_run(tmp_path_factory, data_cache, tasks):
+  config = harness_config(data_cache, tasks)
+  workdir = tmp_path_factory.mktemp("run")
+  train_and_evaluate(to_run_config(config), workdir)
+  return config, workdir
+
+
+def harness_config(data_cache, tasks):
   """A tiny Llama trained 4 steps on the built-in corpus, the harness every 2 steps."""
   config = load_config_file("llama_nano")
   config.model.seq_len, config.model.num_layers = SEQ_LEN, 1
@@ -292,9 +312,7 @@ def harness_run(tmp_path_factory, data_cache, tasks):
   config.trainer.eval_harness_tasks = "tiny_mc"
   config.trainer.eval_harness_include_path = str(tasks)
   config.trainer.eval_harness_limit = 4
-  workdir = tmp_path_factory.mktemp("run")
-  train_and_evaluate(to_run_config(config), workdir)
-  return config, workdir
+  return config
 
 
 def test_the_in_run_harness_logs_at_its_steps(harness_run):
@@ -376,3 +394,39 @@ def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message
     flags.append(f"--init_from_hf={hf_dir}")
   assert_one_error_line(evaluate_cli(*flags, f"--include_path={tasks}"),
                         message.format(tmp=tmp_path))
+
+
+def test_a_harness_lost_after_its_checkpoint_runs_on_resume_once(data_cache, tasks, tmp_path,
+                                                                  monkeypatch):
+  """A run stopped between a step's checkpoint and its harness (at step 2; then, resumed, at
+  the last step 4) logs that step's harness/ metrics when resumed, once: on the next start,
+  and on a start that finds the run finished; a start that finds them logged runs none."""
+  config = harness_config(data_cache, tasks)
+  config.checkpoint.every_steps = 2
+  run, calls, run_harness = to_run_config(config), [], harness.InRun.__call__
+
+  def dies_at(call):
+    def harness_call(self, params):
+      calls.append(len(calls) + 1)
+      if len(calls) == call:
+        raise RuntimeError("killed")
+      return run_harness(self, params)
+    monkeypatch.setattr(harness.InRun, "__call__", harness_call)
+
+  def logged():
+    return [m["step"] for m in read_metrics(tmp_path) if "harness/tiny_mc/acc" in m]
+  dies_at(1)  # At step 2.
+  with pytest.raises(RuntimeError, match="killed"):
+    train_and_evaluate(run, tmp_path)
+  assert logged() == []
+  calls.clear()
+  dies_at(2)  # Step 2's, rerun; then step 4's.
+  with pytest.raises(RuntimeError, match="killed"):
+    train_and_evaluate(run, tmp_path)
+  assert logged() == [2]
+  calls.clear()
+  train_and_evaluate(run, tmp_path)  # Finished: step 4's only.
+  assert logged() == [2, 4] and calls == [1]
+  calls.clear()
+  train_and_evaluate(run, tmp_path)
+  assert logged() == [2, 4] and calls == []
