@@ -3,13 +3,14 @@
 LevanterLM answers lm-eval's three request kinds on the mesh:
   - loglikelihood: TemplateLM splits each (context, continuation) into tokens as lm-eval's
     Hugging Face backend (HFLM) does (the pair encoded whole, split at the context's length;
-    an empty context becomes the EOS), and each pair is scored as HFLM scores it (left-truncated
-    to seq_len + 1 tokens), so the numbers are HFLM's on the same weights;
+    an empty context becomes HFLM's prefix token, LevanterLM.prefix_token_id), and each pair
+    is scored as HFLM scores it (left-truncated to seq_len + 1 tokens), so the numbers are
+    HFLM's on the same weights;
   - loglikelihood_rolling: a text's disjoint seq_len windows (lm-eval's
     get_rolling_token_windows), scored as above and summed;
   - generate_until: on the KV cache in one compiled loop (decoding.py) that stops once every
-    row has hit the EOS or a stop sequence or max_gen_toks; the text is cut at the first stop
-    string on the host, as HFLM cuts it.
+    row has hit an EOS (the corpus's, the tokenizer config's) or a stop sequence or
+    max_gen_toks; the text is cut at the first stop string on the host, as HFLM cuts it.
 Rows are sorted by length and run in batches of a fixed number of rows (a multiple of the
 mesh's data-parallel size), each padded to a power-of-two length: a few compiled shapes, not
 one per request.
@@ -113,10 +114,22 @@ class LevanterLM(TemplateLM):
     run): the same shapes, so nothing compiles again."""
     self._params = jax.device_put(params, self._param_shardings)
 
-  # What TemplateLM and lm-eval's tasks ask of a tokenizer-backed LM.
+  # What TemplateLM and lm-eval's tasks ask of a tokenizer-backed LM, as HFLM answers it from
+  # the tokenizer_config.json's tokens; without one, the corpus EOS, which began every document.
   @property
   def eot_token_id(self) -> int:
-    return self._tokenizer.eos_id
+    """The token a generation ends at: the config's eos_token."""
+    return self._eot[0]
+
+  @property
+  def prefix_token_id(self) -> int:
+    """What rolling windows and empty contexts follow: the config's bos_token, else eos_token."""
+    return self._tokenizer.special_tokens.get("bos_token", self._eot)[0]
+
+  @property
+  def _eot(self) -> tuple[int, str]:
+    return self._tokenizer.special_tokens.get("eos_token",
+                                              (self._tokenizer.eos_id, self._tokenizer.eos_text))
 
   @property
   def max_length(self) -> int:
@@ -190,8 +203,7 @@ class LevanterLM(TemplateLM):
     for indices in groups.values():
       gen_kwargs = requests[indices[0]].args[1]
       kwargs = lm_utils.normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-      until = lm_utils.handle_stop_sequences(kwargs.pop("until", None),
-                                             eos=self._tokenizer.eos_text)
+      until = lm_utils.handle_stop_sequences(kwargs.pop("until", None), eos=self._eot[1])
       cfg = self._sampling(kwargs)
       contexts = [self.tok_encode(requests[i].args[0]) for i in indices]
       for index, text in zip(indices, self._generate(contexts, cfg, until)):
@@ -212,13 +224,13 @@ class LevanterLM(TemplateLM):
     return decoding.SamplingConfig(
         max_new_tokens=max_gen, temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
         top_p=float(kwargs.get("top_p") or 1.0), seed=self._seed,
-        stop_ids=(self._tokenizer.eos_id,))
+        stop_ids=tuple(sorted({self._tokenizer.eos_id, self.eot_token_id})))
 
   def _generate(self, contexts: list[list[int]], cfg: decoding.SamplingConfig,
                 until: list[str]) -> list[str]:
     room = self.max_length - cfg.max_new_tokens
     # Left-truncated as HFLM truncates; an empty context starts a document.
-    contexts = [(context or [self.eot_token_id])[-room:] for context in contexts]
+    contexts = [(context or [self.prefix_token_id])[-room:] for context in contexts]
     stops = self._stop_sequences(tuple(until))
     decode = self._decoder(cfg)
     texts = [None] * len(contexts)
@@ -265,7 +277,7 @@ class LevanterLM(TemplateLM):
     text holds a stop string. Other spellings (a stop string split across tokens otherwise)
     run to max_gen_toks; the host's cut is exact either way."""
     if until not in self._stops:
-      strings = [s for s in until if s and s != self._tokenizer.eos_text]
+      strings = [s for s in until if s and s != self._eot[1]]  # The EOT stops by its id.
       holds_stop = np.zeros(self._model_cfg.vocab_size, bool)
       if strings:
         for token in range(self._tokenizer.vocab_size):

@@ -155,9 +155,16 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
   try:
     state, progress = resume.initial_state(start, workdir, steps, checkpointer)
     if int(state.step) >= trainer.num_train_steps:
-      if resume.eval_missed(start, workdir, checkpointer, int(state.step)):
+      missed = {"eval": resume.eval_missed(start, workdir, checkpointer, int(state.step)),
+                "harness": resume.harness_missed(start, workdir, checkpointer, int(state.step))}
+      if any(missed.values()):
         with contextlib.closing(metrics.create_writer(workdir, lock.may_write, run)) as writer:
-          _evaluate_missed_step(_make_evaluate(run, steps, start.sources), state, writer)
+          if missed["eval"]:
+            _evaluate_missed_step("eval", _make_evaluate(run, steps, start.sources), state,
+                                  writer)
+          if missed["harness"]:
+            _evaluate_missed_step("harness", _harness_of_state(_make_harness(run, steps)), state,
+                                  writer)
       logging.warning("Already finished: the newest checkpoint is step %d, and "
                       "config.trainer.num_train_steps is %d; raise it to train on",
                       int(state.step), trainer.num_train_steps)
@@ -173,10 +180,12 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
       concurrent.futures.wait([compiled_step])
 
 
-def _evaluate_missed_step(evaluate, state: step.TrainState, writer) -> dict[str, float]:
+def _evaluate_missed_step(what: str, evaluate, state: step.TrainState, writer
+                          ) -> dict[str, float]:
+  """Runs `what` (the eval, the harness) that a stop lost at the restored step, and logs it."""
   step_num = int(state.step)
-  logging.warning("Step %d's eval was not logged (the run stopped between its checkpoint and its "
-                  "eval); evaluating it now", step_num)
+  logging.warning("Step %d's %s was not logged (the run stopped between its checkpoint and its "
+                  "%s); running it now", step_num, what, what)
   eval_metrics = evaluate(state)
   writer.write_scalars(step_num, eval_metrics)
   return eval_metrics
@@ -239,6 +248,11 @@ def _make_harness(run: RunConfig, steps: step.ShardedSteps):
   from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
   return harness.InRun(run, tokenizers.load_tokenizer(run.data.tokenizer),
                        steps.state_shardings.model_params, steps.batch_sharding)
+
+
+def _harness_of_state(run_harness):
+  """state -> the harness's metrics, as the eval's evaluate takes a state."""
+  return lambda state: run_harness(state.model_params)
 
 
 def _data_metrics(position: DataPosition, batches: loader.TrainBatches,
@@ -347,7 +361,10 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       monitoring.HangWatchdog(watching.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {report.RUN_START: start_step})
     if resume.eval_missed(start, workdir, checkpointer, start_step):
-      last_metrics = _evaluate_missed_step(evaluate, state, writer)
+      last_metrics = _evaluate_missed_step("eval", evaluate, state, writer)
+    if run_harness and resume.harness_missed(start, workdir, checkpointer, start_step):
+      last_metrics |= _evaluate_missed_step("harness", _harness_of_state(run_harness), state,
+                                            writer)
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=trainer.num_train_steps, writer=writer, every_steps=trainer.log_every_steps)
     for step_num in range(start_step + 1, trainer.num_train_steps + 1):

@@ -405,15 +405,34 @@ def _warn_if_logged_before(workdir: epath.Path, checkpointer: Checkpointer) -> N
 def eval_missed(start: Start, workdir: epath.Path, checkpointer: Checkpointer,
                 step_num: int) -> bool:
   """Whether `step_num`, restored from this run's own checkpoint, is an eval step that
-  metrics.jsonl has no eval for: the run was killed between its checkpoint and its eval.
+  metrics.jsonl has no eval for: the run was killed between its checkpoint and its eval."""
+  return (any(s.has_validation for s in start.sources)
+          and _not_logged(start, workdir, checkpointer, step_num,
+                          start.run.trainer.eval_every_steps, "eval/loss"))
+
+
+def harness_missed(start: Start, workdir: epath.Path, checkpointer: Checkpointer,
+                   step_num: int) -> bool:
+  """Whether `step_num`, restored from this run's own checkpoint, is a step of the in-run
+  harness that metrics.jsonl has no harness/ metric for: the run was killed between its
+  checkpoint and the harness's end."""
+  every = start.run.trainer.eval_harness_every_steps
+  return bool(every) and _not_logged(start, workdir, checkpointer, step_num, every, "harness/")
+
+
+def _not_logged(start: Start, workdir: epath.Path, checkpointer: Checkpointer, step_num: int,
+                every: int, prefix: str) -> bool:
+  """Whether `step_num` is this run's newest checkpoint and a step to log a metric named
+  `prefix`... at (each `every` steps, and the last), and metrics.jsonl has none at it.
   Process 0 reads the file and tells the others."""
-  trainer = start.run.trainer
-  if (not step_num or checkpointer.latest_step != step_num
-      or not any(s.has_validation for s in start.sources)
-      or (step_num % trainer.eval_every_steps and step_num != trainer.num_train_steps)):
+  last = start.run.trainer.num_train_steps
+  if not step_num or checkpointer.latest_step != step_num or (step_num % every
+                                                              and step_num != last):
     return False
   missed = False
   if jax.process_index() == 0:
     history = _logged_history(workdir)
-    missed = step_num not in (history.series.get("eval/loss", {}) if history else {})
+    logged = history.series if history else {}
+    missed = not any(name.startswith(prefix) and step_num in series
+                     for name, series in logged.items())
   return bool(multihost_utils.broadcast_one_to_all(np.array(missed)))

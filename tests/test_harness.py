@@ -43,22 +43,37 @@ def hf_dir(tmp_path_factory):
   """A seeded Llama with its byte-level BPE, as a hub snapshot holds them. Peaked logits (a
   scaled head) and norms away from 1, so that no greedy choice is a near tie between float
   orders, and a misplaced norm would show."""
-  directory = tmp_path_factory.mktemp("llama")
-  make_tokenizer(directory, template=None)
   # The EOS both sides stop at: ours is the first EOS candidate, transformers' the config's.
+  return make_llama(tmp_path_factory.mktemp("llama"), {"eos_token": "<|endoftext|>"})
+
+
+def make_llama(directory, special_tokens: dict, likes_to_say: int | None = None):
+  """hf_dir's Llama, its tokenizer_config.json naming `special_tokens`; it stops at the corpus
+  EOS and the config's eos_token, as export_hf writes it (and Qwen2-Instruct's generation
+  config). `likes_to_say`: a token it says where it would have said another (its head row
+  that token's, scaled up)."""
+  make_tokenizer(directory, template=None)
   (directory / "tokenizer_config.json").write_text(json.dumps(
-      {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+      special_tokens | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+  eos_ids = sorted({0, tokenizers.load_tokenizer(str(directory / "tokenizer.json")
+                                                 ).special_tokens["eos_token"][0]})
   torch.manual_seed(0)
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
-      tie_word_embeddings=False, eos_token_id=0, bos_token_id=None))
+      tie_word_embeddings=False, eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+      bos_token_id=None))
   with torch.no_grad():
     for key, tensor in model.state_dict().items():
       if "norm" in key:
         tensor.add_(0.3 * torch.randn_like(tensor))
       if "lm_head" in key:
         tensor.mul_(30.0)
+  if likes_to_say is not None:  # Said in place of the third token of QUESTIONS[0]'s answer.
+    prompt = tokenizers.load_tokenizer(str(directory / "tokenizer.json")).encode(QUESTIONS[0])
+    said = model.generate(torch.tensor([prompt.tolist()]), max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+      model.lm_head.weight[likes_to_say] = 1.2 * model.lm_head.weight[said[0, -1]]
   model.save_pretrained(directory)
   return directory
 
@@ -176,6 +191,50 @@ def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, referenc
                              reference.loglikelihood_rolling(texts), rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("special_tokens", [
+    {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"},  # Llama's, Mistral's, Gemma's.
+    {"eos_token": "<|im_end|>"},  # Qwen2-Instruct's: another EOS than the corpus's, no BOS.
+], ids=["bos", "other_eos"])
+def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, special_tokens):
+  """HFLM's prefix (the config's BOS, else its EOS) before rolling windows and empty contexts,
+  and its EOS ending generations: the numbers and texts of HFLM, not of the corpus EOS."""
+  # It says <|im_end|> third in QUESTIONS[0]'s answer: with that EOS, the answer ends there.
+  directory = make_llama(tmp_path / "llama", special_tokens, likes_to_say=2)
+  reference = HFLM(pretrained=str(directory), dtype="float32", batch_size=4, device="cpu")
+  pairs = [("", "hello there"), ("", " how are you"), ("abc ", "def")]
+  texts = [" ".join(QUESTIONS * 3), "short"]
+  greedy = {"until": ["\n\n"], "max_gen_toks": GEN_TOKENS, "do_sample": False}
+  assert reference.prefix_token_id != 0  # Not the corpus EOS.
+  with levanter_lm(directory, batch_size=3) as lm:
+    requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
+    np.testing.assert_allclose(lm.loglikelihood(requests), reference.loglikelihood(requests),
+                               rtol=0, atol=1e-4)
+    requests = [Instance("loglikelihood_rolling", {}, (text,), 0) for text in texts]
+    np.testing.assert_allclose(lm.loglikelihood_rolling(requests),
+                               reference.loglikelihood_rolling(requests), rtol=0, atol=1e-3)
+    requests = [Instance("generate_until", {}, (q, greedy), 0) for q in QUESTIONS]
+    generated = lm.generate_until(requests)
+    assert generated == reference.generate_until(requests)
+  prompt = torch.tensor([reference.tok_encode(QUESTIONS[0])])
+  said = reference.model.generate(prompt, max_new_tokens=3, do_sample=False)[0, -3:].tolist()
+  assert said[2] == 2
+  if special_tokens["eos_token"] == "<|im_end|>":  # The answer ended there.
+    assert generated[0] == reference.tok_decode(said[:2])
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"bos_token": "<s>"}', "its bos_token '<s>' is no token of the tokenizer"),
+    ('{"eos_token": ', "cannot read .*tokenizer_config.json: Expecting value"),
+    ('["eos_token"]', "tokenizer_config.json is not a JSON object"),
+])
+def test_a_bad_tokenizer_config_is_one_line_naming_it(tmp_path, config, message):
+  make_tokenizer(tmp_path, template=None)
+  (tmp_path / "tokenizer_config.json").write_text(config)
+  with pytest.raises(UserError, match=message) as raised:
+    tokenizers.load_tokenizer(str(tmp_path / "tokenizer.json")).special_tokens  # pylint: disable=expression-not-assigned
+  assert "\n" not in str(raised.value)
+
+
 def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_dir):
   """evaluate --batch_size=100000 on a few requests: batches of 8 rows (the devices), the same
   answers, not 100000 rows of padding."""
@@ -232,6 +291,13 @@ def test_bad_tasks_are_one_line_naming_them(tasks, tmp_path, names, message):
 
 @pytest.fixture(scope="module")
 def harness_run(tmp_path_factory, data_cache, tasks):
+  config = harness_config(data_cache, tasks)
+  workdir = tmp_path_factory.mktemp("run")
+  train_and_evaluate(to_run_config(config), workdir)
+  return config, workdir
+
+
+def harness_config(data_cache, tasks):
   """A tiny Llama trained 4 steps on the built-in corpus, the harness every 2 steps."""
   config = load_config_file("llama_nano")
   config.model.seq_len, config.model.num_layers = SEQ_LEN, 1
@@ -246,9 +312,7 @@ def harness_run(tmp_path_factory, data_cache, tasks):
   config.trainer.eval_harness_tasks = "tiny_mc"
   config.trainer.eval_harness_include_path = str(tasks)
   config.trainer.eval_harness_limit = 4
-  workdir = tmp_path_factory.mktemp("run")
-  train_and_evaluate(to_run_config(config), workdir)
-  return config, workdir
+  return config
 
 
 def test_the_in_run_harness_logs_at_its_steps(harness_run):
@@ -330,3 +394,39 @@ def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message
     flags.append(f"--init_from_hf={hf_dir}")
   assert_one_error_line(evaluate_cli(*flags, f"--include_path={tasks}"),
                         message.format(tmp=tmp_path))
+
+
+def test_a_harness_lost_after_its_checkpoint_runs_on_resume_once(data_cache, tasks, tmp_path,
+                                                                  monkeypatch):
+  """A run stopped between a step's checkpoint and its harness (at step 2; then, resumed, at
+  the last step 4) logs that step's harness/ metrics when resumed, once: on the next start,
+  and on a start that finds the run finished; a start that finds them logged runs none."""
+  config = harness_config(data_cache, tasks)
+  config.checkpoint.every_steps = 2
+  run, calls, run_harness = to_run_config(config), [], harness.InRun.__call__
+
+  def dies_at(call):
+    def harness_call(self, params):
+      calls.append(len(calls) + 1)
+      if len(calls) == call:
+        raise RuntimeError("killed")
+      return run_harness(self, params)
+    monkeypatch.setattr(harness.InRun, "__call__", harness_call)
+
+  def logged():
+    return [m["step"] for m in read_metrics(tmp_path) if "harness/tiny_mc/acc" in m]
+  dies_at(1)  # At step 2.
+  with pytest.raises(RuntimeError, match="killed"):
+    train_and_evaluate(run, tmp_path)
+  assert logged() == []
+  calls.clear()
+  dies_at(2)  # Step 2's, rerun; then step 4's.
+  with pytest.raises(RuntimeError, match="killed"):
+    train_and_evaluate(run, tmp_path)
+  assert logged() == [2]
+  calls.clear()
+  train_and_evaluate(run, tmp_path)  # Finished: step 4's only.
+  assert logged() == [2, 4] and calls == [1]
+  calls.clear()
+  train_and_evaluate(run, tmp_path)
+  assert logged() == [2, 4] and calls == []

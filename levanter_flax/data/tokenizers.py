@@ -7,7 +7,9 @@ goes into every dataset manifest, so a run can refuse data made with another.
 import dataclasses
 import functools
 import hashlib
-from typing import Iterable
+import json
+import types
+from typing import Iterable, Mapping
 
 import numpy as np
 from etils import epath
@@ -17,6 +19,12 @@ from levanter_flax.errors import UserError
 
 # End-of-document tokens tried, in order, when a tokenizer file names none.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+# Where transformers' AutoTokenizer reads a tokenizer.json's special tokens: beside it.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The special tokens read from it: those lm-eval's HF backend scores and stops with.
+SPECIAL_TOKENS = ("bos_token", "eos_token")
+# Tokenizers with no tokenizer_config.json name none of them for transformers.
+_NONE_NAMED: Mapping[str, tuple[int, str]] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,7 @@ class ByteTokenizer:
   eos_id = 256
   eos_text = ""  # No text stands for it.
   kind, sha256 = "byte", ""
+  special_tokens = _NONE_NAMED
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -72,6 +81,32 @@ class HuggingFaceTokenizer:
       raise UserError(f"tokenizer {path} has none of the end-of-document tokens {EOS_CANDIDATES}")
     self.eos_id = found[0]
     self.eos_text = self._tokenizer.id_to_token(self.eos_id)
+    self._config_path = path.parent / TOKENIZER_CONFIG
+
+  @functools.cached_property
+  def special_tokens(self) -> Mapping[str, tuple[int, str]]:
+    """name -> (id, text) of each of SPECIAL_TOKENS that the tokenizer_config.json beside the
+    file names: the tokens transformers' AutoTokenizer, and so lm-eval's HF backend, knows by
+    those names. Read when asked: training needs none of them."""
+    if not self._config_path.exists():
+      return _NONE_NAMED
+    try:
+      config = json.loads(self._config_path.read_text())
+    except (OSError, ValueError) as e:
+      raise UserError(f"cannot read {self._config_path}: {e}") from None
+    if not isinstance(config, dict):
+      raise UserError(f"{self._config_path} is not a JSON object")
+    named = {}
+    for name in SPECIAL_TOKENS:
+      value = config.get(name)
+      text = value.get("content") if isinstance(value, dict) else value  # Or an AddedToken.
+      if not isinstance(text, str):
+        continue
+      token = self._tokenizer.token_to_id(text)
+      if token is None:
+        raise UserError(f"{self._config_path}: its {name} {text!r} is no token of the tokenizer")
+      named[name] = (token, text)
+    return types.MappingProxyType(named)
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -101,6 +136,8 @@ class SentencePieceTokenizer:
     self.eos_id = self._processor.eos_id()
     if self.eos_id < 0:
       raise UserError(f"SentencePiece model {path} has no EOS piece (it was trained with eos_id=-1)")
+
+  special_tokens = _NONE_NAMED
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._processor.encode(text), dtype=np.int32)
