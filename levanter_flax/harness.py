@@ -124,7 +124,11 @@ class LevanterLM(TemplateLM):
   @property
   def prefix_token_id(self) -> int:
     """What rolling windows and empty contexts follow: the config's bos_token, else eos_token."""
-    return self._tokenizer.special_tokens.get("bos_token", self._eot)[0]
+    return self._prefix[0]
+
+  @property
+  def _prefix(self) -> tuple[int, str]:
+    return self._tokenizer.special_tokens.get("bos_token", self._eot)
 
   @property
   def _eot(self) -> tuple[int, str]:
@@ -136,8 +140,12 @@ class LevanterLM(TemplateLM):
     return self._model_cfg.seq_len
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-    del add_special_tokens, kwargs  # Our tokenizers add none: documents follow an EOS instead.
-    return self._tokenizer.encode(string).tolist()
+    """As HFLM encodes: with the special tokens the tokenizer file puts around a text (Llama
+    3's BOS), unless told not to or the text begins with the prefix token's own text."""
+    del kwargs
+    if add_special_tokens is None:
+      add_special_tokens = not string.startswith(self._prefix[1])
+    return self._tokenizer.encode(string, add_special_tokens=add_special_tokens).tolist()
 
   def tok_decode(self, tokens: Sequence[int]) -> str:
     return self._tokenizer.decode(tokens)
@@ -284,8 +292,8 @@ class LevanterLM(TemplateLM):
           text = self.tok_decode([token])
           # A token that is part of a character alone ("\ufffd") may be whole in its context.
           holds_stop[token] = "\ufffd" not in text and any(s in text for s in strings)
-      self._stops[until] = decoding.StopSequences.of([self.tok_encode(s) for s in strings],
-                                                     holds_stop)
+      self._stops[until] = decoding.StopSequences.of(
+          [self.tok_encode(s, add_special_tokens=False) for s in strings], holds_stop)
     return self._stops[until]
 
 

@@ -47,12 +47,16 @@ def hf_dir(tmp_path_factory):
   return make_llama(tmp_path_factory.mktemp("llama"), {"eos_token": "<|endoftext|>"})
 
 
-def make_llama(directory, special_tokens: dict, likes_to_say: int | None = None):
+def make_llama(directory, special_tokens: dict, likes_to_say: int | None = None,
+               adds_bos: bool = False):
   """hf_dir's Llama, its tokenizer_config.json naming `special_tokens`; it stops at the corpus
   EOS and the config's eos_token, as export_hf writes it (and Qwen2-Instruct's generation
   config). `likes_to_say`: a token it says where it would have said another (its head row
-  that token's, scaled up)."""
+  that token's, scaled up). `adds_bos`: the tokenizer.json's post-processor puts the BOS
+  before every text, as Llama 3's, Mistral's and Gemma's do."""
   make_tokenizer(directory, template=None)
+  if adds_bos:
+    add_bos(directory / "tokenizer.json", special_tokens["bos_token"])
   (directory / "tokenizer_config.json").write_text(json.dumps(
       special_tokens | {"tokenizer_class": "PreTrainedTokenizerFast"}))
   eos_ids = sorted({0, tokenizers.load_tokenizer(str(directory / "tokenizer.json")
@@ -70,12 +74,22 @@ def make_llama(directory, special_tokens: dict, likes_to_say: int | None = None)
       if "lm_head" in key:
         tensor.mul_(30.0)
   if likes_to_say is not None:  # Said in place of the third token of QUESTIONS[0]'s answer.
-    prompt = tokenizers.load_tokenizer(str(directory / "tokenizer.json")).encode(QUESTIONS[0])
+    prompt = tokenizers.load_tokenizer(str(directory / "tokenizer.json")).encode(
+        QUESTIONS[0], add_special_tokens=True)  # As HFLM encodes it.
     said = model.generate(torch.tensor([prompt.tolist()]), max_new_tokens=3, do_sample=False)
     with torch.no_grad():
       model.lm_head.weight[likes_to_say] = 1.2 * model.lm_head.weight[said[0, -1]]
   model.save_pretrained(directory)
   return directory
+
+
+def add_bos(path, bos: str) -> None:
+  """The tokenizer file at `path`, its post-processor putting `bos` before each text."""
+  import tokenizers as hf_tokenizers  # pylint: disable=g-import-not-at-top  # Ours is `tokenizers`.
+  tokenizer = hf_tokenizers.Tokenizer.from_file(str(path))
+  tokenizer.post_processor = hf_tokenizers.processors.TemplateProcessing(
+      single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+  tokenizer.save(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +205,19 @@ def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, referenc
                              reference.loglikelihood_rolling(texts), rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("special_tokens", [
-    {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"},  # Llama's, Mistral's, Gemma's.
-    {"eos_token": "<|im_end|>"},  # Qwen2-Instruct's: another EOS than the corpus's, no BOS.
-], ids=["bos", "other_eos"])
-def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, special_tokens):
+@pytest.mark.parametrize("special_tokens,adds_bos", [
+    ({"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}, False),
+    # Llama 3's, Mistral's, Gemma's: the tokenizer puts the BOS before each text, too.
+    ({"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}, True),
+    ({"eos_token": "<|im_end|>"}, False),  # Qwen2-Instruct's: another EOS than the corpus's.
+], ids=["bos", "bos_added", "other_eos"])
+def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, special_tokens,
+                                                                   adds_bos):
   """HFLM's prefix (the config's BOS, else its EOS) before rolling windows and empty contexts,
-  and its EOS ending generations: the numbers and texts of HFLM, not of the corpus EOS."""
+  the tokenizer's own BOS before other texts, and its EOS ending generations: the numbers and
+  texts of HFLM, not of the corpus EOS."""
   # It says <|im_end|> third in QUESTIONS[0]'s answer: with that EOS, the answer ends there.
-  directory = make_llama(tmp_path / "llama", special_tokens, likes_to_say=2)
+  directory = make_llama(tmp_path / "llama", special_tokens, likes_to_say=2, adds_bos=adds_bos)
   reference = HFLM(pretrained=str(directory), dtype="float32", batch_size=4, device="cpu")
   pairs = [("", "hello there"), ("", " how are you"), ("abc ", "def")]
   texts = [" ".join(QUESTIONS * 3), "short"]
@@ -215,11 +233,10 @@ def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, spec
     requests = [Instance("generate_until", {}, (q, greedy), 0) for q in QUESTIONS]
     generated = lm.generate_until(requests)
     assert generated == reference.generate_until(requests)
-  prompt = torch.tensor([reference.tok_encode(QUESTIONS[0])])
-  said = reference.model.generate(prompt, max_new_tokens=3, do_sample=False)[0, -3:].tolist()
-  assert said[2] == 2
   if special_tokens["eos_token"] == "<|im_end|>":  # The answer ended there.
-    assert generated[0] == reference.tok_decode(said[:2])
+    prompt = torch.tensor([reference.tok_encode(QUESTIONS[0])])
+    said = reference.model.generate(prompt, max_new_tokens=3, do_sample=False)[0, -3:].tolist()
+    assert said[2] == 2 and generated[0] == reference.tok_decode(said[:2])
 
 
 @pytest.mark.parametrize("config, message", [

@@ -49,7 +49,8 @@ class ByteTokenizer:
   kind, sha256 = "byte", ""
   special_tokens = _NONE_NAMED
 
-  def encode(self, text: str) -> np.ndarray:
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    del add_special_tokens  # It has none to add.
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
   def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -108,8 +109,12 @@ class HuggingFaceTokenizer:
       named[name] = (token, text)
     return types.MappingProxyType(named)
 
-  def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    """`text`'s tokens; `add_special_tokens`: with those the file's post-processor puts around
+    a text (Llama 3's, Mistral's, Gemma's BOS), as transformers encodes by default. Documents
+    have none: an EOS parts them."""
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
+                      dtype=np.int32)
 
   def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, int[tokens, 2]: each one's character span [start, end) in `text`)."""
@@ -139,7 +144,8 @@ class SentencePieceTokenizer:
 
   special_tokens = _NONE_NAMED
 
-  def encode(self, text: str) -> np.ndarray:
+  def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+    del add_special_tokens  # transformers reads no .model file alone: nothing to match.
     return np.asarray(self._processor.encode(text), dtype=np.int32)
 
   def decode(self, ids) -> str:
