@@ -92,17 +92,17 @@ def _write_json_atomically(path: epath.Path, value) -> None:
   paths.write_atomically(path, json.dumps(value, indent=2))
 
 
-def chat_template(options: PrepareOptions, tokenizer) -> chat.ChatTemplate | None:
+def chat_template(options: PrepareOptions) -> chat.ChatTemplate | None:
   """The template a chat source is rendered with, and a preference source's conversations if
   it has one (else None: its conversational records are refused); None for other sources."""
   if options.source.kind == "preference" and not options.chat_template:
     try:
-      return chat.load_template(options.tokenizer, "", tokenizer.eos_text)
+      return chat.load_template(options.tokenizer, "")
     except UserError:  # Only needed by conversational records, which say so.
       return None
   if options.source.kind not in ("chat", "preference"):
     return None
-  return chat.load_template(options.tokenizer, options.chat_template, tokenizer.eos_text)
+  return chat.load_template(options.tokenizer, options.chat_template)
 
 
 def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.SourceStats):
@@ -112,7 +112,7 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
     for key, text in documents:
       yield key, text, tokenizer.encode(text), None
     return
-  template = chat_template(options, tokenizer)
+  template = chat_template(options)
   if options.source.kind == "preference":
     encode = preference.PairEncoder(tokenizer, template, options.seq_len)
   else:
@@ -475,7 +475,7 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
                  **dataclasses.asdict(stats)},
       "splits": splits,
   }
-  if template := chat_template(options, load_tokenizer(tokenizer_spec)):
+  if template := chat_template(options):
     manifest["chat_template"] = {"file": template.origin, "sha256": template.sha256}
   if options.source.kind == "preference":  # Each document is one pair, one row of the batch.
     manifest["seq_len"] = options.seq_len
@@ -575,7 +575,7 @@ def _check_weighted(options: PrepareOptions) -> dict:
     raise UserError(f"a {kind} source needs a Hugging Face tokenizer.json or 'byte': "
                     f"--tokenizer {options.tokenizer} cannot say which characters each token "
                     f"covers, so the loss weights cannot be placed")
-  if template := chat_template(options, tokenizer):
+  if template := chat_template(options):
     return {"chat_template_sha256": template.sha256}
   if options.chat_template:
     raise UserError(f"--chat_template is for --source=chat or preference; {kind} joins prompt "
