@@ -188,7 +188,7 @@ def test_bad_chat_input_is_one_line_naming_it(tmp_path, tokenizer_file, caplog):
   records = [conversation("hi"), {"messages": [{"role": "user", "content": "hi"}]}, MULTI_TURN]
   directory = prepare_records(tmp_path, "chat", records, tokenizer_file)
   assert load_manifest(directory)["source"]["conversations_without_assistant_skipped"] == 2
-  assert "2 conversations without an assistant turn were skipped" in caplog.text
+  assert "skipped 2 conversations without an assistant turn (" in caplog.text
 
   tool = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"},
                        {"role": "assistant", "content": "42"}]}
@@ -212,6 +212,25 @@ def test_bad_chat_input_is_one_line_naming_it(tmp_path, tokenizer_file, caplog):
 
   with pytest.raises(UserError, match=r"notes\.jsonl:1: a chat record needs \"messages\""):
     prepare_records(tmp_path, "chat", [{"text": "hi"}], tokenizer_file, name="notes")
+
+
+def test_skipped_conversations_are_named_by_file_and_line(tmp_path, tokenizer_file, caplog):
+  """Three shards each read every third line: the warning names the first five of all of them,
+  whichever shard read them, and counts the rest; the manifest keeps both."""
+  without = {2, 3, 5, 8, 9, 11, 12}
+  records = [{"messages": [{"role": "user", "content": "hi"}]} if line in without
+             else MULTI_TURN for line in range(1, 13)]
+  directory = prepare_records(tmp_path, "chat", records, tokenizer_file, num_shards=3)
+  file = tmp_path / "data.jsonl"
+  first = [f"{file}:{line}" for line in (2, 3, 5, 8, 9)]
+  assert (f"skipped 7 conversations without an assistant turn ({', '.join(first)} and 2 more)"
+          in caplog.text)
+  source = load_manifest(directory)["source"]
+  assert source["conversations_without_assistant_skipped"] == 7
+  assert source["conversations_without_assistant_first"] == first
+  with pytest.raises(UserError, match=rf"holds no non-empty documents \(0 empty ones skipped, 1 "
+                                      rf"conversations without an assistant turn \(.*none\.jsonl:1\)\)"):
+    prepare_records(tmp_path, "chat", records[1:2], tokenizer_file, name="none")
 
 
 SEQ_LEN = 16

@@ -122,7 +122,7 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
     if encoded is None and options.source.kind == "preference":
       stats.pairs_too_long_skipped += 1
     elif encoded is None:
-      stats.conversations_without_assistant_skipped += 1
+      stats.skip_conversation(record.where)
     elif not encoded[0].strip():
       stats.empty_documents_skipped += 1
     else:
@@ -453,8 +453,8 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
     _discard_shards(options.output_dir)
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped"
-                    + (f", {stats.conversations_without_assistant_skipped} conversations without "
-                       f"an assistant turn" if options.source.kind == "chat" else "")
+                    + (f", {sources.skipped_conversations(dataclasses.asdict(stats))}"
+                       if options.source.kind == "chat" else "")
                     + (f", {stats.pairs_too_long_skipped} pairs longer than --seq_len "
                        f"{options.seq_len}" if options.source.kind == "preference" else "") + ")")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
@@ -503,9 +503,9 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
   if skipped := source["pairs_too_long_skipped"]:
     logging.warning("Prepared %s: %d pairs longer than --seq_len %d were skipped",
                     options.output_dir, skipped, options.seq_len)
-  if skipped := source["conversations_without_assistant_skipped"]:
-    logging.warning("Prepared %s: %d conversations without an assistant turn were skipped",
-                    options.output_dir, skipped)
+  if source["conversations_without_assistant_skipped"]:
+    logging.warning("Prepared %s: skipped %s", options.output_dir,
+                    sources.skipped_conversations(source))
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
                     "%d empty documents were skipped (counts in its %s)", options.output_dir,
