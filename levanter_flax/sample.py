@@ -16,7 +16,7 @@ datasets were tokenized with.
 --chat renders each prompt as a user message with the run's chat template
 (data/chat.py, as transformers' apply_chat_template(add_generation_prompt=True)
 does) and prints the reply alone, which ends at the template's end-of-turn token
-(tokenizer_config's eos_token, e.g. <|im_end|>) or the EOS, both left out.
+(what it writes after a reply, e.g. <|im_end|>) or the EOS, both left out.
 """
 import dataclasses
 import os
@@ -146,9 +146,9 @@ def chat_template(saved: dict, tokenizer, template_file: str):
     raise UserError(f"--chat needs a Hugging Face tokenizer.json with a chat template and an "
                     f"end-of-turn token; the run's data.tokenizer is {spec!r} ({tokenizer.kind})")
   if template_file:
-    return chat.load_template(spec, template_file, tokenizer.eos_text)
+    return chat.load_template(spec, template_file)
   return (trained_chat_template(saved, tokenizer)
-          or chat.load_template(spec, "", tokenizer.eos_text))
+          or chat.load_template(spec, ""))
 
 
 def trained_chat_template(saved: dict, tokenizer):
@@ -156,7 +156,7 @@ def trained_chat_template(saved: dict, tokenizer):
   its file must still hold it); None for a run on no chat data."""
   from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
   recorded = [chat.recorded_template(saved["data.tokenizer"], prepared["chat_template"],
-                                     tokenizer.eos_text, str(directory))
+                                     str(directory))
               for directory, prepared in _run_manifests(saved, "read the chat template of")
               if "chat_template" in prepared]
   if len({template.sha256 for template in recorded}) > 1:
@@ -169,16 +169,18 @@ def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str
                  ) -> tuple[list[str], tuple[int, ...]]:
   """Each prompt as a user message (after a system one, if given) rendered with the generation
   prompt, as transformers' apply_chat_template(add_generation_prompt=True) renders it; and the
-  ids a reply ends at: the EOS, and the template's end-of-turn token."""
+  ids a reply ends at: the EOS, and the end-of-turn token a chat dataset weighs after each reply
+  (data/chat.py)."""
   head = [{"role": "system", "content": system}] if system else []
   rendered = [template.render(head + [{"role": "user", "content": prompt}], True, "--prompt")
               for prompt in prompts]
-  end_of_turn = tokenizer.encode(template.end_of_turn).tolist()
-  if len(end_of_turn) != 1:
-    raise UserError(f"the chat template's end-of-turn {template.end_of_turn!r} (tokenizer_config's "
-                    f"eos_token) is not one token of the run's tokenizer, so no reply can stop "
-                    f"at it")
-  return rendered, tuple(sorted({tokenizer.eos_id, end_of_turn[0]}))
+  text = template.end_of_turn(head + [{"role": "user", "content": prompts[0]},
+                                      {"role": "assistant", "content": ""}], "--prompt")
+  end_of_turn = tokenizer.encode(text).tolist()
+  if len(end_of_turn) > 1:  # None: a template that writes nothing after a reply.
+    raise UserError(f"the chat template's end-of-turn {text!r} (what it writes after a reply) is "
+                    f"not one token of the run's tokenizer, so no reply can stop at it")
+  return rendered, tuple(sorted({tokenizer.eos_id, *end_of_turn}))
 
 
 def _directory(saved: dict, dataset: str) -> epath.Path:

@@ -28,9 +28,19 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The same, its replies marked for transformers' assistant mask: each reply and its <|im_end|>,
+# not the newline after it.
+CHATML_MARKED = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def make_tokenizer(directory: pathlib.Path, template: str | None = CHATML) -> str:
+def make_tokenizer(directory: pathlib.Path, template: str | None = CHATML,
+                   eos_token: str = "<|im_end|>") -> str:
   """A small byte-level BPE with ChatML's special tokens, and its tokenizer_config.json."""
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -43,7 +53,7 @@ def make_tokenizer(directory: pathlib.Path, template: str | None = CHATML) -> st
   tokenizer.train_from_iterator(random_documents(50) + ["hello there, how are you"] * 20,
                                 trainer=trainer)
   tokenizer.save(str(directory / "tokenizer.json"))
-  config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+  config = {"eos_token": eos_token, "pad_token": "<|endoftext|>",
             "tokenizer_class": "PreTrainedTokenizerFast"}
   if template is not None:
     config["chat_template"] = template
@@ -126,13 +136,43 @@ def test_the_weighted_tokens_are_each_assistant_turn_and_its_end_of_turn(tmp_pat
 def test_rendering_is_transformers_apply_chat_template(tmp_path, tokenizer_file):
   transformers = pytest.importorskip("transformers")
   from levanter_flax.data import chat
-  template = chat.load_template(tokenizer_file, "", "<|endoftext|>")
+  template = chat.load_template(tokenizer_file, "")
   reference = transformers.PreTrainedTokenizerFast(
       tokenizer_file=tokenizer_file, chat_template=CHATML, eos_token="<|im_end|>")
   for add_generation_prompt in (False, True):
     assert template.render(MULTI_TURN["messages"], add_generation_prompt, "test") == (
         reference.apply_chat_template(MULTI_TURN["messages"], tokenize=False,
                                       add_generation_prompt=add_generation_prompt))
+
+
+@pytest.mark.parametrize("eos_token", ["<|im_end|>", "<|endoftext|>"])
+def test_the_weights_are_transformers_assistant_mask_at_the_edges(tmp_path, eos_token):
+  """Replies that quote <|im_end|>, and a base tokenizer (eos_token <|endoftext|>, not the
+  template's <|im_end|>): the weights are transformers' assistant mask of the marked template,
+  with or without its marks, and sample --chat stops at the token that ends each reply."""
+  transformers = pytest.importorskip("transformers")
+  from levanter_flax.data import chat
+  from levanter_flax.sample import chat_prompts
+  tokenizer_file = make_tokenizer(tmp_path / "tokenizer", CHATML_MARKED, eos_token)
+  records = [conversation("quote it", "it is <|im_end|>, then more", "and?", "<|im_end|>x"),
+             MULTI_TURN]
+  reference = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=tokenizer_file, chat_template=CHATML_MARKED, eos_token=eos_token)
+  unmarked = tmp_path / "chatml.jinja"
+  unmarked.write_text(CHATML)
+  for name, template_file in (("marked", ""), ("unmarked", str(unmarked))):
+    directory = prepare_records(tmp_path, "chat", records, tokenizer_file, name=name,
+                                chat_template=template_file)
+    for record, (tokens, weights) in zip(records, documents(directory)):
+      expected = reference.apply_chat_template(record["messages"], tokenize=True,
+                                               return_dict=True,
+                                               return_assistant_tokens_mask=True)
+      np.testing.assert_array_equal(tokens, expected["input_ids"])
+      np.testing.assert_array_equal(weights[:-1], expected["assistant_masks"])
+    tokenizer = load_tokenizer(tokenizer_file)
+    template = chat.load_template(tokenizer_file, template_file)
+    _, stop_ids = chat_prompts(template, tokenizer, ["hi"], "")
+    assert stop_ids == tuple(sorted({tokenizer.eos_id, int(tokenizer.encode("<|im_end|>")[0])}))
 
 
 def test_prompt_completion_weighs_the_completion_and_its_eos(tmp_path, tokenizer_file):
@@ -148,7 +188,7 @@ def test_bad_chat_input_is_one_line_naming_it(tmp_path, tokenizer_file, caplog):
   records = [conversation("hi"), {"messages": [{"role": "user", "content": "hi"}]}, MULTI_TURN]
   directory = prepare_records(tmp_path, "chat", records, tokenizer_file)
   assert load_manifest(directory)["source"]["conversations_without_assistant_skipped"] == 2
-  assert "2 conversations without an assistant turn were skipped" in caplog.text
+  assert "skipped 2 conversations without an assistant turn (" in caplog.text
 
   tool = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"},
                        {"role": "assistant", "content": "42"}]}
@@ -172,6 +212,25 @@ def test_bad_chat_input_is_one_line_naming_it(tmp_path, tokenizer_file, caplog):
 
   with pytest.raises(UserError, match=r"notes\.jsonl:1: a chat record needs \"messages\""):
     prepare_records(tmp_path, "chat", [{"text": "hi"}], tokenizer_file, name="notes")
+
+
+def test_skipped_conversations_are_named_by_file_and_line(tmp_path, tokenizer_file, caplog):
+  """Three shards each read every third line: the warning names the first five of all of them,
+  whichever shard read them, and counts the rest; the manifest keeps both."""
+  without = {2, 3, 5, 8, 9, 11, 12}
+  records = [{"messages": [{"role": "user", "content": "hi"}]} if line in without
+             else MULTI_TURN for line in range(1, 13)]
+  directory = prepare_records(tmp_path, "chat", records, tokenizer_file, num_shards=3)
+  file = tmp_path / "data.jsonl"
+  first = [f"{file}:{line}" for line in (2, 3, 5, 8, 9)]
+  assert (f"skipped 7 conversations without an assistant turn ({', '.join(first)} and 2 more)"
+          in caplog.text)
+  source = load_manifest(directory)["source"]
+  assert source["conversations_without_assistant_skipped"] == 7
+  assert source["conversations_without_assistant_first"] == first
+  with pytest.raises(UserError, match=rf"holds no non-empty documents \(0 empty ones skipped, 1 "
+                                      rf"conversations without an assistant turn \(.*none\.jsonl:1\)\)"):
+    prepare_records(tmp_path, "chat", records[1:2], tokenizer_file, name="none")
 
 
 SEQ_LEN = 16

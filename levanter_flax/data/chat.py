@@ -11,9 +11,11 @@ transformers (and no torch).
 
 Weight 1 goes to what the model is to learn to say: each assistant turn's
 text after the template's generation prompt, up to and including its
-end-of-turn token (tokenizer_config's eos_token, e.g. <|im_end|>); weight 0 to
-the system and user turns, the generation prompt ("<|im_start|>assistant\\n")
-and whatever the template puts after the end-of-turn token. Each assistant
+end-of-turn (what the template writes after a reply, less whitespace: ChatML's
+<|im_end|>, whatever tokenizer_config's eos_token is); weight 0 to the system
+and user turns, the generation prompt ("<|im_start|>assistant\\n") and whatever
+follows the end-of-turn (ChatML's newline), as transformers' assistant mask
+weighs a template's {% generation %} block around reply and end. Each assistant
 turn is found by rendering the conversation prefix by prefix: messages[:i]
 with the generation prompt, then messages[:i+1]; the template must render
 every prefix as the start of the whole (a template that rewrites earlier
@@ -42,6 +44,8 @@ TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 saves the template
 # The special tokens transformers hands a template (its special_tokens_map).
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                    "mask_token")
+# An assistant reply's text that no template writes of its own, to find what it writes after.
+_PROBE = "levanter_flax end-of-turn probe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,6 @@ class ChatTemplate:
   source: str  # Jinja text.
   origin: str  # The file it came from, for messages.
   special_tokens: tuple[tuple[str, str], ...]  # (name, text), as the template sees them.
-  end_of_turn: str  # The text that ends an assistant turn (weighted); "" if unknown.
 
   @property
   def sha256(self) -> str:
@@ -70,6 +73,14 @@ class ChatTemplate:
     except Exception as e:  # pylint: disable=broad-except  # A template may do anything.
       raise UserError(f"{where}: the chat template ({self.origin}) failed on this conversation: "
                       f"{type(e).__name__}: {e}") from None
+
+  def end_of_turn(self, messages: list, where: str) -> str:
+    """What the template writes after the reply of `messages`' last (assistant) message, less
+    whitespace: the token a reply ends with. From the template, not tokenizer_config's eos_token,
+    which a base tokenizer sets to another token (Qwen2's <|endoftext|>, not <|im_end|>)."""
+    probe = [*messages[:-1], dict(messages[-1], content=_PROBE)]
+    _, found, after = self.render(probe, False, where).rpartition(_PROBE)
+    return after.strip() if found else ""
 
 
 def _compile(source: str, origin: str):
@@ -126,11 +137,10 @@ def _read_json(path) -> dict:
   return value
 
 
-def load_template(tokenizer_spec: str, template_file: str, eos_text: str) -> ChatTemplate:
+def load_template(tokenizer_spec: str, template_file: str) -> ChatTemplate:
   """The chat template: `template_file` (--chat_template) if given, else the tokenizer's, from
   chat_template.jinja or tokenizer_config.json beside its tokenizer.json, as transformers
-  finds it. `eos_text` (the tokenizer's own EOS) ends a turn when tokenizer_config names no
-  eos_token."""
+  finds it."""
   config, config_path = {}, None
   if tokenizer_spec != "byte":
     tokenizer_path = paths.resolve(tokenizer_spec, "--tokenizer")
@@ -155,14 +165,12 @@ def load_template(tokenizer_spec: str, template_file: str, eos_text: str) -> Cha
                       f"--chat_template=FILE (a Jinja template)")
   special = tuple((name, text) for name in _SPECIAL_TOKENS
                   if (text := _token_text(config.get(name))) is not None)
-  end_of_turn = dict(special).get("eos_token", eos_text)
-  template = ChatTemplate(source, str(origin), special, end_of_turn)
+  template = ChatTemplate(source, str(origin), special)
   template.compiled  # pylint: disable=pointless-statement  # A syntax error, now.
   return template
 
 
-def recorded_template(tokenizer_spec: str, record: dict, eos_text: str, dataset: str
-                      ) -> ChatTemplate:
+def recorded_template(tokenizer_spec: str, record: dict, dataset: str) -> ChatTemplate:
   """The template a chat dataset was prepared with, from its manifest's `chat_template` record
   ({file, sha256}), if that file still holds it: a template edited since would render prompts
   the model never saw."""
@@ -176,7 +184,7 @@ def recorded_template(tokenizer_spec: str, record: dict, eos_text: str, dataset:
   # The tokenizer's own template is found as prepare found it; any other file is the template.
   own = (tokenizer_spec != "byte" and path.name in (TOKENIZER_CONFIG, TEMPLATE_FILE)
          and path.parent == paths.resolve(tokenizer_spec, "data.tokenizer").parent)
-  template = load_template(tokenizer_spec, "" if own else file, eos_text)
+  template = load_template(tokenizer_spec, "" if own else file)
   if template.sha256 != sha256:
     raise UserError(f"chat template {file} changed since {dataset} was prepared with it "
                     f"(sha256 {template.sha256[:12]}, not {sha256[:12]}); put it back or pass "
@@ -207,8 +215,10 @@ def assistant_spans(template: ChatTemplate, messages: list, where: str) -> tuple
                       f"up to message {i} otherwise than as the start of the whole (does it "
                       f"rewrite earlier turns?); its assistant tokens cannot be told apart")
     said = turn[len(prompt):]
-    end = said.find(template.end_of_turn) if template.end_of_turn else -1
-    length = end + len(template.end_of_turn) if end >= 0 else len(said)
+    end_of_turn = template.end_of_turn(messages[:i + 1], where)
+    # The last occurrence: a reply may quote the end-of-turn text, and it is all weighted.
+    end = said.rfind(end_of_turn) if end_of_turn else -1
+    length = end + len(end_of_turn) if end >= 0 else len(said)
     spans.append((len(prompt), len(prompt) + length))
   return whole, spans
 

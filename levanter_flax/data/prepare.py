@@ -92,17 +92,17 @@ def _write_json_atomically(path: epath.Path, value) -> None:
   paths.write_atomically(path, json.dumps(value, indent=2))
 
 
-def chat_template(options: PrepareOptions, tokenizer) -> chat.ChatTemplate | None:
+def chat_template(options: PrepareOptions) -> chat.ChatTemplate | None:
   """The template a chat source is rendered with, and a preference source's conversations if
   it has one (else None: its conversational records are refused); None for other sources."""
   if options.source.kind == "preference" and not options.chat_template:
     try:
-      return chat.load_template(options.tokenizer, "", tokenizer.eos_text)
+      return chat.load_template(options.tokenizer, "")
     except UserError:  # Only needed by conversational records, which say so.
       return None
   if options.source.kind not in ("chat", "preference"):
     return None
-  return chat.load_template(options.tokenizer, options.chat_template, tokenizer.eos_text)
+  return chat.load_template(options.tokenizer, options.chat_template)
 
 
 def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.SourceStats):
@@ -112,7 +112,7 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
     for key, text in documents:
       yield key, text, tokenizer.encode(text), None
     return
-  template = chat_template(options, tokenizer)
+  template = chat_template(options)
   if options.source.kind == "preference":
     encode = preference.PairEncoder(tokenizer, template, options.seq_len)
   else:
@@ -122,7 +122,7 @@ def _encoded(options: PrepareOptions, tokenizer, documents, stats: sources.Sourc
     if encoded is None and options.source.kind == "preference":
       stats.pairs_too_long_skipped += 1
     elif encoded is None:
-      stats.conversations_without_assistant_skipped += 1
+      stats.skip_conversation(record.where)
     elif not encoded[0].strip():
       stats.empty_documents_skipped += 1
     else:
@@ -453,8 +453,8 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
     _discard_shards(options.output_dir)
     raise UserError(f"source {where} holds no non-empty documents "
                     f"({stats.empty_documents_skipped} empty ones skipped"
-                    + (f", {stats.conversations_without_assistant_skipped} conversations without "
-                       f"an assistant turn" if options.source.kind == "chat" else "")
+                    + (f", {sources.skipped_conversations(dataclasses.asdict(stats))}"
+                       if options.source.kind == "chat" else "")
                     + (f", {stats.pairs_too_long_skipped} pairs longer than --seq_len "
                        f"{options.seq_len}" if options.source.kind == "preference" else "") + ")")
   splits = {split: [shard[split] for shard in done] for split in SPLITS}
@@ -475,7 +475,7 @@ def write_manifest(options: PrepareOptions, num_files: int, tokenizer_spec: str,
                  **dataclasses.asdict(stats)},
       "splits": splits,
   }
-  if template := chat_template(options, load_tokenizer(tokenizer_spec)):
+  if template := chat_template(options):
     manifest["chat_template"] = {"file": template.origin, "sha256": template.sha256}
   if options.source.kind == "preference":  # Each document is one pair, one row of the batch.
     manifest["seq_len"] = options.seq_len
@@ -503,9 +503,9 @@ def _log_summary(options: PrepareOptions, manifest: dict) -> None:
   if skipped := source["pairs_too_long_skipped"]:
     logging.warning("Prepared %s: %d pairs longer than --seq_len %d were skipped",
                     options.output_dir, skipped, options.seq_len)
-  if skipped := source["conversations_without_assistant_skipped"]:
-    logging.warning("Prepared %s: %d conversations without an assistant turn were skipped",
-                    options.output_dir, skipped)
+  if source["conversations_without_assistant_skipped"]:
+    logging.warning("Prepared %s: skipped %s", options.output_dir,
+                    sources.skipped_conversations(source))
   if source["invalid_utf8_documents"] or source["empty_documents_skipped"]:
     logging.warning("Prepared %s: %d documents had invalid UTF-8 (bad bytes replaced by U+FFFD), "
                     "%d empty documents were skipped (counts in its %s)", options.output_dir,
@@ -575,7 +575,7 @@ def _check_weighted(options: PrepareOptions) -> dict:
     raise UserError(f"a {kind} source needs a Hugging Face tokenizer.json or 'byte': "
                     f"--tokenizer {options.tokenizer} cannot say which characters each token "
                     f"covers, so the loss weights cannot be placed")
-  if template := chat_template(options, tokenizer):
+  if template := chat_template(options):
     return {"chat_template_sha256": template.sha256}
   if options.chat_template:
     raise UserError(f"--chat_template is for --source=chat or preference; {kind} joins prompt "

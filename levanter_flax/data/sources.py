@@ -51,17 +51,48 @@ class Record:
   fields: dict
 
 
+# Skipped conversations named in prepare's warning and manifest; the rest are counted.
+NAMED_SKIPS = 5
+
+
+def _file_line(where: str) -> tuple[str, int]:
+  path, _, line = where.rpartition(":")
+  return path, int(line)
+
+
 @dataclasses.dataclass
 class SourceStats:
   documents: int = 0
   empty_documents_skipped: int = 0
   invalid_utf8_documents: int = 0
   conversations_without_assistant_skipped: int = 0  # chat: nothing to learn from them.
+  # Where the first NAMED_SKIPS of them are (file:line), by file and line, so they can be fixed.
+  conversations_without_assistant_first: list[str] = dataclasses.field(default_factory=list)
   pairs_too_long_skipped: int = 0  # preference: a pair longer than its row (--seq_len).
+
+  def skip_conversation(self, where: str) -> None:
+    """Counts a conversation without an assistant turn; a shard reads its files in order, so
+    its first few are the earliest it holds."""
+    self.conversations_without_assistant_skipped += 1
+    if len(self.conversations_without_assistant_first) < NAMED_SKIPS:
+      self.conversations_without_assistant_first.append(where)
 
   def add(self, other: "SourceStats") -> None:
     for field in dataclasses.fields(self):
       setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+    # Each shard's earliest, merged: the earliest of all, whichever shard read them.
+    self.conversations_without_assistant_first = sorted(
+        self.conversations_without_assistant_first, key=_file_line)[:NAMED_SKIPS]
+
+
+def skipped_conversations(stats: dict) -> str:
+  """'N conversations without an assistant turn (a.jsonl:3, ... and M more)', of a SourceStats
+  as a manifest's source records it."""
+  count, named = (stats["conversations_without_assistant_skipped"],
+                  stats["conversations_without_assistant_first"])
+  more = f" and {count - len(named)} more" if count > len(named) else ""
+  listed = f" ({', '.join(named)}{more})" if named else ""
+  return f"{count} conversations without an assistant turn{listed}"
 
 
 def stdlib_root() -> pathlib.Path:
