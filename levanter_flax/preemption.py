@@ -38,6 +38,7 @@ class StopSignal:
     self.received = None
     self._previous = {}
     self._shared = False  # Whether jax's preemption service decides (several processes).
+    self._sync_point_reached = False
 
   def __enter__(self) -> "StopSignal":
     self._shared = jax.process_count() > 1
@@ -67,11 +68,12 @@ class StopSignal:
   def requested(self, step: int) -> bool:
     """Whether to stop after `step`; every process gets the same answer for the same step.
 
-    Call it once after every step, with increasing steps.
+    Call it once after every step, with increasing steps (but those a rollback trains again).
     """
     if not self._shared:
       return self.received is not None
-    if multihost_utils.reached_preemption_sync_point(step):
+    # Once reached, every later call stops too: a spike rollback trains steps before it again.
+    if self._sync_point_reached or multihost_utils.reached_preemption_sync_point(step):
+      self._sync_point_reached = True
       self.received = self.received or signal.SIGTERM
-      return True
-    return False
+    return self._sync_point_reached
