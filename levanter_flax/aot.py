@@ -32,7 +32,7 @@ from typing import Any, Optional
 import jax
 from absl import app, flags, logging
 
-from levanter_flax import batch_search, models, partitioning, progress, settings, step
+from levanter_flax import batch_search, partitioning, progress, settings, step
 from levanter_flax.config import define_config_flag, parse_flags, run_config_of_flags
 from levanter_flax.errors import UserError, exit_with_error
 from levanter_flax.models import common
@@ -251,13 +251,15 @@ def _costs(compiled, chip_count: int) -> Costs:
                optimal_seconds=float(analysis.get("optimal_seconds", 0.0)))
 
 
-def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner) -> step.ShardedSteps:
-  return step.build(run, partitioner, eos_id=0 if run.data.document_masking else None)
+def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+           preference: bool) -> step.ShardedSteps:
+  """The step as the run trains it; `preference`: by DPO, with its reference model."""
+  return step.build(run, partitioner, eos_id=0 if run.data.document_masking else None,
+                    preference=preference)
 
 
 def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-             steps: Optional[step.ShardedSteps] = None):
-  steps = steps or _steps(run, partitioner)
+             steps: step.ShardedSteps):
   what = (f"compile the step ({run.model.num_layers} layers, batch {run.trainer.batch_size}) for "
           f"{partitioner.mesh.devices.flat[0].device_kind} x {partitioner.mesh.size}")
   with partitioner.activation_context(), progress.waiting(what):
@@ -272,7 +274,7 @@ def _compiler_error(error: Exception) -> str:
 
 
 def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-               compiled) -> Costs:
+               compiled, preference: bool = False) -> Costs:
   """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
   extrapolated from unrolled compiles of 2 and 4 layers."""
   chip_count = partitioner.mesh.size
@@ -283,17 +285,19 @@ def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
     model = dataclasses.replace(common.with_compute(run.model, scan_layers=False),
                                 num_layers=depth)
     logging.info("Compiling %d unrolled layers to count the scanned step's costs", depth)
-    shallow = _compile(dataclasses.replace(run, model=model), partitioner)
+    shallow_run = dataclasses.replace(run, model=model)
+    shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, preference))
     unrolled.append(_costs(shallow, chip_count))
   return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
 
 
 def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
-         compiler_costs: bool = True) -> dict[str, Any]:
+         compiler_costs: bool = True, preference: bool = False) -> dict[str, Any]:
   """Compiles the run's train step for the topology; the plan's figures, JSON-ready.
 
   compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers);
-  else those are None for scanned layers.
+  else those are None for scanned layers. preference: the step as DPO trains it (preference
+  data decides that in training), its reference model held and run forward too.
   """
   target = devices(topology_name, num_slices)
   # A compile-only executable cannot be read back from the persistent cache: do not write it.
@@ -308,11 +312,12 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
         from None
   partitioner = partitioning.Partitioner(mesh, run.sharding)
   if run.trainer.batch_size == "auto":
-    run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity))
+    run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
+                                                                preference=preference))
   trainer = run.trainer
   logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
                num_slices, len(target), trainer.batch_size)
-  steps = _steps(run, partitioner)
+  steps = _steps(run, partitioner, preference)
   tokens = trainer.batch_size * run.model.seq_len
   result = {
       "topology": topology_name,
@@ -322,15 +327,16 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "mesh": dict(mesh.shape),
       "batch_size": trainer.batch_size,
       "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
+      "objective": "dpo" if preference else "next-token",
       "hbm_per_chip_bytes": capacity,
       "tokens_per_step": tokens,
-      "model_flops_per_step": tokens * models.flops_per_token(
-          run.model, steps.abstract_state.model_params, frozen=steps.abstract_state.frozen),
+      "model_flops_per_step": tokens * steps.flops_per_token(run.model),
   }
   planned = {**result, **_memory_and_costs(run, partitioner, steps, compiler_costs)}
   if not planned["fits"]:
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
-    planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1)
+    planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
+                                                                      preference=preference)
   return planned
 
 
@@ -355,7 +361,7 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
-  costs = (step_costs(run, partitioner, compiled)
+  costs = (step_costs(run, partitioner, compiled, steps.preference)
            if compiler_costs or not run.model.compute.scan_layers else None)
   return {
       "bytes_per_chip": needed,
@@ -425,7 +431,8 @@ def main(argv):
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
     run = run_config_of_flags()
-    result = plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices, flags.FLAGS.compiler_costs)
+    result = plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices, flags.FLAGS.compiler_costs,
+                  flags.FLAGS.dpo)
   except UserError as e:
     exit_with_error(str(e))
   print(describe(result))
@@ -447,6 +454,8 @@ if __name__ == "__main__":  # Its flags only then: bench/tpu_plan.py imports thi
                       f"jax's, e.g. {_EXAMPLES}.")
   flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
   flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
+  flags.DEFINE_bool("dpo", False, "Plan the step as DPO trains it, with its reference model "
+                    "(in training, preference data decides; aot reads no data).")
   flags.DEFINE_bool("compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned "
                     "layers, two more compiles (2 and 4 layers unrolled), as long as the first")
   flags.mark_flags_as_required(["config", "topology"])

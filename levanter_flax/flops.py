@@ -25,11 +25,17 @@ def peak_flops_per_device(device: jax.Device, override: float = 0.0) -> float:
 
 
 def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
-                    seq_len: int, causal: bool = True, frozen_params: float = 0) -> float:
+                    seq_len: int, causal: bool = True, frozen_params: float = 0,
+                    reference_params: float = 0) -> float:
   """Model FLOPs per trained token: 6N for the weights' matmuls (forward + backward),
   plus attention's score and value matmuls, 12 * L * H * Q * T. A causal mask
   needs only half of those, so causal=True counts half; nanoGPT counts all of it.
   Of the N, `frozen_params` get no weight gradient (LoRA's base): 4 each, not 6.
+  `reference_params`: a model run forward on the same tokens too (DPO's reference): 2 each,
+  and its attention's forward, a third of the above.
   """
   attention = 12 * num_layers * num_heads * head_dim * seq_len
-  return 6 * num_params - 2 * frozen_params + (attention / 2 if causal else attention)
+  if reference_params:
+    attention += attention / 3
+  return (6 * num_params - 2 * frozen_params + 2 * reference_params
+          + (attention / 2 if causal else attention))

@@ -14,7 +14,7 @@ from absl import logging
 from clu import periodic_actions
 from etils import epath
 
-from levanter_flax import (callbacks as callbacks_lib, distributed, flops, locks, metrics, models,
+from levanter_flax import (callbacks as callbacks_lib, distributed, flops, locks, metrics,
                            monitoring, partitioning, paths, preemption, report, resume, spikes,
                            step)
 from levanter_flax.checkpoint import Checkpointer
@@ -338,8 +338,7 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
   run_harness = _make_harness(run, steps)
   throughput = metrics.Throughput(
       trainer.batch_size * run.model.seq_len, start_step,
-      flops_per_token=models.flops_per_token(run.model, steps.abstract_state.model_params,
-                                              frozen=steps.abstract_state.frozen),
+      flops_per_token=steps.flops_per_token(run.model),
       num_devices=jax.device_count(),
       peak_flops=flops.peak_flops_per_device(jax.devices()[0], trainer.peak_flops_per_device))
   rollbacks = spikes.Rollbacks.read(workdir)

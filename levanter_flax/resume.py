@@ -302,7 +302,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
     checkpointer.before_save()
     save_frozen(workdir / FROZEN_BASE, state.frozen)
-  if state.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
+  if abstract.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
     copy = jax.jit(step.copied, out_shardings=steps.state_shardings.reference)
     state = state.replace(reference=copy(state.params))
     checkpointer.before_save()
@@ -346,8 +346,8 @@ def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
     return fresh
   saved, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
                                abstract.checkpointed)
-  # DPO: a reference to fill with the loaded params (the caller copies them in).
-  state = step.TrainState.from_checkpointed(saved, reference=fresh[0].reference)
+  # DPO: the caller copies the reference from the loaded params.
+  state = step.TrainState.from_checkpointed(saved)
   logging.info("Starting from %s of %s", load.load_items, load.load_path)
   if load.load_items == "state":
     try:

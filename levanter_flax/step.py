@@ -60,7 +60,7 @@ class TrainState:
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
                rng: jax.Array, preference: bool = False) -> TrainState:
   """Fresh state; with LoRA the base is frozen and only the adapters train. `preference` (DPO)
-  without LoRA: a copy of the params is the reference."""
+  without LoRA: a copy of the params is the reference (ShardedSteps.init leaves it out)."""
   params = models.init_params(model.config, rng)
   frozen = reference = None
   if model.config.lora.rank:
@@ -394,6 +394,13 @@ class ShardedSteps:
       return state.model_params, state.reference_params
     return state.model_params
 
+  def flops_per_token(self, cfg) -> float:
+    """The model FLOPs of a trained token in this step (models.flops_per_token): LoRA's frozen
+    base gets no weight gradient, and DPO runs its reference model forward too."""
+    state = self.abstract_state
+    return models.flops_per_token(cfg, state.model_params, frozen=state.frozen,
+                                  reference=self.preference)
+
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.model_params,
                                      self.state_shardings.model_params,
@@ -454,7 +461,10 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       seq_len=run.model.seq_len,
       loss_weights=loss_weights or preference,
       preference=preference,
-      init=jax.jit(init, out_shardings=shardings),
+      # Without DPO's reference: the caller copies it from whatever params the run starts on
+      # (resume.py), so a start holds the params at most twice (policy and reference).
+      init=jax.jit(lambda rng: init(rng).replace(reference=None),
+                   out_shardings=shardings.replace(reference=None)),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
       eval_step=jax.jit(eval_step, in_shardings=(eval_params, batch), out_shardings=replicated),

@@ -142,6 +142,22 @@ def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
     aot.devices("v5e:3x3")
 
 
+def test_a_dpo_plan_holds_and_runs_the_reference_model():
+  pytest.importorskip("libtpu")
+  run = nano()
+  plain = aot.plan(run, "v5e:2x2", compiler_costs=False)
+  dpo = aot.plan(run, "v5e:2x2", compiler_costs=False, preference=True)
+  assert (plain["objective"], dpo["objective"]) == ("next-token", "dpo")
+  params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  # Replicated as the params are (nano's mesh is data-parallel): a whole copy per chip.
+  assert dpo["argument_bytes_per_chip"] >= plain["argument_bytes_per_chip"] + param_bytes
+  tokens = run.trainer.batch_size * run.model.seq_len
+  assert dpo["model_flops_per_step"] == pytest.approx(
+      tokens * models.flops_per_token(run.model, params, reference=True))
+  assert dpo["model_flops_per_step"] > 1.3 * plain["model_flops_per_step"]
+
+
 def test_a_mesh_of_another_size_than_the_topology_is_one_line():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "

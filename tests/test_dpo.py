@@ -166,7 +166,22 @@ def dpo_config(tiny_config, data):
   return tiny_config
 
 
-def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path):
+def held_at_the_reference_copy(monkeypatch) -> list[int]:
+  """How many arrays of the token embedding's shape are alive when the run copies its params
+  into the reference (step.copied, traced as the copy is about to run)."""
+  held, copied = [], step.copied
+
+  def counting(params):
+    embedding = params["wte"]["embedding"]
+    held.append(sum(a.shape == embedding.shape and a.dtype == embedding.dtype
+                    for a in jax.live_arrays()))
+    return copied(params)
+  monkeypatch.setattr(step, "copied", counting)
+  return held
+
+
+def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path, monkeypatch):
+  held = held_at_the_reference_copy(monkeypatch)
   config = dpo_config(tiny_config, byte_pairs)
   config.trainer.batch_size, config.trainer.gradient_accumulation_steps = 16, 2
   config.trainer.num_train_steps, config.trainer.eval_every_steps = 15, 15
@@ -174,6 +189,9 @@ def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path):
   config.optimizer.learning_rate, config.optimizer.warmup_steps = 3e-3, 2
   config.dpo.beta = 0.5
   train_and_evaluate(to_run_config(config), tmp_path / "run")
+  # At DPO's start the params are held once, beside AdamW's two moments, before the copy that
+  # makes the reference: twice with it, never three times.
+  assert held[-1] == 3
   logged = read_metrics(tmp_path / "run")
   trained = [m for m in logged if "train/loss" in m]
   assert trained[-1]["dpo/reward_accuracy"] > 0.9, trained[-1]

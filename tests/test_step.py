@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from levanter_flax import flops, metrics, models, optim, partitioning, step
+from levanter_flax import dpo, flops, metrics, models, optim, partitioning, step
 from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
@@ -136,6 +136,9 @@ def test_flops_per_token_is_nanogpts_count_with_causal_attention_halved():
   attention = 12 * 12 * 12 * 64 * 1024
   assert flops.flops_per_token(n, 12, 12, 64, 1024, causal=False) == 6 * n + attention
   assert flops.flops_per_token(n, 12, 12, 64, 1024) == 6 * n + attention / 2
+  # DPO's reference model runs forward too: 2 per weight, and a third of attention's count.
+  assert flops.flops_per_token(n, 12, 12, 64, 1024, reference_params=n) == pytest.approx(
+      8 * n + (attention + attention / 3) / 2)
 
 
 # Wide enough that matmuls are nearly all of the work, as in the models MFU is quoted for.
@@ -167,6 +170,22 @@ def test_flops_per_token_matches_xlas_count_of_the_compiled_step(family):
   cost = loss_and_grads.lower(params, tokens).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
   ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False)
+  assert 1.0 <= xla / ours < 1.02, (xla, ours)
+
+
+def test_dpo_flops_count_the_reference_forward_as_xla_does():
+  """DPO's step runs its reference model forward on every token: XLA's count of the step is
+  our count with the reference (a third more), not without it."""
+  cfg, batch = FLOPS_CONFIGS["llama-tied"], 4
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
+  model = models.build(cfg)
+  loss_and_grads = jax.jit(lambda p, r, t, w: step.accumulated_loss_and_grads(
+      model, p, t, 1, loss_weights=w, preference=step.Preference(dpo.DpoConfig(), model, r)))
+  cost = loss_and_grads.lower(params, params, tokens, jax.ShapeDtypeStruct(
+      tokens.shape, jnp.float32)).compile().cost_analysis()
+  xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False, reference=True)
   assert 1.0 <= xla / ours < 1.02, (xla, ours)
 
 

@@ -63,14 +63,19 @@ def stack_layers(cfg, tree: dict) -> dict:
   return tree | {name: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
-def flops_per_token(cfg, params, causal: bool = True, frozen=None) -> float:
+def flops_per_token(cfg, params, causal: bool = True, frozen=None, reference: bool = False
+                    ) -> float:
   """flops.flops_per_token for a model config and its params (arrays or shapes): every
   parameter counts as a matmul weight but the family's lookup tables and the experts a
   token is not routed to. `frozen`: the part of params that trains not (LoRA's base), whose
-  weight gradients are never computed."""
+  weight gradients are never computed. `reference`: DPO's reference model runs forward on
+  every token too (the model without LoRA: on the frozen base, else on a copy of params)."""
+  reference_params = params if frozen is None else frozen
   return flops.flops_per_token(_matmul_params(cfg, params), cfg.num_layers, cfg.num_heads,
                                cfg.head_dim, cfg.seq_len, causal,
-                               frozen_params=_matmul_params(cfg, frozen) if frozen else 0)
+                               frozen_params=_matmul_params(cfg, frozen) if frozen else 0,
+                               reference_params=(_matmul_params(cfg, reference_params)
+                                                 if reference else 0))
 
 
 def _matmul_params(cfg, params) -> float:
