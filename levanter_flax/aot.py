@@ -315,6 +315,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
     run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
                                                                 preference=preference))
   trainer = run.trainer
+  partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
   logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
                num_slices, len(target), trainer.batch_size)
   steps = _steps(run, partitioner, preference)

@@ -373,6 +373,13 @@ class Partitioner:
   def data_parallel_size(self) -> int:
     return self._axis_size(self.logical_axes["batch"])
 
+  def check_batch_size(self, batch_size: int, accumulation: int) -> None:
+    """A microbatch (batch_size / accumulation sequences) splits evenly over the batch's axes."""
+    if (batch_size // accumulation) % self.data_parallel_size:
+      raise UserError(f"config.trainer.batch_size ({batch_size}) / gradient_accumulation_steps "
+                      f"({accumulation}) must be divisible by the activation axis size "
+                      f"({self.data_parallel_size})")
+
   def unmatched(self, abstract_params) -> set[str]:
     """The parameters no rule matches: replicated, unless a ZeRO axis splits them."""
     return {path_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)

@@ -151,13 +151,11 @@ def _warn_if_search_changed(saved: dict, kept: dict, trainer: TrainerConfig,
 
 
 def _check_batch_size(trainer: TrainerConfig, partitioner: partitioning.Partitioner) -> None:
-  microbatch = trainer.batch_size // trainer.gradient_accumulation_steps
-  for divisor, what in ((partitioner.data_parallel_size, "the activation axis size"),
-                        (jax.process_count(), "the process count")):
-    if microbatch % divisor:
-      raise UserError(f"config.trainer.batch_size ({trainer.batch_size}) / "
-                      f"gradient_accumulation_steps ({trainer.gradient_accumulation_steps}) "
-                      f"must be divisible by {what} ({divisor})")
+  partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
+  if (trainer.batch_size // trainer.gradient_accumulation_steps) % jax.process_count():
+    raise UserError(f"config.trainer.batch_size ({trainer.batch_size}) / "
+                    f"gradient_accumulation_steps ({trainer.gradient_accumulation_steps}) "
+                    f"must be divisible by the process count ({jax.process_count()})")
 
 
 def _check_vocab(source: PreparedDataset, vocab_size: int) -> None:

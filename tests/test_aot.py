@@ -136,6 +136,14 @@ def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
   assert plan["smallest_step_bytes_per_chip"] == plan["bytes_per_chip"]
 
 
+def test_a_batch_the_topologys_data_axis_cannot_split_is_one_line():
+  pytest.importorskip("libtpu")
+  with pytest.raises(UserError, match=r"^config.trainer.batch_size \(16\) / "
+                                      r"gradient_accumulation_steps \(1\) must be divisible by "
+                                      r"the activation axis size \(12\)"):
+    aot.plan(nano(**{"trainer.batch_size": 16}), "v4:2x2x3", compiler_costs=False)
+
+
 def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"^--topology=v5e:3x3: .* v5e comes in 1x1, 2x2, 2x4"):
