@@ -136,6 +136,16 @@ def test_rollback_counts_the_window_in_step_order():
   assert (raised.value.first_step, raised.value.windows) == (10, (80, 88))
 
 
+def test_the_steps_a_rollback_trains_again_count_no_spike():
+  watch = spikes.SpikeWatch(window=8, rollback_after=2, recent=(), replayed_through=11)
+  for step_num in range(9, 14):
+    watch.add(step_num, 8 * step_num, {"train/spike": 1.0})
+  with pytest.raises(spikes.RollBack) as raised:
+    watch.flush()
+  assert (raised.value.steps, raised.value.windows, raised.value.at_step) == ((12, 13), (96, 104),
+                                                                            13)
+
+
 # Spikes at steps 9 and 11 (batches ending at windows 72 and 88: 8 per step): read at the step-12
 # log, past the step-10 checkpoint, which is set aside; the run goes back to step 8's.
 SPIKED_STEPS = (9, 11)
