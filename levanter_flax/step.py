@@ -222,7 +222,8 @@ def _sown_losses(sown) -> Metrics:
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
                                eos_id: int | None = None, loss_weights: jax.Array | None = None,
                                frozen=None, dropout_key: jax.Array | None = None,
-                               preference: Preference | None = None):
+                               preference: Preference | None = None,
+                               unreduced: tuple[str, int] | None = None):
   """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
   microbatches by a lax.scan.
 
@@ -236,19 +237,28 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   its weighted losses over the whole batch's total weight (see objective), and
   the sums are the batch's weighted mean, as without accumulation. With `preference` (DPO:
   loss_weights are codes) each microbatch's loss is the mean over its pairs, as without weights.
+
+  unreduced: (mesh axis, its size) of the batch over which the gradients of the microbatches
+  are kept apart, one per shard of the axis, until the last microbatch: one reduction over it
+  a step, not one a microbatch (for the axis that spans TPU slices: the data-center network
+  carries one reduction whatever the accumulation). Each shard then computes its share of a
+  microbatch as a vmapped batch of its own; a mixture's router loss is its share's.
   """
   weighted = loss_weights is not None and preference is None
   weight_total = total_weight(loss_weights) if weighted else None
+  shares = unreduced[1] if unreduced and num_microbatches > 1 else 1
 
   def parts_and_grads(p, t, w, index=0):
     rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
     (_, parts), grads = jax.value_and_grad(
         lambda p: objective(model, lora.merged(frozen, p), t, eos_id, w, weight_total,
-                            1 / num_microbatches, rngs, preference),
+                            1 / (num_microbatches * shares), rngs, preference),
         has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
     return parts_and_grads(params, tokens, loss_weights)
+  if shares > 1:
+    parts_and_grads = _per_share(parts_and_grads, *unreduced)
   batch, length = tokens.shape
 
   def split(rows):
@@ -262,19 +272,47 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
       parts_and_grads, params, *jax.tree.map(lambda m: m[0], microbatches)))
   totals, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
+  if shares > 1:  # The one reduction over the unreduced axis.
+    totals = jax.tree.map(lambda total: total.sum(axis=0) / (1 if weighted else shares), totals)
   if weighted:  # Each microbatch's share is in its sums already.
     return totals
   return jax.tree.map(lambda total: total / num_microbatches, totals)
 
 
+def _per_share(parts_and_grads, axis: str, shares: int):
+  """parts_and_grads on a microbatch cut into `shares` equal blocks of rows, each computed
+  apart on its shard of mesh axis `axis` (vmapped over it): their results stacked, unreduced.
+  A block's rows are those the batch sharding already puts there, so no row moves."""
+  def per_share(p, t, w, index=0):
+    split = lambda rows: None if rows is None else nn.with_logical_constraint(
+        rows.reshape(shares, rows.shape[0] // shares, *rows.shape[1:]),
+        ("unreduced", "batch", "length"))
+    with nn.logical_axis_rules(_rules_within_share(axis)):
+      return jax.vmap(parts_and_grads, in_axes=(None, 0, 0, None), spmd_axis_name=axis)(
+          p, split(t), split(w), index)
+  return per_share
+
+
+def _rules_within_share(axis: str) -> tuple:
+  """The logical axis rules with `axis` the vmapped blocks' ("unreduced") and no other's: within
+  a block, the batch is split over the rest of its axes."""
+  rules = []
+  for name, axes in nn.get_logical_axis_rules():
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    rules.append((name, tuple(a for a in axes if a != axis) or None))
+  return (("unreduced", axis), *rules)
+
+
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1,
                     eos_id: int | None = None, seed: int = 0,
-                    dpo_cfg: dpo.DpoConfig | None = None
+                    dpo_cfg: dpo.DpoConfig | None = None,
+                    unreduced: tuple[str, int] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
   key is folded with the step, so that a resumed run drops what an uninterrupted one would.
-  dpo_cfg: train by DPO on preference batches, against TrainState.reference_params."""
+  dpo_cfg: train by DPO on preference batches, against TrainState.reference_params.
+  unreduced: see accumulated_loss_and_grads."""
   uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
   reference_model = models.build(lora.without_lora(model.config)) if dpo_cfg else None
 
@@ -293,7 +331,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                   else None)
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
                                               num_microbatches, eos_id, weights, state.frozen,
-                                              dropout_key, preference)
+                                              dropout_key, preference, unreduced)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
@@ -447,7 +485,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   replicated = partitioner.replicated
   dpo_cfg = run.dpo if preference else None
   train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
-                               eos_id, run.trainer.seed, dpo_cfg)
+                               eos_id, run.trainer.seed, dpo_cfg,
+                               _cross_slice_batch_axis(run, partitioner, shardings.params))
   eval_params = shardings.model_params
   eval_step = make_eval_step(model, eos_id)
   if preference:
@@ -470,6 +509,26 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       eval_step=jax.jit(eval_step, in_shardings=(eval_params, batch), out_shardings=replicated),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
+
+
+def _cross_slice_batch_axis(run, partitioner: partitioning.Partitioner,
+                            param_shardings) -> tuple[str, int] | None:
+  """(axis, size): the batch's mesh axis that spans TPU slices (trainer.dcn_mesh) and splits no
+  parameter, over which accumulated gradients stay unreduced until the step's end; None on one
+  slice, or where ZeRO-3 splits the parameters over it too (its accumulator would then be
+  whole on every device)."""
+  mesh = partitioner.mesh
+  if len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}) < 2:
+    return None
+  spans = dict(run.trainer.dcn_mesh)
+  splits_parameters = {axis for sharding in jax.tree.leaves(param_shardings)
+                       for entry in sharding.spec if entry
+                       for axis in ((entry,) if isinstance(entry, str) else entry)}
+  batch = partitioner.logical_axes["batch"]
+  for axis in (batch,) if isinstance(batch, str) else tuple(batch or ()):
+    if spans.get(axis, 1) != 1 and axis not in splits_parameters:  # -1: every slice.
+      return axis, mesh.shape[axis]
+  return None
 
 
 def compile_in_background(steps: ShardedSteps, partitioner: partitioning.Partitioner,

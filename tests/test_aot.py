@@ -136,6 +136,20 @@ def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
   assert plan["smallest_step_bytes_per_chip"] == plan["bytes_per_chip"]
 
 
+def test_accumulation_sends_no_more_across_slices_than_one_microbatch():
+  """The data-center network carries one gradient reduction a step, however many microbatches
+  (step._cross_slice_batch_axis keeps the accumulator unreduced over the slices)."""
+  pytest.importorskip("libtpu")
+  across = []
+  for microbatches in (1, 4):
+    plan = aot.plan(nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
+                            "trainer.batch_size": 32,
+                            "trainer.gradient_accumulation_steps": microbatches}),
+                    "v5e:2x2", num_slices=2, compiler_costs=False)
+    across.append(plan["collective_bytes_per_step"]["all-reduce across slices"])
+  assert 0 < across[1] <= across[0], across
+
+
 def test_a_batch_the_topologys_data_axis_cannot_split_is_one_line():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"^config.trainer.batch_size \(16\) / "

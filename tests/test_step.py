@@ -48,6 +48,26 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   assert_trees_close(new_grads, grads, 1e-5)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "loss_weights"])
+def test_gradients_kept_apart_over_an_axis_until_the_step_end_are_the_same(weighted):
+  """Multi-slice accumulation (step._cross_slice_batch_axis): each data shard's gradients summed
+  over the microbatches apart, reduced once; here over the data axis of 8 fake devices."""
+  partitioner = partitioning.Partitioner(
+      partitioning.make_mesh((("data", 4), ("model", 2))), partitioning.ShardingConfig())
+  params, tokens = params_and_tokens(TINY, batch_size=16)
+  weights = (jax.random.uniform(jax.random.key(2), tokens.shape) < 0.5).astype(jnp.float32)
+  model = GPT2LMHeadModel(TINY)
+
+  def run(unreduced):
+    with partitioner.activation_context():
+      return jax.jit(lambda p, t, w: step.accumulated_loss_and_grads(
+          model, p, t, 4, loss_weights=w if weighted else None, unreduced=unreduced))(
+              params, tokens, weights)
+  (parts, grads), (apart, apart_grads) = run(None), run(("data", 4))
+  assert float(apart["loss"]) == pytest.approx(float(parts["loss"]), rel=1e-6)
+  assert_trees_close(apart_grads, grads, 1e-5)
+
+
 # What a family's tiny model needs beyond the shared sizes to exercise it: Gemma 3's local
 # and global layers (3 layers: local, global, local) with a window shorter than the sequence.
 FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
