@@ -333,7 +333,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * steps.flops_per_token(run.model),
   }
-  planned = {**result, **_memory_and_costs(run, partitioner, steps, compiler_costs)}
+  planned = {**result, **_memory_and_costs(run, partitioner, steps, capacity, compiler_costs)}
   if not planned["fits"]:
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
@@ -342,9 +342,10 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
 
 
 def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-                      steps: step.ShardedSteps, compiler_costs: bool) -> dict[str, Any]:
-  """The compiled step's memory per chip, whether it fits, and its costs."""
-  capacity = HBM_BYTES[partitioner.mesh.devices.flat[0].device_kind]
+                      steps: step.ShardedSteps, capacity: int,
+                      compiler_costs: bool) -> dict[str, Any]:
+  """The compiled step's memory per chip, whether it fits a chip of `capacity` bytes, and its
+  costs."""
   try:
     compiled = _compile(run, partitioner, steps)
   except jax.errors.JaxRuntimeError as e:

@@ -155,14 +155,14 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
   try:
     state, progress = resume.initial_state(start, workdir, steps, checkpointer)
     if int(state.step) >= trainer.num_train_steps:
-      missed = {"eval": resume.eval_missed(start, workdir, checkpointer, int(state.step)),
-                "harness": resume.harness_missed(start, workdir, checkpointer, int(state.step))}
-      if any(missed.values()):
+      eval_missed = resume.eval_missed(start, workdir, checkpointer, int(state.step))
+      harness_missed = resume.harness_missed(start, workdir, checkpointer, int(state.step))
+      if eval_missed or harness_missed:
         with contextlib.closing(metrics.create_writer(workdir, lock.may_write, run)) as writer:
-          if missed["eval"]:
+          if eval_missed:
             _evaluate_missed_step("eval", _make_evaluate(run, steps, start.sources), state,
                                   writer)
-          if missed["harness"]:
+          if harness_missed:
             _evaluate_missed_step("harness", _harness_of_state(_make_harness(run, steps)), state,
                                   writer)
       logging.warning("Already finished: the newest checkpoint is step %d, and "
