@@ -1,6 +1,6 @@
 """Shared by the benchmarks: a compiled train step (GPT-2 or Llama) on a mesh, and its timing.
 
-Its run is built as levanter_flax.settings dataclasses, with jax, flax and optax alone, so it
+Its run is built as levanter_flax.config.settings dataclasses, with jax, flax and optax alone, so it
 runs on accelerator machines without TensorFlow or ml_collections.
 """
 import dataclasses
@@ -10,11 +10,14 @@ import time
 import jax
 import numpy as np
 
-from levanter_flax import optim, partitioning, settings, step
+from levanter_flax.optim import optimizers
+from levanter_flax.parallel import partitioning
+from levanter_flax.config import settings
+from levanter_flax.train import step
 from levanter_flax.data import DataConfig
 from levanter_flax.models.gpt2 import GPT2Config
 
-OPTIMIZER = optim.OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
+OPTIMIZER = optimizers.OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
 DATA_PARALLEL = partitioning.ShardingConfig(tensor_axis=None)
 
 
@@ -41,7 +44,7 @@ class CompiledStep:
 
 def run_config(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
                sharding: partitioning.ShardingConfig = DATA_PARALLEL,
-               optimizer: optim.OptimizerConfig = OPTIMIZER, num_microbatches: int = 1,
+               optimizer: optimizers.OptimizerConfig = OPTIMIZER, num_microbatches: int = 1,
                document_masking: bool = False, spike_policy: str = "none") -> settings.RunConfig:
   """A benchmark's run: the model on `device_mesh`, its learning rate scheduled over 1000 steps."""
   trainer = settings.TrainerConfig(batch_size=batch_size, num_train_steps=1000,

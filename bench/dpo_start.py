@@ -17,7 +17,10 @@ import jax
 import numpy as np
 
 from common import run_config
-from levanter_flax import dpo, models, partitioning, step
+from levanter_flax.objectives import dpo
+from levanter_flax import models
+from levanter_flax.parallel import partitioning
+from levanter_flax.train import step
 from levanter_flax.models.llama import LlamaConfig
 
 

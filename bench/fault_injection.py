@@ -36,7 +36,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 # prepare imports TensorFlow only to write a corpus, which exists by then.
-from levanter_flax.data import prepare  # pylint: disable=wrong-import-position
+from levanter_flax.data import dataset_writer  # pylint: disable=wrong-import-position
 
 
 def command(workdir: pathlib.Path, args, checkpoint_every: int, *extra: str) -> list[str]:
@@ -211,7 +211,7 @@ class Scenarios:
 
   def cut_shard(self, workdir):
     """Ends in a refusal: there is nothing to compare with the uninterrupted run."""
-    dataset = prepare.builtin_dataset(self.args.cache_dir, "byte", 0.02, 8)  # gpt2_nano's.
+    dataset = dataset_writer.builtin_dataset(self.args.cache_dir, "byte", 0.02, 8)  # gpt2_nano's.
     copy = self.root / "cut_dataset"
     shutil.copytree(dataset, copy)
     shard = first_train_shard(copy)

@@ -21,7 +21,9 @@ import jax
 import numpy as np
 
 from common import OPTIMIZER, compile_train_step, run_config
-from levanter_flax import models, optim, step
+from levanter_flax import models
+from levanter_flax.optim import optimizers
+from levanter_flax.train import step
 from levanter_flax.models.common import REMAT_POLICIES, with_compute
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
@@ -32,12 +34,12 @@ LLAMA_1B = LlamaConfig(vocab_size=32000, seq_len=2048, num_layers=22, num_heads=
                        num_kv_heads=4, hidden_dim=2048, intermediate_dim=5632)
 
 
-def optimizer_state_bytes(model_cfg, optimizer: optim.OptimizerConfig = OPTIMIZER) -> int:
+def optimizer_state_bytes(model_cfg, optimizer: optimizers.OptimizerConfig = OPTIMIZER) -> int:
   """The optimizer state's bytes for `model_cfg` (LoRA: of the adapters alone), from
   jax.eval_shape of the train state's init: nothing is allocated."""
   model = models.build(model_cfg)
   init = functools.partial(step.init_state, model,
-                           optim.make_optimizer(optimizer, optim.learning_rate_schedule(
+                           optimizers.make_optimizer(optimizer, optimizers.learning_rate_schedule(
                                optimizer, 1000)))
   opt_state = jax.eval_shape(init, jax.random.key(0)).opt_state
   return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt_state))

@@ -14,7 +14,7 @@ import statistics
 import jax
 
 from common import OPTIMIZER, compile_train_step, run_config
-from levanter_flax import optim
+from levanter_flax.optim import optimizers
 from levanter_flax.models.gpt2 import GPT2Config
 
 
@@ -34,7 +34,7 @@ def main():
   print(f"{'optimizer':12s} {'ms/step':>9s} {'vs adamw':>9s} {'state bytes/param':>18s}")
   baseline = None
   # Each optimizer, then AdamW wrapped by trainer.spike_policy's window (spikes.py).
-  for name, spike_policy in [(name, "none") for name in optim.OPTIMIZERS] + [("adamw", "skip")]:
+  for name, spike_policy in [(name, "none") for name in optimizers.OPTIMIZERS] + [("adamw", "skip")]:
     run = compile_train_step(run_config(cfg, args.batch_size,
                                         optimizer=dataclasses.replace(OPTIMIZER, name=name),
                                         spike_policy=spike_policy))

@@ -24,7 +24,9 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from common import DATA_PARALLEL, OPTIMIZER, compile_train_step, run_config  # pylint: disable=g-import-not-at-top
-from levanter_flax import models, optim, partitioning  # pylint: disable=g-import-not-at-top
+from levanter_flax import models  # pylint: disable=g-import-not-at-top
+from levanter_flax.optim import optimizers
+from levanter_flax.parallel import partitioning
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config  # pylint: disable=g-import-not-at-top
 
 
@@ -71,7 +73,7 @@ def gathered_bytes(hlo: str) -> int:
 
 
 def measure(device_mesh, sharding, model_cfg: GPT2Config, batch_size: int, num_steps: int,
-            optimizer: optim.OptimizerConfig = OPTIMIZER) -> dict:
+            optimizer: optimizers.OptimizerConfig = OPTIMIZER) -> dict:
   run = compile_train_step(run_config(model_cfg, batch_size, device_mesh, sharding,
                                       optimizer=optimizer))
   abstract, shardings = run.steps.abstract_state, run.steps.state_shardings
@@ -94,7 +96,7 @@ def main():
   parser.add_argument("--batch_size", type=int, default=16)
   parser.add_argument("--num_steps", type=int, default=3)
   parser.add_argument("--experts", type=int, default=0, help="> 0: a Mixtral with this many")
-  parser.add_argument("--optimizer", default=OPTIMIZER.name, choices=list(optim.OPTIMIZERS))
+  parser.add_argument("--optimizer", default=OPTIMIZER.name, choices=list(optimizers.OPTIMIZERS))
   parser.add_argument("--layouts", default="", help="Comma-separated layout names; all if empty")
   args = parser.parse_args()
   optimizer = dataclasses.replace(OPTIMIZER, name=args.optimizer)

@@ -35,7 +35,7 @@ def measure(process_id: int, address: str, steps: int, rounds: int, checkpoints:
   jax.distributed.initialize(address, 2, process_id)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from common import compile_train_step, run_config  # pylint: disable=g-import-not-at-top
-  from levanter_flax.checkpoint import CheckpointConfig, Checkpointer  # pylint: disable=g-import-not-at-top
+  from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer  # pylint: disable=g-import-not-at-top
   from levanter_flax.models.gpt2 import GPT2Config  # pylint: disable=g-import-not-at-top
 
   tiny = GPT2Config(vocab_size=384, seq_len=64, num_layers=2, num_heads=4, hidden_dim=64)

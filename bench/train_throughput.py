@@ -5,7 +5,7 @@
 
 Prints tokens/s, compile time, model TFLOP/s per device and MFU, with model
 FLOPs counted nanoGPT's way (6N + 12*L*H*Q*T per token) and with the causal
-half of attention only. The peak is the device's from levanter_flax.flops, or
+half of attention only. The peak is the device's from levanter_flax.core.flops, or
 `--config.trainer.peak_flops_per_device`; on a CPU it is the float32
 square-matmul rate measured by this same run. It also times the LM head and
 its cross-entropy alone (forward and backward) as a share of the step.
@@ -23,7 +23,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common import compile_train_step, square_matmul_flops
-from levanter_flax import flops, models, partitioning
+from levanter_flax.core import flops
+from levanter_flax import models
+from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")

@@ -32,9 +32,12 @@ from typing import Any, Optional
 import jax
 from absl import app, flags, logging
 
-from levanter_flax import batch_search, partitioning, progress, settings, step
+from levanter_flax.train import batch_search, step
+from levanter_flax.parallel import partitioning
+from levanter_flax.core import progress
+from levanter_flax.config import settings
 from levanter_flax.config import define_config_flag, parse_flags, run_config_of_flags
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.core.errors import UserError, exit_with_error
 from levanter_flax.models import common
 
 GIB = 1 << 30

@@ -4,7 +4,7 @@
     result = lf.train("gpt2:nano", "runs/nano", callbacks=[lf.Callback(100, print_loss)])
     loaded = lf.load("runs/nano")  # loaded.params, loaded.model, loaded.tokenizer
 
-Bad input raises levanter_flax.errors.UserError, whose message is the one line the command
+Bad input raises levanter_flax.core.errors.UserError, whose message is the one line the command
 line would print.
 """
 import dataclasses
@@ -16,11 +16,14 @@ import flax.linen as nn
 import ml_collections
 from etils import epath
 
-from levanter_flax import backend, checkpoint, config as config_lib, models, paths
-from levanter_flax.callbacks import Callback
-from levanter_flax.errors import UserError
-from levanter_flax.settings import RunConfig
-from levanter_flax.loop import TrainResult, run_training
+from levanter_flax.parallel import backend
+from levanter_flax.generate import trained
+from levanter_flax import config as config_lib, models
+from levanter_flax.core import paths
+from levanter_flax.train.callbacks import Callback
+from levanter_flax.core.errors import UserError
+from levanter_flax.config.settings import RunConfig
+from levanter_flax.train.loop import TrainResult, run_training
 
 __all__ = ["train", "load", "load_config", "Callback", "TrainResult", "Loaded"]
 
@@ -73,14 +76,13 @@ class Loaded:
   def tokenizer(self):
     """The tokenizer the run trained with (config.json's data.tokenizer), checked against its
     datasets' manifests as `sample` checks it: encode(text) -> ids, decode(ids) -> text."""
-    from levanter_flax import sample  # pylint: disable=g-import-not-at-top
-    return sample.run_tokenizer(self.workdir, self.config)
+    return trained.run_tokenizer(self.workdir, self.config)
 
 
 def load(workdir: str | os.PathLike) -> Loaded:
   """The params and model of `workdir`'s newest readable checkpoint, as `sample` and
-  `export_hf` read them (checkpoint.run_params), with the run's config and tokenizer."""
+  `export_hf` read them (generate.trained.run_params), with the run's config and tokenizer."""
   workdir = paths.resolve(workdir, "workdir")
-  model_config, params, saved = checkpoint.run_params(workdir)
+  model_config, params, saved = trained.run_params(workdir)
   return Loaded(params=params, model=models.build(model_config), model_config=model_config,
                 config=saved, workdir=workdir)

@@ -8,7 +8,7 @@ Each command keeps its own flags and --help; this adds nothing but the table bel
 import runpy
 import sys
 
-from levanter_flax.errors import exit_with_error
+from levanter_flax.core.errors import exit_with_error
 
 # Subcommand -> the module `python -m` runs for it.
 SUBCOMMANDS = {

@@ -19,14 +19,18 @@ import jax
 from absl import app, flags
 from etils import epath
 
-from levanter_flax import backend, checkpoint, cli, hf, models, partitioning, paths, sample
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.parallel import backend, partitioning
+from levanter_flax.generate import trained
+from levanter_flax.core import cli, paths
+from levanter_flax.hf import snapshot
+from levanter_flax import models
+from levanter_flax.core.errors import UserError, exit_with_error
 
 
 def lm_eval_harness():
   """harness.py, which needs lm-eval (an extra): its absence is one line."""
   try:
-    from levanter_flax import harness  # pylint: disable=g-import-not-at-top
+    from levanter_flax.eval import harness  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise UserError(f"lm-eval-harness is not installed ({e}): pip install -e \".[eval]\"") from None
   return harness
@@ -40,7 +44,7 @@ def model_directory(workdir: str, hf_dir: str) -> epath.Path:
                     "checkpoint directory), not both or neither")
   if workdir:
     directory = paths.resolve(workdir, "--workdir")
-    checkpoint.run_checkpoints(directory)
+    trained.run_checkpoints(directory)
     return directory
   directory = paths.resolve(hf_dir, "--init_from_hf")
   for name, holds in (("config.json", "the model's shape"),
@@ -55,9 +59,9 @@ def model_and_tokenizer(directory: epath.Path, is_run: bool):
   checkpoint directory (model_directory's)."""
   from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
   if is_run:
-    model_cfg, params, saved = checkpoint.run_params(directory)
-    return model_cfg, params, sample.run_tokenizer(directory, saved)
-  model_cfg, params = hf.load(directory)
+    model_cfg, params, saved = trained.run_params(directory)
+    return model_cfg, params, trained.run_tokenizer(directory, saved)
+  model_cfg, params = snapshot.load(directory)
   return model_cfg, params, tokenizers.load_tokenizer(str(directory / "tokenizer.json"))
 
 

@@ -22,9 +22,13 @@ import numpy as np
 from absl import app, flags, logging
 from etils import epath
 
-from levanter_flax import backend, cli, hf, models, paths
-from levanter_flax.checkpoint import run_params
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.parallel import backend
+from levanter_flax.core import cli, paths
+from levanter_flax.hf import snapshot
+from levanter_flax import models
+from levanter_flax.generate import trained
+from levanter_flax.generate.trained import run_params
+from levanter_flax.core.errors import UserError, exit_with_error
 from levanter_flax.models import lora
 
 # What a previous export (or another HF checkpoint) leaves that would mix with ours.
@@ -79,15 +83,14 @@ def remove_stale_files(output_dir: epath.Path) -> None:
 def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
                     ) -> tuple[dict[str, bytes], dict[str, Any]]:
   """(file name -> contents, token ids) of the run's tokenizer for AutoTokenizer: the
-  tokenizer.json its datasets were tokenized with (sample.run_tokenizer checks it against their
+  tokenizer.json its datasets were tokenized with (trained.run_tokenizer checks it against their
   manifests), with the tokenizer_config.json beside it or else a minimal one.
 
   The EOS is the one that ended every training document. The run's documents each began after
   one, so without a tokenizer_config.json naming another it is the BOS too, as in GPT-2's.
   """
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from levanter_flax import sample  # pylint: disable=g-import-not-at-top
-  tokenizer = sample.run_tokenizer(workdir, saved)
+  tokenizer = trained.run_tokenizer(workdir, saved)
   if tokenizer.kind != "huggingface":
     logging.warning("The run's %s tokenizer (data.tokenizer=%s) is no tokenizer.json: no "
                     "tokenizer files written; give transformers one of your own", tokenizer.kind,
@@ -118,7 +121,7 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
     token_ids = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.eos_id}
   # The template the chat data was rendered with, wherever prepare found it (--chat_template,
   # chat_template.jinja), goes inside tokenizer_config.json, where AutoTokenizer reads it.
-  template = sample.trained_chat_template(saved, tokenizer)
+  template = trained.trained_chat_template(saved, tokenizer)
   if template is not None and config.get("chat_template") != template.source:
     files["tokenizer_config.json"] = (json.dumps(config | {"chat_template": template.source},
                                                  indent=2) + "\n").encode()
@@ -159,7 +162,7 @@ def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path, dtype:
     path = names[f"{module}/kernel"][0].removesuffix(".weight")
     for name, matrix in (("lora_A", a), ("lora_B", b)):  # peft's are Linear weights: [out, in].
       tensors[f"base_model.model.{path}.{name}.weight"] = np.ascontiguousarray(
-          np.asarray(matrix).astype(hf.numpy_dtype(dtype)).T)
+          np.asarray(matrix).astype(snapshot.numpy_dtype(dtype)).T)
     modules.add(".".join(path.split(".")[-2:]))  # Every layer alike: attn.c_attn, mlp.up_proj.
   adapter_config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": model_cfg.lora.rank,
@@ -200,7 +203,7 @@ def main(argv: list[str]) -> None:
     else:
       files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
       remove_stale_files(output_dir)  # Only once there is something to write instead.
-      hf.save(model_cfg, params, output_dir, dtype=dtype, max_shard_size=max_shard_size,
+      snapshot.save(model_cfg, params, output_dir, dtype=dtype, max_shard_size=max_shard_size,
               token_ids=token_ids, files=files)
   except UserError as e:
     exit_with_error(str(e))
@@ -214,7 +217,7 @@ if __name__ == "__main__":
                       required=True)
   flags.DEFINE_bool("overwrite", False, "Replace the config.json, *.safetensors and tokenizer "
                     "files of a non-empty --output_dir (its other files stay).")
-  flags.DEFINE_enum("dtype", None, hf.DTYPES, "The weights' dtype; default: the run's "
+  flags.DEFINE_enum("dtype", None, snapshot.DTYPES, "The weights' dtype; default: the run's "
                     "model.compute.param_dtype.")
   flags.DEFINE_string("max_shard_size", "5GB", "Larger weights are written in shards of at most "
                       "this size, as transformers does: 5GB, 500MB, 2GiB or bytes.")

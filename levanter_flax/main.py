@@ -7,10 +7,11 @@ Bad input ends in one line on stderr naming the culprit, and exit status 1.
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from levanter_flax import backend, cli, paths
+from levanter_flax.parallel import backend
+from levanter_flax.core import cli, paths
 from levanter_flax.config import (define_config_flag, describe_config, parse_flags, run_name,
                                   run_config_of_flags)
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.core.errors import UserError, exit_with_error
 
 define_config_flag("A config file's path, or a shipped config's name (gpt2_nano, "
                              "gpt2:nano), with an optional :VARIANT.")
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> None:
                             "--workdir")
     backend.start(run.trainer)
     # Heavy (jax, tf); by its module's path: the package's `train` is the Python API's.
-    from levanter_flax.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+    from levanter_flax.train.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
     final = train_and_evaluate(run, workdir)
   except UserError as e:
     exit_with_error(str(e))

@@ -32,9 +32,9 @@ import warnings
 
 from absl import app, flags, logging
 
-from levanter_flax import cli, paths
-from levanter_flax.data import prepare, sources
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.core import cli, paths
+from levanter_flax.data import dataset_writer, sources
+from levanter_flax.core.errors import UserError, exit_with_error
 
 _SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
 _INPUT = flags.DEFINE_list("input", [], "text/jsonl/parquet/chat/prompt_completion/preference: "
@@ -64,7 +64,7 @@ _VALIDATION_FRACTION = flags.DEFINE_float("validation_fraction", 0.01,
 _TOKENIZER_SAMPLE_MB = flags.DEFINE_integer(
     "tokenizer_sample_mb", 1024, "With --train_tokenizer: MB of train text it learns from, taken "
     "evenly from the start of every shard's part of the corpus.", lower_bound=1)
-_ENGINE = flags.DEFINE_enum("engine", "local", prepare.ENGINES, "local: a process pool on this "
+_ENGINE = flags.DEFINE_enum("engine", "local", dataset_writer.ENGINES, "local: a process pool on this "
                             "machine; beam: an Apache Beam pipeline (pip install '.[beam]').")
 _NUM_WORKERS = flags.DEFINE_integer("num_workers", os.cpu_count(), "Parallel shard writers: "
                                     "local processes, or the local Beam runner's.", lower_bound=1)
@@ -107,14 +107,14 @@ def split_pipeline_options(value: str) -> tuple[str, ...]:
     raise UserError(f"--beam_pipeline_options={value}: {e}") from None
 
 
-def options_from_flags() -> prepare.PrepareOptions:
+def options_from_flags() -> dataset_writer.PrepareOptions:
   if _TRAIN_TOKENIZER.value and _TOKENIZER.value != "byte":
     raise UserError("pass either --tokenizer or --train_tokenizer, not both")
   if _BEAM_PIPELINE_OPTIONS.value and _ENGINE.value != "beam":
     raise UserError("--beam_pipeline_options needs --engine=beam")
   if _CHAT_TEMPLATE.value and _SOURCE.value not in ("chat", "preference"):
     raise UserError("--chat_template needs --source=chat or preference")
-  return prepare.PrepareOptions(
+  return dataset_writer.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
           separator=decode_escapes(_SEPARATOR.value, "separator"),
@@ -137,7 +137,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    directory = prepare.prepare_dataset(options_from_flags())
+    directory = dataset_writer.prepare_dataset(options_from_flags())
   except UserError as e:
     exit_with_error(str(e))
   logging.info("Dataset ready: %s", directory)

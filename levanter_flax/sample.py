@@ -25,13 +25,15 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
-from etils import epath
+from absl import app, flags
 
-from levanter_flax import backend, cli, decoding, paths
-from levanter_flax.checkpoint import run_params
-from levanter_flax.decoding import SamplingConfig, choose  # pylint: disable=unused-import  # Its API.
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.parallel import backend
+from levanter_flax.core import cli, paths
+from levanter_flax.generate import decoding
+from levanter_flax.generate import trained
+from levanter_flax.generate.trained import run_params
+from levanter_flax.generate.decoding import SamplingConfig, choose  # pylint: disable=unused-import  # Its API.
+from levanter_flax.core.errors import UserError, exit_with_error
 
 
 def check_ranges(cfg: SamplingConfig) -> None:
@@ -100,71 +102,6 @@ def check_text(prompts: Sequence[str], flag_name: str = "--prompt") -> None:
                       f"{raw[e.start]:#04x}: {e.reason})") from None
 
 
-def run_tokenizer(workdir: epath.Path, saved: dict):
-  """The tokenizer a run trained with: config.json's data.tokenizer, if it is still the file
-  its datasets were tokenized with (each manifest records it; the trainer refused any other).
-
-  A file replaced since would encode prompts into ids the model did not learn.
-  """
-  from levanter_flax.data import manifest, tokenizers  # pylint: disable=g-import-not-at-top
-  spec = saved.get("data.tokenizer")
-  if not isinstance(spec, str):
-    raise UserError(f"{workdir}/config.json names no data.tokenizer to encode prompts with")
-  tokenizer = tokenizers.load_tokenizer(spec)
-  now = tokenizers.identity(tokenizer)
-  for directory, prepared in _run_manifests(saved, f"check tokenizer {spec} against"):
-    trained = manifest.manifest_tokenizer(prepared)
-    if not trained.matches(now):
-      raise UserError(f"tokenizer {spec} is {now.describe()} (vocab {now.vocab_size}), but the "
-                      f"run in {workdir} trained on {directory}, tokenized with "
-                      f"{trained.describe()} (vocab {trained.vocab_size}): the file changed "
-                      f"since; put back the one the run trained with")
-  return tokenizer
-
-
-def _run_manifests(saved: dict, purpose: str):
-  """(directory, manifest) of each dataset of a run's config.json that can still be read; one
-  moved or deleted since is logged (`purpose`: what is left undone), not an error."""
-  from levanter_flax.data import manifest  # pylint: disable=g-import-not-at-top
-  entries = saved.get("data.mixture") or [("train", saved.get("data.dataset"), 1.0)]
-  for dataset in (dataset for _, dataset, _ in entries if isinstance(dataset, str)):
-    try:
-      directory = _directory(saved, dataset)
-      prepared = manifest.load_manifest(directory)
-    except UserError as e:
-      logging.warning("Cannot %s the run's dataset %s: %s", purpose, dataset, e)
-      continue
-    yield directory, prepared
-
-
-def chat_template(saved: dict, tokenizer, template_file: str):
-  """The template --chat renders with: --chat_template, else the one the run's chat datasets
-  were prepared with (their manifests record it), else the run's tokenizer's own."""
-  from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
-  spec = saved["data.tokenizer"]
-  if tokenizer.kind != "huggingface":
-    raise UserError(f"--chat needs a Hugging Face tokenizer.json with a chat template and an "
-                    f"end-of-turn token; the run's data.tokenizer is {spec!r} ({tokenizer.kind})")
-  if template_file:
-    return chat.load_template(spec, template_file)
-  return (trained_chat_template(saved, tokenizer)
-          or chat.load_template(spec, ""))
-
-
-def trained_chat_template(saved: dict, tokenizer):
-  """The template the run's chat datasets were prepared with (their manifests record it, and
-  its file must still hold it); None for a run on no chat data."""
-  from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
-  recorded = [chat.recorded_template(saved["data.tokenizer"], prepared["chat_template"],
-                                     str(directory))
-              for directory, prepared in _run_manifests(saved, "read the chat template of")
-              if "chat_template" in prepared]
-  if len({template.sha256 for template in recorded}) > 1:
-    raise UserError(f"the run's chat datasets were prepared with different chat templates "
-                    f"({', '.join(t.origin for t in recorded)}); pass --chat_template=FILE")
-  return recorded[0] if recorded else None
-
-
 def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str
                  ) -> tuple[list[str], tuple[int, ...]]:
   """Each prompt as a user message (after a system one, if given) rendered with the generation
@@ -181,16 +118,6 @@ def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str
     raise UserError(f"the chat template's end-of-turn {text!r} (what it writes after a reply) is "
                     f"not one token of the run's tokenizer, so no reply can stop at it")
   return rendered, tuple(sorted({tokenizer.eos_id, *end_of_turn}))
-
-
-def _directory(saved: dict, dataset: str) -> epath.Path:
-  """Where a dataset of a run's config.json (data.dataset, or one of data.mixture) is."""
-  from levanter_flax.data import prepare  # pylint: disable=g-import-not-at-top
-  if dataset == "stdlib":
-    return prepare.builtin_directory(saved["data.cache_dir"], saved["data.tokenizer"],
-                                     saved["data.validation_fraction"],
-                                     saved["data.num_train_shards"])
-  return paths.resolve(dataset, "data.dataset of the run's config.json")
 
 
 def encode(tokenizer, prompts: Sequence[str], bos: bool) -> list[list[int]]:
@@ -218,10 +145,10 @@ def main(argv: list[str]) -> None:
     check_ranges(cfg)
     workdir = paths.resolve(flag.workdir, "--workdir")
     model_cfg, params, saved = run_params(workdir)
-    tokenizer = run_tokenizer(workdir, saved)
+    tokenizer = trained.run_tokenizer(workdir, saved)
     texts = flag.prompt
     if flag.chat:
-      template = chat_template(saved, tokenizer, flag.chat_template)
+      template = trained.chat_template(saved, tokenizer, flag.chat_template)
       texts, stop_ids = chat_prompts(template, tokenizer, flag.prompt, flag.system)
       cfg = dataclasses.replace(cfg, stop_ids=stop_ids)
     prompts = encode(tokenizer, texts, bos=not flag.no_bos)

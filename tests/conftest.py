@@ -73,10 +73,10 @@ def shipped_configs() -> list[str]:
 def data_cache(tmp_path_factory) -> pathlib.Path:
   """A cache dir with the built-in corpus tokenized once for the whole session."""
   from levanter_flax.config import default_config
-  from levanter_flax.data import prepare
+  from levanter_flax.data import dataset_writer
   cache_dir = tmp_path_factory.mktemp("data_cache")
   data = default_config().data
-  prepare.builtin_dataset(str(cache_dir), data.tokenizer, data.validation_fraction,
+  dataset_writer.builtin_dataset(str(cache_dir), data.tokenizer, data.validation_fraction,
                           data.num_train_shards)
   return cache_dir
 
@@ -122,14 +122,14 @@ def random_documents(count: int, seed: int = 0) -> list[str]:
 
 def prepare_texts(directory: pathlib.Path, texts: list[str], **options) -> pathlib.Path:
   """Writes one file per text under directory/input and prepares them into directory/data."""
-  from levanter_flax.data import prepare, sources
+  from levanter_flax.data import dataset_writer, sources
   inputs = directory / "input"
   inputs.mkdir(parents=True, exist_ok=True)
   for i, text in enumerate(texts):
     (inputs / f"{i:04d}.txt").write_text(text, encoding="utf-8")
   source = sources.SourceSpec(kind="text", inputs=(str(inputs / "*.txt"),))
   options = {"num_shards": 4, "validation_fraction": 0.2, **options}
-  return prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=directory / "data",
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=source, output_dir=directory / "data",
                                                         **options))
 
 

@@ -5,9 +5,9 @@ import os
 import runpy
 import signal
 
-from levanter_flax import checkpoint
+from levanter_flax.checkpoint import store
 
-_save = checkpoint.Checkpointer.save
+_save = store.Checkpointer.save
 
 
 def _save_then_die(self, step, *args, **kwargs):
@@ -17,5 +17,5 @@ def _save_then_die(self, step, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-checkpoint.Checkpointer.save = _save_then_die
+store.Checkpointer.save = _save_then_die
 runpy.run_module("levanter_flax.main", run_name="__main__", alter_sys=True)

@@ -10,10 +10,11 @@ import time
 
 import jax
 
-from levanter_flax import checkpoint, locks
+from levanter_flax.checkpoint import store
+from levanter_flax.core import locks
 
 locks._ObjectLease.RENEW_SECONDS = 0.5  # pylint: disable=protected-access
-_save = checkpoint.Checkpointer.save
+_save = store.Checkpointer.save
 
 
 def _save_then_pause(self, step, *args, **kwargs):
@@ -26,5 +27,5 @@ def _save_then_pause(self, step, *args, **kwargs):
       time.sleep(0.05)
 
 
-checkpoint.Checkpointer.save = _save_then_pause
+store.Checkpointer.save = _save_then_pause
 runpy.run_module("levanter_flax.main", run_name="__main__", alter_sys=True)

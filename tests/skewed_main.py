@@ -11,10 +11,10 @@ import time
 
 import jax
 
-from levanter_flax import checkpoint
+from levanter_flax.checkpoint import store
 from levanter_flax.data import loader
 
-_next_batch, _save = loader.TrainBatches.__next__, checkpoint.Checkpointer.save
+_next_batch, _save = loader.TrainBatches.__next__, store.Checkpointer.save
 
 
 def _skewed_next(self):
@@ -29,5 +29,5 @@ def _listed_save(self, step, state, data_position, due="step"):
   return _save(self, step, state, data_position, due)
 
 
-loader.TrainBatches.__next__, checkpoint.Checkpointer.save = _skewed_next, _listed_save
+loader.TrainBatches.__next__, store.Checkpointer.save = _skewed_next, _listed_save
 runpy.run_module("levanter_flax.main", run_name="__main__", alter_sys=True)

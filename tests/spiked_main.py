@@ -10,7 +10,7 @@ import signal
 
 import numpy as np
 
-from levanter_flax import spikes
+from levanter_flax.optim import spikes
 from levanter_flax.data import loader
 
 _tagged = loader.TrainBatches._tagged  # pylint: disable=protected-access

@@ -8,9 +8,10 @@ import jax
 import pytest
 
 from conftest import REPO, load_config_file
-from levanter_flax import aot, models, partitioning
+from levanter_flax import aot, models
+from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from test_main import NANO, assert_one_line_error
 
 KEYS = ("topology", "chips", "hbm_per_chip_bytes", "bytes_per_chip", "temp_bytes_per_chip",

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from conftest import prepare_texts, random_documents, read_metrics
-from levanter_flax import step
+from levanter_flax.train import step
 from levanter_flax.config import to_run_config
-from levanter_flax.data import loader, prepare, sources, tfrecord
+from levanter_flax.data import loader, dataset_writer, sources, tfrecord
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.data.position import DataPosition
 from levanter_flax.data.tokenizers import load_tokenizer
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.train.loop import train_and_evaluate
 
 # Qwen2's ChatML template, shortened: a system turn, then each turn between <|im_start|>ROLE\n and
 # <|im_end|>\n; roles it does not know are refused with raise_exception.
@@ -80,7 +80,7 @@ def write_jsonl(path: pathlib.Path, records: list) -> pathlib.Path:
 def prepare_records(tmp_path, kind, records, tokenizer_file, name="data", **options):
   inputs = write_jsonl(tmp_path / f"{name}.jsonl", records)
   options = {"num_shards": 1, "validation_fraction": 0.0} | options
-  return prepare.prepare_dataset(prepare.PrepareOptions(
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
       source=sources.SourceSpec(kind=kind, inputs=(str(inputs),)), output_dir=tmp_path / name,
       tokenizer=tokenizer_file, **options))
 
@@ -357,7 +357,7 @@ def test_a_run_trains_and_evaluates_on_chat_mixed_with_text(tmp_path, tokenizer_
 
 
 def test_abstract_inputs_carry_the_weights_the_train_step_takes(tiny_config):
-  from levanter_flax import partitioning
+  from levanter_flax.parallel import partitioning
   run = to_run_config(tiny_config)
   partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
                                          run.sharding)

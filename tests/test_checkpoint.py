@@ -17,9 +17,11 @@ import pytest
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from levanter_flax import checkpoint, step
-from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
-from levanter_flax.errors import UserError
+from levanter_flax.checkpoint import store
+from levanter_flax.train import step
+from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer
+from levanter_flax.generate.trained import run_params
+from levanter_flax.core.errors import UserError
 
 # A failed orbax restore leaves its read coroutines unawaited; Python reports each one.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -183,7 +185,7 @@ def test_a_storage_that_refuses_to_read_stops_the_run_and_sets_nothing_aside(che
 
 def decisive_cause(error: BaseException) -> BaseException:
   """The exception in `error`'s chain whose type the verdict rests on."""
-  return next(c for c in checkpoint._causes(error) if checkpoint._verdict(c))
+  return next(c for c in store._causes(error) if store._verdict(c))
 
 
 # Each damage or refusal, the exception that decides its verdict as orbax and tensorstore raise
@@ -216,8 +218,8 @@ def test_the_errors_each_verdict_rests_on_are_as_orbax_and_tensorstore_raise_the
   def spied(error, path):
     errors.append(error)
     return classified(error, path)
-  classified = checkpoint._classified
-  monkeypatch.setattr(checkpoint, "_classified", spied)
+  classified = store.classified
+  monkeypatch.setattr(store, "classified", spied)
   step = checkpoints / "2"
   error_type, code, os_error, damaged = PINNED[case]
   if case in DAMAGE:
@@ -231,12 +233,12 @@ def test_the_errors_each_verdict_rests_on_are_as_orbax_and_tensorstore_raise_the
   if error_type is ValueError:  # Tensorstore's: the status in absl's words, payloads appended.
     text = str(cause)
     if code == "INVALID_ARGUMENT":  # Its code left out; known by the spec tensorstore adds.
-      assert not text.startswith(checkpoint._STATUS_CODES) and "[tensorstore_spec=" in text
+      assert not text.startswith(store._STATUS_CODES) and "[tensorstore_spec=" in text
     else:
       assert text.startswith(f"{code}: ")
     assert (f"[os_error_code='{os_error}']" in text) == (os_error is not None)
-    assert checkpoint._tensorstore_status(cause) == (code, os_error)
-  assert isinstance(classified(errors[0], step), checkpoint._Damaged) == damaged
+    assert store._tensorstore_status(cause) == (code, os_error)
+  assert isinstance(classified(errors[0], step), store._Damaged) == damaged
 
 
 def test_run_params_reads_params_alone_to_the_host_without_orbax_warnings(saved, tmp_path, caplog):

@@ -8,7 +8,7 @@ from conftest import REPO, config_variants, load_config_file, shipped_configs
 from levanter_flax.config import (SHIPPED_CONFIGS, default_config, find_config_file,
                                   load_config_file as load_config, load_preset, mesh, run_name,
                                   shipped_names, to_run_config)
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 SHIPPED = shipped_configs()
 VARIANTS = [f"{file}:{variant}" for file, names in config_variants().items() for variant in names]

@@ -13,12 +13,13 @@ import transformers
 from safetensors.numpy import load_file
 
 from conftest import load_config_file, prepare_texts, random_documents, write_dataset
-from levanter_flax import export_hf, hf, models
-from levanter_flax.checkpoint import run_params
+from levanter_flax import export_hf, models
+from levanter_flax.hf import snapshot
+from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import train_bpe
-from levanter_flax.errors import UserError
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.core.errors import UserError
+from levanter_flax.train.loop import train_and_evaluate
 from test_hf import TOKENS, assert_one_error_line, export, hf_logits, hf_model
 
 
@@ -66,7 +67,7 @@ def test_an_export_in_the_runs_bfloat16_loads_alone_in_transformers(bpe_run, tmp
 
   assert transformers.AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
   widened = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-  cfg = hf.read_config(out)
+  cfg = snapshot.read_config(out)
   assert np.max(np.abs(hf_logits_of(widened, cfg.vocab_size) - our_logits(workdir))) <= 1e-4
 
   loaded = transformers.AutoTokenizer.from_pretrained(out)
@@ -107,7 +108,7 @@ def test_a_sharded_float32_export_loads_with_the_same_logits(bpe_run, tmp_path):
   assert exported.dtype == torch.float32
   ours = our_logits(workdir)
   assert np.max(np.abs(hf_logits_of(exported, ours.shape[-1]) - ours)) <= 1e-4
-  assert hf.load(out)[0] == hf.read_config(out)  # And it imports back.
+  assert snapshot.load(out)[0] == snapshot.read_config(out)  # And it imports back.
 
   # The same run again, unsharded: no shard of the sharded export stays beside it.
   result = export(workdir, out, "--overwrite")
@@ -135,7 +136,7 @@ def test_a_hub_cache_snapshot_imports_with_the_same_logits(tmp_path, dtype, shar
   model.to(dtype).save_pretrained(tmp_path / "saved", max_shard_size=shard_size)
   snapshot = hub_snapshot(tmp_path / "saved", tmp_path / "hub")
   assert (shard_size == "20KB") == (snapshot / "model.safetensors.index.json").exists()
-  cfg, params = hf.load(snapshot)
+  cfg, params = snapshot.load(snapshot)
   widened = transformers.AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32)
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(widened.eval()))) <= 1e-4
@@ -146,11 +147,11 @@ def test_an_index_naming_a_missing_shard_is_named(tmp_path):
   (tmp_path / "model-00003-of-00005.safetensors").unlink()
   with pytest.raises(UserError, match=r"model.safetensors.index.json names the file "
                                       r"'model-00003-of-00005.safetensors', which is not in"):
-    hf.load(tmp_path)
+    snapshot.load(tmp_path)
   (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": 3}')
   with pytest.raises(UserError, match=r"cannot read .*index.json: expected an object with a "
                                       r"'weight_map'"):
-    hf.load(tmp_path)
+    snapshot.load(tmp_path)
 
 
 def test_a_tokenizer_config_beside_the_tokenizer_is_copied(bpe_run, tmp_path):

@@ -18,13 +18,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
-from levanter_flax import preemption, report
-from levanter_flax.checkpoint import CheckpointConfig, Checkpointer, run_params
+from levanter_flax.checkpoint import preemption
+from levanter_flax.monitoring import history
+from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer
+from levanter_flax.generate.trained import run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import load_manifest
-from levanter_flax.errors import UserError
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.core.errors import UserError
+from levanter_flax.train.loop import train_and_evaluate
 from test_main import NANO, TINY
 
 
@@ -346,7 +348,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2,
                            process_id=int(sys.argv[2]), initialization_timeout=60)
-from levanter_flax import preemption
+from levanter_flax.checkpoint import preemption
 with preemption.StopSignal() as stop:
   if jax.process_index() == 1:
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C on one host: handed on to jax's service.
@@ -455,7 +457,7 @@ def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config,
   with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
     f.write('{"step": 3, "train/lo')  # What kill -9 during a write leaves.
   with caplog.at_level(logging.WARNING):
-    run = report.load_run(tmp_path, "run")
+    run = history.load_run(tmp_path, "run")
   assert "metrics.jsonl:" in caplog.text and "torn last record" in caplog.text
   assert max(run.series["train/loss"]) == 2
   tiny_config.trainer.num_train_steps = 3

@@ -67,13 +67,14 @@ def run(module: str, *args, timeout=300) -> subprocess.CompletedProcess:
 _PREPARE_ONE_SHARD = """
 import os, signal, sys
 from absl import app
-from levanter_flax import cli, prepare as command
-from levanter_flax.data import prepare
-write = prepare._write_shard
+from levanter_flax import prepare as command
+from levanter_flax.core import cli
+from levanter_flax.data import shards
+write = shards._write_shard
 def write_then_die(*args):
   write(*args)
   os.kill(os.getpid(), signal.SIGKILL)
-prepare._write_shard = write_then_die
+shards._write_shard = write_then_die
 app.run(command.main, flags_parser=cli.parse_flags)
 """
 
@@ -96,8 +97,8 @@ def gcs_dataset(gcs, tmp_path_factory):
               "--output_dir=gs://bkt/data", *flags)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert "Keeping 1 finished shards" in rerun.stderr  # ... and resumed, not redone.
-  from levanter_flax.data import prepare, sources
-  return prepare.prepare_dataset(prepare.PrepareOptions(  # In this process: it costs no start-up.
+  from levanter_flax.data import dataset_writer, sources
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(  # In this process: it costs no start-up.
       source=sources.SourceSpec(kind="text", inputs=(f"{local}/*.txt",)), output_dir=local / "data",
       num_shards=4, validation_fraction=0.2))
 
@@ -120,14 +121,14 @@ def test_prepare_on_gcs_writes_what_it_writes_locally(gcs_dataset):
 # The trainer's command line, killed -9 once its step 4 checkpoint is written, before step 6's.
 _TRAIN_THEN_DIE = """
 import os, runpy, signal
-from levanter_flax import checkpoint
-save = checkpoint.Checkpointer.save
+from levanter_flax.checkpoint import store
+save = store.Checkpointer.save
 def save_or_die(self, step, *args, **kwargs):
   if step == 6:
     self._finish_writing()
     os.kill(os.getpid(), signal.SIGKILL)
   return save(self, step, *args, **kwargs)
-checkpoint.Checkpointer.save = save_or_die
+store.Checkpointer.save = save_or_die
 runpy.run_module("levanter_flax.main", run_name="__main__", alter_sys=True)
 """
 
@@ -178,8 +179,9 @@ def test_a_gcs_run_killed_damaged_and_resumed_equals_a_local_one(gcs_run):
 
 
 def test_report_export_and_sample_read_a_gcs_run(gcs_run, tmp_path):
-  from levanter_flax import hf, paths
-  from levanter_flax.checkpoint import run_params
+  from levanter_flax.hf import snapshot
+  from levanter_flax.core import paths
+  from levanter_flax.generate.trained import run_params
   report = run("levanter_flax.report", "gs://bkt/run", "--output_dir=gs://bkt/report")
   assert report.returncode == 0, report.stderr[-3000:]
   assert re.search(r"gs://bkt/run/plugins/profile/\S+\.xplane\.pb: 1 steps in", report.stdout)
@@ -187,9 +189,9 @@ def test_report_export_and_sample_read_a_gcs_run(gcs_run, tmp_path):
   exported = run("levanter_flax.export_hf", "--workdir=gs://bkt/run", "--output_dir=gs://bkt/hf")
   assert exported.returncode == 0, exported.stderr[-3000:]
   local_cfg, local_params, _ = run_params(gcs_run)  # As export_hf does, in this process.
-  hf.save(local_cfg, local_params, tmp_path)
-  cfg, params = hf.load(paths.resolve("gs://bkt/hf", "test"))
-  local_cfg, local_params = hf.load(tmp_path)
+  snapshot.save(local_cfg, local_params, tmp_path)
+  cfg, params = snapshot.load(paths.resolve("gs://bkt/hf", "test"))
+  local_cfg, local_params = snapshot.load(tmp_path)
   assert cfg == local_cfg
   for a, b in zip(*(np.concatenate([x.ravel() for x in _leaves(p)]) for p in (params, local_params))):
     assert a == b
@@ -221,7 +223,7 @@ def test_parquet_and_zst_inputs_on_gcs_read_as_local_ones(gcs, tmp_path):
   import pyarrow
   import zstandard
   from pyarrow import parquet
-  from levanter_flax.data import prepare, sources
+  from levanter_flax.data import dataset_writer, sources
   from test_prepare import read_documents
   texts = random_documents(20, seed=3)
   table = io.BytesIO()
@@ -231,14 +233,14 @@ def test_parquet_and_zst_inputs_on_gcs_read_as_local_ones(gcs, tmp_path):
       "\n".join(json.dumps({"text": t}) for t in texts[10:]).encode()))
   for kind, pattern, expected in (("parquet", "*.parquet", texts[:10]),
                                   ("jsonl", "*.jsonl.zst", texts[10:])):
-    directory = prepare.prepare_dataset(prepare.PrepareOptions(
+    directory = dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind=kind, inputs=(f"gs://bkt/corpus2/{pattern}",)),
         output_dir=tmp_path / kind, num_shards=2, validation_fraction=0.0))
     assert sorted(read_documents(directory)) == sorted(expected)
 
 
 def test_a_tokenizer_file_on_gcs_is_read(gcs):
-  from levanter_flax import paths
+  from levanter_flax.core import paths
   from levanter_flax.data import tokenizers
   tokenizers.train_bpe(random_documents(30), 300, paths.resolve("gs://bkt/tok.json", "test"))
   tokenizer = tokenizers.load_tokenizer("gs://bkt/tok.json")
@@ -258,8 +260,8 @@ def test_a_missing_bucket_or_a_permission_error_is_one_line(gcs, module, flag, f
 
 
 def test_s3_is_refused_saying_why():
-  from levanter_flax import paths
-  from levanter_flax.errors import UserError
+  from levanter_flax.core import paths
+  from levanter_flax.core.errors import UserError
   with pytest.raises(UserError, match=r"^--workdir s3://bkt/run: s3:// paths are not supported: "
                                       r"TensorFlow 2.21 has no S3 filesystem"):
     paths.resolve("s3://bkt/run", "--workdir")
@@ -276,7 +278,7 @@ def test_missing_credentials_are_one_line(gcs, tmp_path):
 
 
 def test_a_lock_on_gcs_refuses_a_second_holder_and_frees_a_dead_ones(gcs):
-  from levanter_flax import locks, paths
+  from levanter_flax.core import locks, paths
   directory = paths.resolve("gs://bkt/locked", "test")
   first, second = (locks.DirectoryLock(directory, "workdir") for _ in range(2))
   assert first.try_acquire()
@@ -300,7 +302,7 @@ def test_a_lock_on_gcs_refuses_a_second_holder_and_frees_a_dead_ones(gcs):
 def kill_a_holder(kill: str) -> int:
   """The exit status of a process that takes the lock of gs://bkt/locked, then runs `kill`."""
   return subprocess.run([sys.executable, "-c", (
-      "import os; from etils import epath; from levanter_flax import locks\n"
+      "import os; from etils import epath; from levanter_flax.core import locks\n"
       "lock = locks.DirectoryLock(epath.Path('gs://bkt/locked'), 'workdir')\n"
       f"assert lock.try_acquire(); {kill}")], cwd=REPO, timeout=120,
                         start_new_session=True).returncode
@@ -342,7 +344,7 @@ def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cac
                                                                    monkeypatch):
   """Frozen past the lease (as by a thread that holds the GIL), it keeps its lock; once the lock
   is another run's, it stops with one line and writes nothing more; then a new run resumes."""
-  from levanter_flax import locks, paths
+  from levanter_flax.core import locks, paths
   monkeypatch.setattr(locks._ObjectLease, "LEASE_SECONDS", 2)  # For this process's takers.
   flags = [f"--config={NANO}", "--workdir=gs://bkt/taken", *TINY, "--config.trainer.batch_size=8",
            "--config.trainer.num_train_steps=4", "--config.checkpoint.every_steps=2",
@@ -383,7 +385,7 @@ def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cac
 def test_a_lock_renewal_that_fails_for_a_moment_keeps_the_gcs_lock(gcs, monkeypatch):
   """Storage that answers nothing for longer than a request's retries, and then the renewals'
   requests that it answers late, do not cost the lock."""
-  from levanter_flax import locks, paths
+  from levanter_flax.core import locks, paths
   for timing, seconds in (("LEASE_SECONDS", 2), ("RENEW_SECONDS", 0.3), ("REQUEST_SECONDS", 1),
                           ("ATTEMPT_SECONDS", 0.5)):
     monkeypatch.setattr(locks._ObjectLease, timing, seconds)

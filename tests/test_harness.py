@@ -27,11 +27,15 @@ from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 from lm_eval.models.huggingface import HFLM  # pylint: disable=g-import-not-at-top
 
-from levanter_flax import decoding, harness, hf, models, partitioning  # pylint: disable=g-import-not-at-top
+from levanter_flax.generate import decoding  # pylint: disable=g-import-not-at-top
+from levanter_flax.eval import harness
+from levanter_flax.hf import snapshot
+from levanter_flax import models
+from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
 from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
-from levanter_flax.errors import UserError  # pylint: disable=g-import-not-at-top
-from levanter_flax.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+from levanter_flax.core.errors import UserError  # pylint: disable=g-import-not-at-top
+from levanter_flax.train.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
 
 SEQ_LEN = 64
 GEN_TOKENS = 12
@@ -100,7 +104,7 @@ def reference(hf_dir):
 @contextlib.contextmanager
 def levanter_lm(hf_dir, batch_size):
   """LevanterLM on the import of the HF checkpoint, data-parallel over the 8 fake devices."""
-  cfg, params = hf.load(hf_dir)
+  cfg, params = snapshot.load(hf_dir)
   mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
   partitioner = partitioning.Partitioner(
       mesh, partitioning.ShardingConfig(rules=models.family(cfg).partition_rules))
@@ -270,7 +274,7 @@ def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_
 def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
   """The while_loop ends a row right after its stop sequence's last token (kept), at a stop id
   (left out), and never decodes a padding row; other rows run to the budget."""
-  cfg, params = hf.load(hf_dir)
+  cfg, params = snapshot.load(hf_dir)
   prompt = np.asarray([ours.tok_encode(QUESTIONS[0])] * 8, np.int32)
   mask, positions = np.ones_like(prompt, bool), np.tile(np.arange(prompt.shape[1]), (8, 1))
   active = np.arange(8) < 3

@@ -14,12 +14,13 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from conftest import REPO, load_config_file, train_losses
-from levanter_flax import hf, models
-from levanter_flax.checkpoint import run_params
+from levanter_flax.hf import snapshot
+from levanter_flax import models
+from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models.llama import rope_frequencies
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.train.loop import train_and_evaluate
 from levanter_flax.models.common import with_compute
 
 def _llama(**changes):
@@ -158,7 +159,7 @@ def our_config(name: str, scan_layers: bool = False):
 def test_an_hf_checkpoint_loads_with_the_same_logits(name, scan_layers, tmp_path):
   model = hf_model(name)
   model.save_pretrained(tmp_path)
-  cfg, params = hf.load(tmp_path, scan_layers)
+  cfg, params = snapshot.load(tmp_path, scan_layers)
   assert cfg == our_config(name, scan_layers)
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(model))) <= 1e-4
@@ -169,7 +170,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits(name, scan_layers,
   cfg = our_config(name, scan_layers)
   params = models.build(cfg).init(jax.random.key(3), TOKENS)["params"]
   params = jax.tree.map(lambda x: x + 0.1 * np.random.default_rng(4).normal(size=x.shape), params)
-  hf.save(cfg, params, tmp_path / "export")
+  snapshot.save(cfg, params, tmp_path / "export")
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(exported))) <= 1e-4
@@ -179,7 +180,7 @@ def test_an_export_loads_in_transformers_with_the_same_logits(name, scan_layers,
 def test_a_scanned_export_is_the_unrolled_one_tensor_for_tensor(name, tmp_path):
   for scan_layers in (False, True):  # The same weights either way (see models.init_params).
     cfg = our_config(name, scan_layers)
-    hf.save(cfg, models.init_params(cfg, jax.random.key(0)), tmp_path / str(scan_layers))
+    snapshot.save(cfg, models.init_params(cfg, jax.random.key(0)), tmp_path / str(scan_layers))
   unrolled, scanned = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("False", "True"))
   assert scanned.keys() == unrolled.keys()
   for key, value in unrolled.items():
@@ -195,12 +196,12 @@ def _saved(model, directory):
 
 def test_mistrals_sliding_window_matters_and_none_means_none(tmp_path):
   model = hf_model("mistral")
-  cfg, params = hf.load(_saved(model, tmp_path / "window"))
+  cfg, params = snapshot.load(_saved(model, tmp_path / "window"))
   assert cfg.sliding_window == 4
   unwindowed = models.build(dataclasses.replace(cfg, sliding_window=0))
   assert np.max(np.abs(np.asarray(unwindowed.apply({"params": params}, TOKENS))
                        - hf_logits(model))) > 1e-2
-  assert hf.load(_saved(hf_model("mistral_no_window"), tmp_path / "none"))[0].sliding_window == 0
+  assert snapshot.load(_saved(hf_model("mistral_no_window"), tmp_path / "none"))[0].sliding_window == 0
 
 
 def test_a_qwen3_config_without_head_dim_reads_as_transformers_reads_it(tmp_path):
@@ -208,7 +209,7 @@ def test_a_qwen3_config_without_head_dim_reads_as_transformers_reads_it(tmp_path
   config = json.loads(HF_CONFIGS["qwen3"]().to_json_string())
   del config["head_dim"]
   (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["Qwen3ForCausalLM"]}))
-  assert hf.read_config(tmp_path).head_dim == 128
+  assert snapshot.read_config(tmp_path).head_dim == 128
   assert transformers.AutoConfig.from_pretrained(tmp_path).head_dim == 128
 
 
@@ -216,7 +217,7 @@ def test_a_qwen3_config_without_head_dim_reads_as_transformers_reads_it(tmp_path
 def test_gemma3s_window_layer_kinds_rope_bases_and_score_scale_matter(change, tmp_path):
   """Each is read from the checkpoint and changes the logits: none is a no-op at this size."""
   model = hf_model("gemma3")
-  cfg, params = hf.load(_saved(model, tmp_path))
+  cfg, params = snapshot.load(_saved(model, tmp_path))
   assert (cfg.sliding_window, cfg.global_layers, cfg.rope_local_theta, cfg.rope_theta,
           cfg.query_pre_attn_scalar) == (4, (False, True, False), 50.0, 500.0, 16)
   # layer_types local, global, local is every 2nd layer global: read as that pattern, so a run
@@ -242,7 +243,7 @@ def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_
       "final_logit_softcapping": None, "attn_logit_softcapping": None,
       "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False}
   (tmp_path / "config.json").write_text(json.dumps(published))
-  ours = hf.read_config(tmp_path)
+  ours = snapshot.read_config(tmp_path)
   theirs = transformers.AutoConfig.from_pretrained(tmp_path)
   assert ours.global_layers == tuple(t == "full_attention" for t in theirs.layer_types) == (
       False, True, False)
@@ -257,7 +258,7 @@ def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_
 def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
   model = hf_model(name)
   directory = _saved(model, tmp_path)
-  cfg, params = hf.load(directory)
+  cfg, params = snapshot.load(directory)
   unscaled = models.build(dataclasses.replace(cfg, rope_type="default"))
   assert np.max(np.abs(np.asarray(unscaled.apply({"params": params}, TOKENS))
                        - hf_logits(model))) > 1e-2  # The scaling is not a no-op at this size.
@@ -267,7 +268,7 @@ def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
   config["rope_theta"] = rope.pop("rope_theta")
   rope["type"] = rope.pop("rope_type")
   (directory / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}))
-  assert hf.load(directory)[0] == cfg
+  assert snapshot.load(directory)[0] == cfg
 
 
 @pytest.mark.parametrize("rope", [
@@ -285,7 +286,7 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
   theirs, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
   config.architectures = ["LlamaForCausalLM"]
   config.save_pretrained(tmp_path)
-  ours = rope_frequencies(hf.read_config(tmp_path))
+  ours = rope_frequencies(snapshot.read_config(tmp_path))
   np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
 
 
@@ -348,13 +349,13 @@ def test_configs_we_cannot_represent_are_refused_by_key(tmp_path, name, changes,
   config["architectures"] = [models.FAMILIES[name].hf.architecture]
   (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
   with pytest.raises(UserError, match=re.escape(str(tmp_path / "config.json")) + ".*" + message):
-    hf.load(tmp_path)
+    snapshot.load(tmp_path)
 
 
 def test_bfloat16_tensors_load_and_integer_ones_are_refused(tmp_path):
   model = hf_model("llama")
   model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-  cfg, params = hf.load(tmp_path / "bf16")
+  cfg, params = snapshot.load(tmp_path / "bf16")
   widened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16",
                                                                dtype=torch.float32).eval()
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
@@ -367,7 +368,7 @@ def test_bfloat16_tensors_load_and_integer_ones_are_refused(tmp_path):
   save_file(tensors, str(file), metadata={"format": "pt"})
   with pytest.raises(UserError, match=r"tensor model.layers.1.mlp.up_proj.weight has dtype I8; "
                                       r"only floating point \(F16, BF16, F32, F64\)"):
-    hf.load(directory)
+    snapshot.load(directory)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -387,14 +388,14 @@ def test_a_damaged_safetensors_file_is_named(tmp_path, damage, message):
   file.write_bytes({"truncate": data[:len(data) // 2], "garbage": b"<html>Not Found</html>" * 3,
                     "empty": b"", "not_json": (5).to_bytes(8, "little") + b"\xff\xfe{[x"}[damage])
   with pytest.raises(UserError, match=message):
-    hf.load(directory)
+    snapshot.load(directory)
 
 
 def test_an_unsupported_architecture_is_named(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"]}))
   with pytest.raises(UserError, match=r"architecture 'BertForMaskedLM' is not supported; "
                                       r"supported: GPT2LMHeadModel, LlamaForCausalLM"):
-    hf.load(tmp_path)
+    snapshot.load(tmp_path)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -413,7 +414,7 @@ def test_missing_or_misshapen_tensors_are_named(tmp_path, damage, message, scan_
     tensors[name] = tensors[name][:, :16].copy()
   save_file(tensors, str(file), metadata={"format": "pt"})
   with pytest.raises(UserError, match=message):
-    hf.load(directory, scan_layers)
+    snapshot.load(directory, scan_layers)
 
 
 @pytest.fixture
@@ -447,7 +448,7 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_la
   train_and_evaluate(to_run_config(tiny_llama), tmp_path / "run")
   assert sorted(train_losses(tmp_path / "run")) == [1, 2]
   _, trained, _ = run_params(tmp_path / "run")
-  _, loaded = hf.load(tmp_path / "hf", scan_layers)
+  _, loaded = snapshot.load(tmp_path / "hf", scan_layers)
   assert jax.tree.structure(trained) == jax.tree.structure(loaded)
   for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(a), b)
@@ -469,7 +470,7 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_la
   result = export(tmp_path / "run", tmp_path / "out", "--overwrite")
   assert result.returncode == 0, result.stderr[-3000:]
   assert not any((tmp_path / "out" / name).exists() for name in stale)
-  assert hf.load(tmp_path / "out")[0] == hf.read_config(tmp_path / "hf")
+  assert snapshot.load(tmp_path / "out")[0] == snapshot.read_config(tmp_path / "hf")
 
 
 @pytest.mark.parametrize("name, config_file, seq_len", [

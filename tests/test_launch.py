@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import REPO, train_losses
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.launch import Experiment, product, sweep, zipit
 from levanter_flax.launch.experiment import work_units
 from levanter_flax.launch.local import is_done

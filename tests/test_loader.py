@@ -11,7 +11,7 @@ from conftest import prepare_texts, random_documents, write_dataset
 from levanter_flax.data import DataConfig, eval_set, loader, schedule, tfrecord
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.data.position import DataPosition, ReaderGroups, default_reader_groups
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 SEQ_LEN = 16
 

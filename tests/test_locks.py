@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from levanter_flax import locks
-from levanter_flax.errors import UserError
+from levanter_flax.core import locks
+from levanter_flax.core.errors import UserError
 
 
 @pytest.fixture

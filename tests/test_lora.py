@@ -16,12 +16,16 @@ import torch
 import transformers
 
 from conftest import REPO, train_losses
-from levanter_flax import flops, hf, models, partitioning, step
-from levanter_flax.checkpoint import run_params
+from levanter_flax.core import flops
+from levanter_flax.hf import snapshot
+from levanter_flax import models
+from levanter_flax.parallel import partitioning
+from levanter_flax.train import step
+from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import common, lora
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.train.loop import train_and_evaluate
 from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
 from test_resume import run_killed_after_checkpoint
 
@@ -74,7 +78,7 @@ def test_adapters_alone_train_on_a_frozen_hf_base_and_export_merged_or_to_peft(
   # The base is the HF checkpoint's, bit for bit; the adapters moved (B is zero at init).
   model_cfg, params, _ = run_params(tmp_path / "run")
   base, adapters = lora.split(params)
-  _, loaded = hf.load(base_dir, scan_layers)
+  _, loaded = snapshot.load(base_dir, scan_layers)
   assert jax.tree.structure(base) == jax.tree.structure(loaded)
   for ours, theirs in zip(jax.tree.leaves(base), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(ours), theirs)

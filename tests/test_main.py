@@ -162,7 +162,7 @@ def test_libtpu_is_silent_on_a_machine_without_a_tpu():
   if hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu():
     pytest.skip("a TPU or GPU machine: skip_absent_tpu rightly leaves jax's platforms alone")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  script = ("from levanter_flax import backend; backend.skip_absent_tpu(); import jax; "
+  script = ("from levanter_flax.parallel import backend; backend.skip_absent_tpu(); import jax; "
             "print(jax.default_backend())")
   result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)

@@ -15,11 +15,13 @@ import pytest
 from jax.profiler import ProfileData
 
 from conftest import REPO, read_metrics
-from levanter_flax import monitoring, report
+from levanter_flax.monitoring import watch
+from levanter_flax import report
+from levanter_flax.monitoring import history
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader
-from levanter_flax.errors import UserError
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.core.errors import UserError
+from levanter_flax.train.loop import train_and_evaluate
 
 
 def trace_event_names(workdir) -> set[str]:
@@ -56,7 +58,7 @@ def test_health_metrics_are_logged_and_the_param_norm_is_the_saved_params(tiny_c
   saved = ocp.StandardCheckpointer().restore((tmp_path / "checkpoints" / "5" / "state").absolute())
   assert last["train/param_norm"] == pytest.approx(float(optax.tree.norm(saved["params"])), rel=1e-5)
   progress = {k for m in read_metrics(tmp_path) for k in m}
-  assert {"steps_per_sec", "uptime", report.RUN_START} <= progress
+  assert {"steps_per_sec", "uptime", history.RUN_START} <= progress
 
 
 def test_watchdog_dumps_the_stacks_when_a_step_hangs(tiny_config, tmp_path, monkeypatch, caplog):
@@ -86,7 +88,7 @@ def test_watchdog_dumps_the_stacks_when_a_step_hangs_holding_the_gil(capfd):
   def step_stuck_in_c():
     libc.sleep(2)
 
-  with monitoring.HangWatchdog(1.0) as watchdog:
+  with watch.HangWatchdog(1.0) as watchdog:
     watchdog.step_finished(1)
     step_stuck_in_c()
   stderr = capfd.readouterr().err  # The process's own: file descriptor 2.
@@ -150,9 +152,9 @@ def test_report_names_bad_records_and_an_unwritable_output_dir(tmp_path):
   for bad in ('{"step": 1e400}', '{"step": 3, "train/loss": null}', '{"step": 3, "x": [1]}'):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good) + bad + "\n")
     with pytest.raises(UserError, match=f"{run}/metrics.jsonl:3 is not a metrics record"):
-      report.load_run(run, "run")
+      history.load_run(run, "run")
   (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
-  assert report.summary(report.load_run(run, "run"))["best eval loss"] == 2.5  # NaN is no best.
+  assert report.summary(history.load_run(run, "run"))["best eval loss"] == 2.5  # NaN is no best.
   (tmp_path / "a_file").write_text("")
   with pytest.raises(UserError, match=f"cannot create --output_dir {tmp_path}/a_file/plots"):
     report.report([run], tmp_path / "a_file" / "plots")

@@ -12,12 +12,13 @@ import optax
 import pytest
 
 from conftest import train_losses
-from levanter_flax import models, optim
+from levanter_flax import models
+from levanter_flax.optim import optimizers
 from levanter_flax.config import default_config, load_preset, to_run_config
-from levanter_flax.errors import UserError
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.core.errors import UserError
+from levanter_flax.train.loop import train_and_evaluate
 from levanter_flax.models.common import ComputeConfig
-from levanter_flax.partitioning import path_name
+from levanter_flax.parallel.partitioning import path_name
 
 A = np.array([[3.0, 0.5, -1.0, 0.2], [0.5, 2.0, 0.3, 0.0], [-1.0, 0.3, 1.5, 0.4],
               [0.2, 0.0, 0.4, 0.7]], np.float32)
@@ -30,18 +31,18 @@ def quadratic(x):
 def test_hutchinson_estimate_is_the_hessian_diagonal_in_expectation():
   x = jnp.array([0.3, -1.0, 2.0, 0.5])
   signs = [jnp.array(s, jnp.float32) for s in itertools.product([-1.0, 1.0], repeat=4)]
-  exact_mean = np.mean([optim.hessian_diagonal_estimate(quadratic, x, u) for u in signs], axis=0)
+  exact_mean = np.mean([optimizers.hessian_diagonal_estimate(quadratic, x, u) for u in signs], axis=0)
   np.testing.assert_allclose(exact_mean, np.diag(A), rtol=1e-6)  # Every Rademacher vector once.
-  sampled = np.mean([optim.hessian_diagonal_estimate(
-      quadratic, x, optim.rademacher_like(jax.random.PRNGKey(i), x)) for i in range(400)], axis=0)
+  sampled = np.mean([optimizers.hessian_diagonal_estimate(
+      quadratic, x, optimizers.rademacher_like(jax.random.PRNGKey(i), x)) for i in range(400)], axis=0)
   np.testing.assert_allclose(sampled, np.diag(A), atol=0.15)
-  single = optim.hessian_diagonal_estimate(quadratic, x, signs[5])
+  single = optimizers.hessian_diagonal_estimate(quadratic, x, signs[5])
   assert not np.allclose(single, np.diag(A))  # One sample alone is noisy: the test can fail.
 
 
 def test_sophia_h_update_matches_the_papers_algorithm():
   lr, b1, b2, gamma, eps, decay = 0.1, 0.9, 0.8, 0.5, 1e-12, 0.01
-  transform = optim.sophia_h(lr, b1=b1, b2=b2, gamma=gamma, eps=eps, weight_decay=decay,
+  transform = optimizers.sophia_h(lr, b1=b1, b2=b2, gamma=gamma, eps=eps, weight_decay=decay,
                              update_interval=2)
   params = {"kernel": jnp.array([0.3, -1.0, 2.0, 0.5])}
   loss_fn = lambda p: quadratic(p["kernel"])
@@ -55,7 +56,7 @@ def test_sophia_h_update_matches_the_papers_algorithm():
     key, sample_key = jax.random.split(key)
     m = b1 * m + (1 - b1) * (A @ x)
     if step % 2 == 0:
-      u = np.asarray(optim.rademacher_like(sample_key, {"kernel": jnp.asarray(x)})["kernel"])
+      u = np.asarray(optimizers.rademacher_like(sample_key, {"kernel": jnp.asarray(x)})["kernel"])
       h = b2 * h + (1 - b2) * u * (A @ u)
     x = x - lr * (np.clip(m / np.maximum(gamma * h, eps), -1, 1) + decay * x)
     np.testing.assert_allclose(params["kernel"], x, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
@@ -88,8 +89,8 @@ END = PEAK * END_RATIO
 CHOSEN_STEPS = (0, 4, 10, 35, 69, 70, 71, 85, 99, 100, 130)
 
 
-def schedule_config(schedule: str, **fields) -> optim.OptimizerConfig:
-  return optim.OptimizerConfig(learning_rate=PEAK, warmup_steps=WARMUP,
+def schedule_config(schedule: str, **fields) -> optimizers.OptimizerConfig:
+  return optimizers.OptimizerConfig(learning_rate=PEAK, warmup_steps=WARMUP,
                                min_learning_rate_ratio=END_RATIO, schedule=schedule, **fields)
 
 
@@ -114,7 +115,7 @@ def expected_rate(schedule: str, step: int, decay_start: int = 70, shape: str = 
     ("wsd", {"decay_fraction": 0.3}), ("wsd", {"decay_fraction": 0.3, "decay_shape": "sqrt"})])
 def test_each_schedule_follows_its_formula(schedule, fields):
   cfg = schedule_config(schedule, **fields)
-  rates = optim.learning_rate_schedule(cfg, STEPS)
+  rates = optimizers.learning_rate_schedule(cfg, STEPS)
   for step in CHOSEN_STEPS:
     np.testing.assert_allclose(float(rates(step)), expected_rate(schedule, step, shape=cfg.decay_shape),
                                rtol=1e-5, atol=1e-10, err_msg=f"{schedule} step {step}")
@@ -124,7 +125,7 @@ def test_a_wsd_run_extended_before_its_decay_stays_stable():
   """The schedule is a function of (step, num_train_steps): a run resumed with 3x the steps before
   step 80, where its decay would have begun, goes on at the peak; at 80 the shorter run decays."""
   cfg = schedule_config("wsd", decay_fraction=0.2)
-  short, extended = (optim.learning_rate_schedule(cfg, n) for n in (STEPS, 3 * STEPS))
+  short, extended = (optimizers.learning_rate_schedule(cfg, n) for n in (STEPS, 3 * STEPS))
   stable = np.arange(WARMUP, 80)
   np.testing.assert_array_equal(short(stable), np.full(stable.shape, PEAK, np.float32))
   np.testing.assert_array_equal(extended(stable), short(stable))
@@ -171,7 +172,7 @@ def test_muon_steps_match_a_numpy_newton_schulz_reference():
   """A scanned (stacked) [layers, in, out] kernel: each layer's matrix on its own. The embedding
   takes AdamW's first step (sign of the gradient) with decay; a norm scale, without."""
   lr, beta, decay, rms = 0.05, 0.9, 0.1, 0.2
-  cfg = optim.OptimizerConfig(name="muon", learning_rate=lr, warmup_steps=0, schedule="constant",
+  cfg = optimizers.OptimizerConfig(name="muon", learning_rate=lr, warmup_steps=0, schedule="constant",
                               min_learning_rate_ratio=0.0, max_grad_norm=0.0, weight_decay=decay,
                               muon_momentum=beta, muon_update_rms=rms)
   rng = np.random.default_rng(0)
@@ -180,7 +181,7 @@ def test_muon_steps_match_a_numpy_newton_schulz_reference():
                        "wte": {"embedding": rng.normal(size=(5, 4)).astype(np.float32)}}}
   grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
            for _ in range(3)]
-  transform = optim.make_optimizer(cfg, optim.learning_rate_schedule(cfg, 100))
+  transform = optimizers.make_optimizer(cfg, optimizers.learning_rate_schedule(cfg, 100))
   state, trained = transform.init(params), params
   for step, g in enumerate(grads):
     updates, state = jax.jit(transform.update)(g, state, trained)
@@ -207,7 +208,7 @@ def adamw_group(name: str, scan_layers: bool = False, **sizes) -> tuple[set[str]
   params = jax.eval_shape(lambda: models.build(config).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   labels = {path_name(p): label for p, label in
-            jax.tree_util.tree_leaves_with_path(optim.muon_labels(params))}
+            jax.tree_util.tree_leaves_with_path(optimizers.muon_labels(params))}
   return {n for n, label in labels.items() if label == "adamw"}, set(labels)
 
 
@@ -234,8 +235,8 @@ def test_muons_adamw_group_is_the_embeddings_head_norms_and_biases(scan_layers):
 def test_muon_takes_each_experts_matrix():
   adamw, names = adamw_group("mixtral")
   assert {"layers_0/mlp/experts/up_proj", "layers_0/mlp/gate/kernel"} <= names - adamw
-  cfg = optim.OptimizerConfig(name="muon")
-  transform = optim.make_optimizer(cfg, optim.learning_rate_schedule(cfg, 100))
+  cfg = optimizers.OptimizerConfig(name="muon")
+  transform = optimizers.make_optimizer(cfg, optimizers.learning_rate_schedule(cfg, 100))
   experts = {"params": {"experts": {"up_proj": jnp.ones((8, 64, 96))}}}
   muon_state = jax.tree.leaves(transform.init(experts),
                                is_leaf=lambda x: isinstance(x, optax.contrib.MuonState))
@@ -243,8 +244,8 @@ def test_muon_takes_each_experts_matrix():
 
 
 def test_muon_refuses_a_parameter_of_neither_group():
-  cfg = optim.OptimizerConfig(name="muon")
-  transform = optim.make_optimizer(cfg, optim.learning_rate_schedule(cfg, 100))
+  cfg = optimizers.OptimizerConfig(name="muon")
+  transform = optimizers.make_optimizer(cfg, optimizers.learning_rate_schedule(cfg, 100))
   params = {"params": {"layers_0": {"attn": {"kernel": jnp.ones((4, 4)),
                                              "rotary_weight": jnp.ones((4, 4))}}}}
   with pytest.raises(UserError, match=re.escape(

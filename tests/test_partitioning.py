@@ -8,16 +8,19 @@ import numpy as np
 import pytest
 
 from conftest import load_config_file, shipped_configs
-from levanter_flax import models, optim, partitioning, step
+from levanter_flax import models
+from levanter_flax.optim import optimizers
+from levanter_flax.parallel import partitioning
+from levanter_flax.train import step
 from levanter_flax.config import default_config, mesh, to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config
-from levanter_flax.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
+from levanter_flax.parallel.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
 from levanter_flax.models.common import ComputeConfig, with_compute
 from test_main import NANO, assert_one_line_error, run_main
 
 MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
-OPTIMIZER = optim.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_decay=0.1,
+OPTIMIZER = optimizers.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_decay=0.1,
                                   max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
                                   min_learning_rate_ratio=0.1)
 BATCH_SIZE, NUM_STEPS = 8, 5
@@ -67,7 +70,7 @@ def spec_of(array: jax.Array) -> tuple:
 
 
 def build(partitioner: Partitioner, model: GPT2Config = MODEL,
-          optimizer: optim.OptimizerConfig = OPTIMIZER) -> step.ShardedSteps:
+          optimizer: optimizers.OptimizerConfig = OPTIMIZER) -> step.ShardedSteps:
   """The model's steps with `optimizer`, its schedule over 100 steps, one microbatch a step."""
   nano = to_run_config(load_config_file("gpt2_nano"))
   trainer = dataclasses.replace(nano.trainer, num_train_steps=100, gradient_accumulation_steps=1)
@@ -76,7 +79,7 @@ def build(partitioner: Partitioner, model: GPT2Config = MODEL,
 
 
 def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config = MODEL,
-          num_steps: int = NUM_STEPS, optimizer: optim.OptimizerConfig = OPTIMIZER):
+          num_steps: int = NUM_STEPS, optimizer: optimizers.OptimizerConfig = OPTIMIZER):
   """num_steps steps on fixed random batches; returns (losses, final state)."""
   partitioner = Partitioner(make_mesh(device_mesh, devices), config)
   steps = build(partitioner, model, optimizer)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, parent_pid, prepare_texts, random_documents
-from levanter_flax.data import prepare, sources, tfrecord
+from levanter_flax.data import dataset_writer, sources, tfrecord
 from levanter_flax.data.manifest import MANIFEST, load_manifest
 from levanter_flax.data.tokenizers import load_tokenizer
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 
 def read_documents(directory, split=None) -> list[str]:
@@ -33,7 +33,7 @@ def prepare_again(directory, **options) -> pathlib.Path:
   """prepare_texts(directory, ...) once more, on its input files as they are now."""
   source = sources.SourceSpec(kind="text", inputs=(str(directory / "input" / "*.txt"),))
   options = {"num_shards": 4, "validation_fraction": 0.2, **options}
-  return prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=directory / "data",
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=source, output_dir=directory / "data",
                                                         **options))
 
 
@@ -60,7 +60,7 @@ def test_text_files_round_trip_exactly(tmp_path):
   assert sorted(read_documents(directory)) == sorted(texts[:-1])
   validation = read_documents(directory, "validation")
   assert 0 < len(validation) < 15
-  assert all(prepare.is_validation(f"{texts.index(t):04d}.txt", 0.2) for t in validation)
+  assert all(dataset_writer.is_validation(f"{texts.index(t):04d}.txt", 0.2) for t in validation)
   assert manifest["source"]["documents"] == 30
   assert manifest["source"]["empty_documents_skipped"] == 1
   assert manifest["tokenizer"] == {"kind": "byte", "sha256": "", "vocab_size": 257, "eos_id": 256}
@@ -74,14 +74,14 @@ def test_separator_splits_files_and_jsonl_gz_reads_a_field(tmp_path):
   (tmp_path / "a.txt").write_text("first doc\n\nsecond doc\n\nthird")
   spec = sources.SourceSpec(kind="text", inputs=(str(tmp_path / "a.txt"),), separator="\n\n")
   options = dict(output_dir=tmp_path / "text", validation_fraction=0.0, num_shards=2)
-  prepare.prepare_dataset(prepare.PrepareOptions(source=spec, **options))
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=spec, **options))
   assert sorted(read_documents(tmp_path / "text")) == ["first doc", "second doc", "third"]
 
   records = [{"text": t, "id": i} for i, t in enumerate(random_documents(12))]
   with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
     f.write("\n".join(json.dumps(r) for r in records) + "\n\n")
   spec = sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "*.jsonl.gz"),))
-  prepare.prepare_dataset(prepare.PrepareOptions(source=spec, **options | {
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=spec, **options | {
       "output_dir": tmp_path / "jsonl"}))
   assert sorted(read_documents(tmp_path / "jsonl")) == sorted(r["text"] for r in records)
 
@@ -97,7 +97,7 @@ def test_parquet_reads_every_row_group_and_skips_nulls(tmp_path):
   assert parquet.ParquetFile(tmp_path / "a.parquet").num_row_groups == 7
   spec = sources.SourceSpec(kind="parquet", inputs=(str(tmp_path / "*.parquet"),),
                             text_field="content")
-  prepare.prepare_dataset(prepare.PrepareOptions(source=spec, output_dir=tmp_path / "out",
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=spec, output_dir=tmp_path / "out",
                                                  validation_fraction=0.2, num_shards=3))
   assert sorted(read_documents(tmp_path / "out")) == sorted(texts + texts[:3])
   assert load_manifest(tmp_path / "out")["source"]["empty_documents_skipped"] == 2
@@ -112,10 +112,10 @@ def test_zst_text_and_jsonl_are_read_as_they_are_decompressed(tmp_path):
       zstandard.compress(jsonl[:100]) + zstandard.compress(jsonl[100:]))
   (tmp_path / "b.txt.zst").write_bytes(zstandard.compress(texts[0].encode()))
   options = dict(validation_fraction=0.0, num_shards=2)
-  prepare.prepare_dataset(prepare.PrepareOptions(source=sources.SourceSpec(
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=sources.SourceSpec(
       kind="jsonl", inputs=(str(tmp_path / "*.jsonl.zst"),)), output_dir=tmp_path / "j", **options))
   assert sorted(read_documents(tmp_path / "j")) == sorted(texts)
-  prepare.prepare_dataset(prepare.PrepareOptions(source=sources.SourceSpec(
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=sources.SourceSpec(
       kind="text", inputs=(str(tmp_path / "*.txt.zst"),)), output_dir=tmp_path / "t", **options))
   assert read_documents(tmp_path / "t") == [texts[0]]
 
@@ -133,7 +133,7 @@ def test_zst_text_and_jsonl_are_read_as_they_are_decompressed(tmp_path):
 def test_bad_parquet_and_zst_files_are_named(tmp_path, kind, name, write, fragment):
   write(tmp_path / name)
   with pytest.raises(UserError) as error:
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind=kind, inputs=(str(tmp_path / name),)),
         output_dir=tmp_path / "out"))
   assert fragment in str(error.value) and str(tmp_path / name) in str(error.value)
@@ -168,11 +168,11 @@ def test_tfds_dataset_is_read_offline_from_its_data_dir(tmp_path):
   TinyText(data_dir=str(tmp_path / "tfds")).download_and_prepare()
   spec = sources.SourceSpec(kind="tfds", inputs=("tiny_text",), text_field="content",
                             tfds_data_dir=str(tmp_path / "tfds"))
-  prepare.prepare_dataset(prepare.PrepareOptions(source=spec, output_dir=tmp_path / "out",
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=spec, output_dir=tmp_path / "out",
                                                  validation_fraction=0.0, num_shards=3))
   assert sorted(read_documents(tmp_path / "out")) == sorted(texts)
   with pytest.raises(UserError, match="TFDS dataset 'tiny_text' has no feature 'text'"):
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind="tfds", inputs=("tiny_text",),
                                   tfds_data_dir=str(tmp_path / "tfds")),
         output_dir=tmp_path / "out2"))
@@ -197,7 +197,7 @@ def test_restart_keeps_finished_shards_and_redoes_the_rest(tmp_path):
   (directory / "train-00002-of-00004.tfrecord.tmp-999").write_bytes(b"partial")
   # And what else a killed run leaves: temp files of a finished shard and of the JSON files.
   (directory / "train-00001-of-00004.tfrecord.tmp-998").write_bytes(b"partial")
-  for name in ("shard-00002-of-00004.done.json", MANIFEST, prepare.ARGUMENTS):
+  for name in ("shard-00002-of-00004.done.json", MANIFEST, dataset_writer.ARGUMENTS):
     (directory / f"{name}.tmp-999").write_text("{")
   (directory / "notes.tmp-1").write_text("not ours")  # Someone else's file stays.
   prepare_again(tmp_path)
@@ -221,7 +221,7 @@ def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
   (tmp_path / "input" / "good.txt").write_text("plain")
   (tmp_path / "input" / "empty.txt").write_text(" \n")
   spec = sources.SourceSpec(kind="text", inputs=(str(tmp_path / "input" / "*.txt"),))
-  directory = prepare.prepare_dataset(prepare.PrepareOptions(
+  directory = dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
       source=spec, output_dir=tmp_path / "out", validation_fraction=0.0))
   assert sorted(read_documents(directory)) == ["caf\ufffd au lait", "plain"]
   assert load_manifest(directory)["source"]["invalid_utf8_documents"] == 1
@@ -233,7 +233,7 @@ def test_non_utf8_is_replaced_and_counted_or_refused(tmp_path, caplog):
                       f"U+FFFD), 1 empty documents were skipped (counts in its manifest.json)"]
   strict = sources.SourceSpec(kind="text", inputs=spec.inputs, on_decode_error="error")
   with pytest.raises(UserError, match=r"bad.txt: invalid UTF-8 at byte 3"):
-    prepare.prepare_dataset(prepare.PrepareOptions(source=strict, output_dir=tmp_path / "out2"))
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=strict, output_dir=tmp_path / "out2"))
 
 
 def _jsonl_error(tmp_path, lines: list[str]) -> str:
@@ -242,7 +242,7 @@ def _jsonl_error(tmp_path, lines: list[str]) -> str:
   (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
   source = sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "a.jsonl"),))
   with pytest.raises(UserError) as error:
-    prepare.prepare_dataset(prepare.PrepareOptions(source=source, output_dir=tmp_path / "out",
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=source, output_dir=tmp_path / "out",
                                                    validation_fraction=0.0))
   return str(error.value)
 
@@ -255,18 +255,18 @@ def test_bad_sources_are_named(tmp_path):
   assert _jsonl_error(tmp_path, ['{"text": ""}', '{"text": "  "}']) == (
       f"source {tmp_path}/2/a.jsonl holds no non-empty documents (2 empty ones skipped)")
   with pytest.raises(UserError, match=r"input glob '/nowhere/\*.txt' matches no files"):
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind="text", inputs=("/nowhere/*.txt",)),
         output_dir=tmp_path / "out2"))
   with pytest.raises(UserError, match=r"tokenizer '.*missing.json' is neither 'byte' nor"):
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "0" / "a.jsonl"),)),
         output_dir=tmp_path / "out3", tokenizer=str(tmp_path / "missing.json")))
   # Bad input is found before anything is created.
   assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
   (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:60])
   with pytest.raises(UserError, match=f"cannot read input file {tmp_path}/cut.jsonl.gz: "):
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "cut.jsonl.gz"),)),
         output_dir=tmp_path / "out4"))
 
@@ -281,9 +281,9 @@ def test_a_tokenizer_trained_by_an_older_prepare_is_kept_if_complete(tmp_path):
   options = {"train_tokenizer_vocab_size": 300, "tokenizer_sample_bytes": 2000}
   directory = prepare_texts(tmp_path, random_documents(10), **options)
   assert load_manifest(directory)["tokenizer_training"]["documents"] > 0
-  arguments = json.loads((directory / prepare.ARGUMENTS).read_text())
+  arguments = json.loads((directory / dataset_writer.ARGUMENTS).read_text())
   del arguments["tokenizer_sample_bytes"]
-  (directory / prepare.ARGUMENTS).write_text(json.dumps(arguments))
+  (directory / dataset_writer.ARGUMENTS).write_text(json.dumps(arguments))
   assert prepare_again(tmp_path, **options) == directory
   (directory / MANIFEST).unlink()
   with pytest.raises(UserError, match="partly prepared by an older prepare"):
@@ -342,7 +342,7 @@ def test_an_input_edited_in_place_is_noticed(tmp_path):
   with pytest.raises(UserError, match=r"prepared with different arguments \(input_mtimes\)"):
     prepare_again(tmp_path)
   # A directory prepared before mtimes were recorded is checked on its sizes alone.
-  arguments = tmp_path / "data" / prepare.ARGUMENTS
+  arguments = tmp_path / "data" / dataset_writer.ARGUMENTS
   arguments.write_text(json.dumps({k: v for k, v in json.loads(arguments.read_text()).items()
                                    if k != "input_mtimes"}))
   prepare_again(tmp_path)
@@ -353,14 +353,14 @@ def test_an_output_dir_inside_the_input_glob_is_no_input(tmp_path):
   for name, text in (("a.txt", "one"), ("b.txt", "two")):
     (tmp_path / name).write_text(text)
   everything = sources.SourceSpec(kind="text", inputs=(f"{tmp_path}/**",))
-  options = prepare.PrepareOptions(source=everything, output_dir=tmp_path / "out",
+  options = dataset_writer.PrepareOptions(source=everything, output_dir=tmp_path / "out",
                                    validation_fraction=0.0, num_shards=1)
-  prepare.prepare_dataset(options)
-  prepare.prepare_dataset(options)  # The same command again.
+  dataset_writer.prepare_dataset(options)
+  dataset_writer.prepare_dataset(options)  # The same command again.
   assert sorted(read_documents(tmp_path / "out")) == ["one", "two"]
   with pytest.raises(UserError, match=f"input glob '{tmp_path}/out/\\*' matches no files outside "
                                       f"--output_dir {tmp_path}/out"):
-    prepare.prepare_dataset(prepare.PrepareOptions(
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=sources.SourceSpec(kind="text", inputs=(f"{tmp_path}/out/*",)),
         output_dir=tmp_path / "out"))
 
@@ -384,7 +384,7 @@ def test_mostly_empty_shards_are_warned_of(tmp_path, caplog):
 # A prepare that writes slowly (0.1 s a document) and says when it starts writing shards.
 _SLOW_PREPARE = """
 import logging, pathlib, sys, time
-from levanter_flax.data import prepare, sources, tfrecord
+from levanter_flax.data import dataset_writer, sources, tfrecord
 logging.basicConfig(level=logging.INFO)
 write, run_shards = tfrecord.ShardWriter.write, prepare._run_shards
 tfrecord.ShardWriter.write = lambda self, *args: (time.sleep(0.1), write(self, *args))
@@ -437,7 +437,7 @@ def test_concurrent_prepares_take_turns(tmp_path):
 # Holds a directory's lock until its stdin closes.
 _HOLD_LOCK = """
 import pathlib, sys
-from levanter_flax import locks
+from levanter_flax.core import locks
 lock = locks.DirectoryLock(pathlib.Path(sys.argv[1]), "dataset directory")
 lock.acquire()
 print("locked", flush=True)
@@ -464,7 +464,7 @@ def test_command_line_refuses_a_directory_another_prepare_is_writing(tmp_path):
   assert "Traceback" not in result.stderr
   assert [p.name for p in output.iterdir()] == [".lock"]  # Nothing touched.
   # The lock went with its holder.
-  prepare.prepare_dataset(prepare.PrepareOptions(
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
       source=sources.SourceSpec(kind="text", inputs=(str(tmp_path / "a.txt"),)),
       output_dir=output, validation_fraction=0.0, num_shards=1))
   assert read_documents(output) == ["one document"]

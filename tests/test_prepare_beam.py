@@ -14,9 +14,9 @@ import zstandard
 from etils import epath
 
 from conftest import REPO, parent_pid, random_documents
-from levanter_flax.data import beam_engine, prepare, sources
+from levanter_flax.data import beam_engine, dataset_writer, sources
 from levanter_flax.data.manifest import MANIFEST, load_manifest
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 
 def mixed_jsonl(directory: pathlib.Path) -> sources.SourceSpec:
@@ -45,7 +45,7 @@ def parquet_with_nulls(directory: pathlib.Path) -> sources.SourceSpec:
 
 def prepare_with(engine: str, source: sources.SourceSpec, output_dir: pathlib.Path,
                  **options) -> pathlib.Path:
-  return prepare.prepare_dataset(prepare.PrepareOptions(
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
       source=source, output_dir=output_dir, engine=engine,
       **{"num_shards": 3, "validation_fraction": 0.2, **options}))
 
@@ -151,10 +151,10 @@ def test_bad_pipeline_options_and_paths_remote_workers_cannot_see_are_named(tmp_
     assert message in str(error.value)
   assert not (tmp_path / "out").exists()
   # Beam's short names for local runners are local too: no gs:// needed.
-  direct = prepare.PrepareOptions(source=source, output_dir=tmp_path / "out", engine="beam",
+  direct = dataset_writer.PrepareOptions(source=source, output_dir=tmp_path / "out", engine="beam",
                                   beam_pipeline_options=("--runner=direct",))
   assert beam_engine.is_local(beam_engine.pipeline(direct, num_files=3).runner)
-  on_gcs = prepare.PrepareOptions(
+  on_gcs = dataset_writer.PrepareOptions(
       source=sources.SourceSpec(kind="jsonl", inputs=("gs://b/in/*.jsonl",)),
       output_dir=epath.Path("gs://b/out"), engine="beam",
       beam_pipeline_options=("--runner=DataflowRunner",))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from levanter_flax import progress
+from levanter_flax.core import progress
 from conftest import random_documents
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

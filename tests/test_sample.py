@@ -10,9 +10,9 @@ import pytest
 
 from conftest import REPO, xla_flags
 from levanter_flax import models
-from levanter_flax.checkpoint import run_params
+from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
@@ -22,7 +22,7 @@ from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.sample import SamplingConfig, choose, encode, generate
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.train.loop import train_and_evaluate
 
 MODELS = {
     "gpt2": GPT2Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=2, hidden_dim=16),

@@ -12,10 +12,14 @@ import sys
 import pytest
 
 from conftest import REPO, train_losses
-from levanter_flax import config as config_module, hf, models, schema, settings
+from levanter_flax import config as config_module, models
+from levanter_flax.core.errors import UserError
+from levanter_flax.hf import snapshot
+from levanter_flax.core import schema
+from levanter_flax.config import settings
 from levanter_flax.config import default_config, flat_dict, load_config_file, to_run_config
-from levanter_flax.schema import CHOSEN, FREE, MODEL, STATE, setting
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.core.schema import CHOSEN, FREE, MODEL, STATE, setting
+from levanter_flax.train.loop import train_and_evaluate
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
@@ -99,8 +103,8 @@ def test_a_hugging_face_checkpoint_must_agree_on_state_and_model_settings_only()
                      hidden_dim=32, intermediate_dim=48)
   free = with_compute(dataclasses.replace(ours, seq_len=4096, initializer_range=0.5),
                       scan_layers=True, dtype="bfloat16")
-  assert hf.differences(free, ours) == []
-  assert hf.differences(dataclasses.replace(ours, rope_theta=1e6), ours) == [
+  assert snapshot.differences(free, ours) == []
+  assert snapshot.differences(dataclasses.replace(ours, rope_theta=1e6), ours) == [
       "model.rope_theta 1000000.0 (checkpoint) != 10000.0 (config)"]
 
 
@@ -224,7 +228,7 @@ def test_old_compute_names_given_to_model_config_work_with_a_warning(capsys):
 def test_an_old_name_and_its_new_one_set_differently_are_refused(tmp_path):
   path = _config_file(tmp_path, "  config.trainer.keep_checkpoints = 4\n"
                                 "  config.checkpoint.keep = 9\n")
-  with pytest.raises(config_module.UserError, match=r"^config.trainer.keep_checkpoints \(4\) is "
+  with pytest.raises(UserError, match=r"^config.trainer.keep_checkpoints \(4\) is "
                      r"the old name of config.checkpoint.keep, which is set to 9: set "
                      r"config.checkpoint.keep only$"):
     load_config_file(str(path))
@@ -244,12 +248,12 @@ def test_an_old_boolean_flag_set_false_is_renamed():
 
 
 def test_a_config_json_of_an_unknown_family_is_named():
-  with pytest.raises(config_module.UserError, match=r"^model.architecture 'falcon' is none of "):
+  with pytest.raises(UserError, match=r"^model.architecture 'falcon' is none of "):
     config_module.model_from_saved({"model.architecture": "falcon"})
 
 
 def test_another_coordinator_or_process_id_is_no_change_on_resume(tmp_path):
-  from levanter_flax import resume
+  from levanter_flax.train import resume
   run = to_run_config(load_config_file("configs/gpt2.py:nano"))
   saved = flat_dict(run) | {"trainer.distributed.process_id": 3,
                             "trainer.distributed.coordinator_address": "10.0.0.1:1234"}

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from levanter_flax import partitioning, settings, step
-from levanter_flax.errors import UserError
+from levanter_flax.parallel import partitioning
+from levanter_flax.config import settings
+from levanter_flax.train import step
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import FAMILIES, attention, build, common
 from levanter_flax.models.llama import LlamaConfig
 

@@ -7,7 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from levanter_flax import dpo, flops, metrics, models, optim, partitioning, step
+from levanter_flax.objectives import dpo
+from levanter_flax.core import flops
+from levanter_flax.monitoring import metrics
+from levanter_flax import models
+from levanter_flax.optim import optimizers
+from levanter_flax.parallel import partitioning
+from levanter_flax.train import step
 from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
@@ -235,7 +241,7 @@ def test_throughput_reports_mfu_against_the_peak():
 def test_weight_decay_skips_biases_and_layer_norms(scan_layers):
   params, _ = params_and_tokens(with_compute(TINY, scan_layers=scan_layers))
   decayed = {partitioning.path_name(p) for p, d in jax.tree_util.tree_leaves_with_path(
-      optim.decay_mask(params)) if d}
+      optimizers.decay_mask(params)) if d}
   assert decayed == {partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
                      if partitioning.path_name(p).endswith(("kernel", "embedding"))}
   assert not any(name.endswith(("bias", "scale")) for name in decayed)

@@ -4,12 +4,12 @@ import shutil
 import pytest
 
 from conftest import prepare_texts, random_documents
-from levanter_flax import sample
+from levanter_flax.generate import trained
 from levanter_flax.config import default_config, to_run_config
 from levanter_flax.data import loader, tfrecord
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 TEXT = "def f(x):\n    return 'héllo ✓'  # naïve\n"
 
@@ -89,14 +89,14 @@ def test_sample_refuses_a_tokenizer_file_changed_since_the_run(tmp_path, bpe_fil
   directory = prepare_texts(tmp_path, random_documents(20), tokenizer=str(tokenizer))
   saved = {"data.dataset": str(directory), "data.mixture": [], "data.tokenizer": str(tokenizer)}
   trained_with = load_tokenizer(str(bpe_file))
-  assert sample.run_tokenizer(tmp_path, saved).sha256 == trained_with.sha256
+  assert trained.run_tokenizer(tmp_path, saved).sha256 == trained_with.sha256
   train_bpe(random_documents(50, seed=1), 400, tokenizer)  # Retrained in place: other merges.
   load_tokenizer.cache_clear()  # As a new sample process reads it.
   with pytest.raises(UserError, match=(
       f"tokenizer {tokenizer} is huggingface sha256:\\w{{12}} \\(vocab 400\\), but the run in "
       f"{tmp_path} trained on {directory}, tokenized with huggingface "
       f"sha256:{trained_with.sha256[:12]} \\(vocab 400\\): the file changed since")):
-    sample.run_tokenizer(tmp_path, saved)
+    trained.run_tokenizer(tmp_path, saved)
 
 
 @pytest.mark.parametrize("content", ["not json", '{"version": "1.0"}'])

@@ -10,16 +10,21 @@ import sys
 import pytest
 
 from conftest import read_metrics
-from levanter_flax import metrics, settings, wandb_writer
-from levanter_flax.config import to_run_config
-from levanter_flax.errors import UserError
-from levanter_flax.loop import train_and_evaluate
+from levanter_flax.monitoring import metrics, wandb_config, wandb_writer
+from levanter_flax.config import flat_dict, to_run_config
+from levanter_flax.core.errors import UserError
+from levanter_flax.train.loop import train_and_evaluate
 from test_main import NANO, TINY, assert_one_line_error, run_main
 from test_gcs import blobs, gcs  # pylint: disable=unused-import  # gcs: a fixture.
 from test_resume import run_killed_after_checkpoint
 
 PROJECT = "levanter-flax-tests"
 
+
+
+def writer_settings(run) -> dict:
+  """create_writer's keywords for a run, as the loop passes them."""
+  return {"settings": flat_dict(run), "wandb": run.trainer.wandb}
 
 @pytest.fixture(autouse=True)
 def offline_wandb(monkeypatch, tmp_path_factory):
@@ -216,7 +221,7 @@ def test_tags_are_comma_separated(tiny_config):
   assert to_run_config(with_wandb(tiny_config, tags="a, b,,c")).trainer.wandb.tags == (
       "a", "b", "c")
   assert to_run_config(with_wandb(tiny_config, tags="")).trainer.wandb.tags == ()
-  tags = settings._tags  # pylint: disable=protected-access
+  tags = wandb_config._tags  # pylint: disable=protected-access
   assert tags("config.trainer.wandb.tags", ["x"]) == ("x",)  # As a config.json holds them.
   assert tags("config.trainer.wandb.tags", '["a", "b,c"]') == ("a", "b,c")  # A flag's list.
   with pytest.raises(UserError, match=r"must be tags.*got '\[\"a\"'$"):
@@ -231,7 +236,7 @@ def test_without_a_project_or_when_disabled_nothing_reaches_wandb(tiny_config, t
   for workdir, run in ((tmp_path / "none", to_run_config(tiny_config)),
                        (tmp_path / "off", to_run_config(with_wandb(tiny_config, "disabled")))):
     workdir.mkdir()
-    with contextlib.closing(metrics.create_writer(workdir, run=run)) as writer:
+    with contextlib.closing(metrics.create_writer(workdir, **writer_settings(run))) as writer:
       writer.write_scalars(1, {"train/loss": 1.0})
     assert not (workdir / "wandb").exists() and not (workdir / "wandb_run_id").exists()
     assert tensorboard_hparams(workdir)["trainer.wandb.mode"] == run.trainer.wandb.mode
@@ -242,7 +247,7 @@ def test_a_gcs_workdir_keeps_the_run_id_in_the_bucket(gcs, tiny_config, tmp_path
   from etils import epath
   monkeypatch.setenv("WANDB_DIR", str(tmp_path))
   run = to_run_config(with_wandb(tiny_config))
-  with contextlib.closing(metrics.create_writer(epath.Path("gs://bkt/wandb_run"), run=run)) as w:
+  with contextlib.closing(metrics.create_writer(epath.Path("gs://bkt/wandb_run"), **writer_settings(run))) as w:
     w.write_scalars(3, {"train/loss": 0.5})
   run_id = blobs("wandb_run/")["wandb_run_id"].decode().strip()
   (run_dir,) = run_dirs(tmp_path)
@@ -254,7 +259,7 @@ def test_only_process_0_talks_to_wandb(tiny_config, tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "wandb", None)  # Any import of it fails.
   monkeypatch.setattr(metrics.jax, "process_index", lambda: 1)
   with contextlib.closing(metrics.create_writer(
-      tmp_path, run=to_run_config(with_wandb(tiny_config)))) as writer:
+      tmp_path, **writer_settings(to_run_config(with_wandb(tiny_config))))) as writer:
     writer.write_scalars(1, {"train/loss": 1.0})
   assert not list(tmp_path.iterdir())  # No id file, no W&B files, no TensorBoard events.
 
@@ -263,7 +268,7 @@ def test_wandb_missing_is_one_line_naming_the_extra(tiny_config, tmp_path, monke
   monkeypatch.setitem(sys.modules, "wandb", None)
   with pytest.raises(UserError, match=r"^config.trainer.wandb.project is set but wandb is not "
                                       r"installed: pip install levanter_flax\[wandb\]$"):
-    metrics.create_writer(tmp_path, run=to_run_config(with_wandb(tiny_config)))
+    metrics.create_writer(tmp_path, **writer_settings(to_run_config(with_wandb(tiny_config))))
   assert not list(tmp_path.glob("events.out.tfevents.*"))
 
 
@@ -272,7 +277,7 @@ def test_online_without_an_api_key_is_one_line_suggesting_offline(tiny_config, t
                                       rf"'{PROJECT}' \(online\): No API key configured\. Use "
                                       r"`wandb login` to log in; config.trainer.wandb.mode=offline "
                                       r"logs locally, to upload later with `wandb sync`$"):
-    metrics.create_writer(tmp_path, run=to_run_config(with_wandb(tiny_config, "online")))
+    metrics.create_writer(tmp_path, **writer_settings(to_run_config(with_wandb(tiny_config, "online"))))
 
 
 def test_a_run_id_file_that_holds_no_id_is_one_line(tmp_path):
@@ -302,7 +307,7 @@ def test_a_run_that_fails_is_marked_failed_and_wandb_dir_is_respected(tiny_confi
   (tmp_path / "wandb_dir").mkdir()
   run = to_run_config(with_wandb(tiny_config, name="named"))
   with pytest.raises(RuntimeError, match="the step failed"):
-    with contextlib.closing(metrics.create_writer(tmp_path, run=run)) as writer:
+    with contextlib.closing(metrics.create_writer(tmp_path, **writer_settings(run))) as writer:
       writer.write_scalars(1, {"train/loss": 2.5})
       raise RuntimeError("the step failed")
   assert not (tmp_path / "wandb").exists()

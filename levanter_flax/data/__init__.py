@@ -3,12 +3,11 @@
 TensorFlow is imported only inside this package, and only for the CPU.
 """
 import dataclasses
-import functools
 from typing import Any
 
-from levanter_flax import checks
-from levanter_flax.errors import UserError
-from levanter_flax.schema import CHOSEN, setting
+from levanter_flax.core import checks
+from levanter_flax.core.errors import UserError
+from levanter_flax.core.schema import CHOSEN, setting
 
 
 def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
@@ -66,11 +65,3 @@ class DataConfig:
     if self.mixture and self.dataset != "stdlib":
       raise UserError("set config.data.dataset or config.data.mixture, not both")
 
-
-@functools.cache
-def import_tensorflow():
-  """Imports TensorFlow for the input pipeline, hidden from every accelerator."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_visible_devices([], "GPU")
-  tf.config.set_visible_devices([], "TPU")
-  return tf

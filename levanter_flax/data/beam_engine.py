@@ -26,9 +26,9 @@ import time
 
 from absl import logging
 
-from levanter_flax import paths
-from levanter_flax.data import prepare, sources
-from levanter_flax.errors import UserError
+from levanter_flax.core import paths
+from levanter_flax.data import shards, sources
+from levanter_flax.core.errors import UserError
 
 # The local runner; without --runner Beam 2.77's DirectRunner first downloads Prism.
 DEFAULT_RUNNER = "FnApiRunner"
@@ -47,7 +47,7 @@ def _import_beam():
   return apache_beam
 
 
-def pipeline(options: prepare.PrepareOptions, num_files: int):
+def pipeline(options: shards.PrepareOptions, num_files: int):
   """A Beam pipeline configured by --beam_pipeline_options; bad options are named in one line.
 
   The local runner gets num_workers worker processes (with one, it runs in
@@ -97,7 +97,7 @@ def _one_line(error: Exception, limit: int = 600) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def _check_remote_job(options: prepare.PrepareOptions, num_files: int, runner: str) -> None:
+def _check_remote_job(options: shards.PrepareOptions, num_files: int, runner: str) -> None:
   """A remote runner's workers see only object storage, and each should read its own files."""
   spec = options.source
   file_kinds = ("text", "jsonl", "parquet", *sources.RECORD_KINDS)
@@ -170,26 +170,26 @@ def _step(function, local_driver_pid: int, *args):
 
 
 def _sample(options, files: list[str], index: int) -> tuple[int, list[str]]:
-  return index, prepare.tokenizer_sample(options, files, index)
+  return index, shards.tokenizer_sample(options, files, index)
 
 
 def _train(options, samples: list[tuple[int, list[str]]]) -> str:
-  return prepare.train_tokenizer(options, [texts for _, texts in sorted(samples)])
+  return shards.train_tokenizer(options, [texts for _, texts in sorted(samples)])
 
 
 def _shard(options, files: list[str], index: int, tokenizer_spec: str) -> tuple[int, dict]:
-  return index, prepare.shard_record(options, files, tokenizer_spec, index)
+  return index, shards.shard_record(options, files, tokenizer_spec, index)
 
 
 def _manifest(options, num_files: int, records: list[tuple[int, dict]], tokenizer_spec: str) -> None:
-  prepare.write_manifest(options, num_files, tokenizer_spec, [r for _, r in sorted(records)])
+  shards.write_manifest(options, num_files, tokenizer_spec, [r for _, r in sorted(records)])
 
 
 def _build(pipeline, options, files: list[str], train_tokenizer: bool, local_driver_pid: int):
   beam = _import_beam()
   step = lambda function, *args: functools.partial(_step, function, local_driver_pid, *args)
   indices = range(options.num_shards)
-  tokenizer_spec = prepare.tokenizer_spec(options)
+  tokenizer_spec = shards.tokenizer_spec(options)
   if train_tokenizer:
     tokenizer_spec = beam.pvalue.AsSingleton(
         pipeline

@@ -36,8 +36,8 @@ from typing import Optional
 
 import numpy as np
 
-from levanter_flax import paths
-from levanter_flax.errors import UserError
+from levanter_flax.core import paths
+from levanter_flax.core.errors import UserError
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 saves the template beside.

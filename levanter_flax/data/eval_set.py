@@ -25,10 +25,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from levanter_flax import progress
-from levanter_flax.data import import_tensorflow, integrity, loader
+from levanter_flax.core import progress
+from levanter_flax.core.lazy_tensorflow import import_tensorflow
+from levanter_flax.data import integrity, loader
 from levanter_flax.data.manifest import PreparedDataset
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 tf = import_tensorflow()
 

@@ -11,10 +11,12 @@ import google_crc32c
 import numpy as np
 from absl import logging
 
-from levanter_flax.data import import_tensorflow, schedule, tfrecord
+from levanter_flax.core.lazy_tensorflow import import_tensorflow
+
+from levanter_flax.data import schedule, tfrecord
 from levanter_flax.data.manifest import PreparedDataset, has_loss_weights
 from levanter_flax.data.position import ReaderGroups
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 tf = import_tensorflow()
 

@@ -20,13 +20,14 @@ from typing import Any, Callable, Iterator, Optional
 import jax
 import numpy as np
 
-from levanter_flax import paths
-from levanter_flax.data import DataConfig, import_tensorflow, prepare, schedule
+from levanter_flax.core import paths
+from levanter_flax.core.lazy_tensorflow import import_tensorflow
+from levanter_flax.data import DataConfig, dataset_writer, schedule
 from levanter_flax.data.integrity import ShardCheck, check_token_ids, decode_shard
 from levanter_flax.data.manifest import PreparedDataset, load_manifest, manifest_tokenizer
 from levanter_flax.data.position import ONE_GROUP, DataPosition, ReaderGroups
 from levanter_flax.data.tokenizers import identity, load_tokenizer
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 tf = import_tensorflow()
 
@@ -56,7 +57,7 @@ def load_datasets(cfg: DataConfig) -> list[PreparedDataset]:
   datasets = []
   for name, dataset, weight in entries:
     if dataset == "stdlib":
-      directory = prepare.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
+      directory = dataset_writer.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
                                           cfg.num_train_shards)
     else:
       directory = paths.resolve(dataset, f"config.data.{'mixture' if cfg.mixture else 'dataset'}")

@@ -13,7 +13,7 @@ import pathlib
 from etils import epath
 
 from levanter_flax.data.tokenizers import TokenizerIdentity
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 FORMAT_VERSION = 2
 # A dataset with loss weights (chat and instruction data; tfrecord.py): a version of its own, so

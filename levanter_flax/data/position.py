@@ -13,7 +13,7 @@ from absl import logging
 
 from levanter_flax.data import schedule
 from levanter_flax.data.manifest import PreparedDataset
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 
 from levanter_flax.data import chat
-from levanter_flax.dpo import CHOSEN, REJECTED
-from levanter_flax.errors import UserError
+from levanter_flax.objectives.dpo import CHOSEN, REJECTED
+from levanter_flax.core.errors import UserError
 
 REPLIES = ("chosen", "rejected")
 

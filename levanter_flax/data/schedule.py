@@ -13,7 +13,7 @@ so how many windows each source gave up to position n is arithmetic too.
 """
 import numpy as np
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 MIXTURE_BLOCK = 2048
 

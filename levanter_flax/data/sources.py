@@ -22,9 +22,9 @@ from typing import BinaryIO, Callable, Iterator
 import zstandard
 from etils import epath
 
-from levanter_flax import paths
-from levanter_flax.data import import_tensorflow
-from levanter_flax.errors import UserError
+from levanter_flax.core import paths
+from levanter_flax.core.lazy_tensorflow import import_tensorflow
+from levanter_flax.core.errors import UserError
 
 KINDS = ("stdlib", "text", "jsonl", "parquet", "tfds", "chat", "prompt_completion", "preference")
 # JSON lines read whole, each turned into tokens with loss weights (chat.py, preference.py), not

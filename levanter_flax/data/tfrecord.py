@@ -17,8 +17,8 @@ import google_crc32c
 import numpy as np
 from etils import epath
 
-from levanter_flax import paths
-from levanter_flax.data import import_tensorflow
+from levanter_flax.core import paths
+from levanter_flax.core.lazy_tensorflow import import_tensorflow
 
 FEATURE = "tokens"
 WEIGHTS_FEATURE = "loss_weights"

@@ -14,8 +14,8 @@ from typing import Iterable, Mapping
 import numpy as np
 from etils import epath
 
-from levanter_flax import paths
-from levanter_flax.errors import UserError
+from levanter_flax.core import paths
+from levanter_flax.core.errors import UserError
 
 # End-of-document tokens tried, in order, when a tokenizer file names none.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")

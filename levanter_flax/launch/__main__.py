@@ -10,8 +10,8 @@ import pathlib
 
 from absl import app, flags
 
-from levanter_flax import cli, paths
-from levanter_flax.errors import UserError, exit_with_error
+from levanter_flax.core import cli, paths
+from levanter_flax.core.errors import UserError, exit_with_error
 from levanter_flax.launch import local, xm
 from levanter_flax.launch.experiment import load_experiment, work_units
 

@@ -10,7 +10,7 @@ from absl import flags
 
 from levanter_flax.config import (call_from_file, define_config_flag, flat_dict, load_config_file,
                                   modern_key, run_config_of_flags)
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 Overrides = Mapping[str, Any]  # Config key without the "config." prefix -> value.
 

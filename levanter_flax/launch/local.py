@@ -21,8 +21,10 @@ from typing import Any, Optional
 
 from etils import epath
 
-from levanter_flax import config, lifetime, paths, preemption
-from levanter_flax.errors import UserError
+from levanter_flax import config
+from levanter_flax.core import lifetime, paths
+from levanter_flax.checkpoint import preemption
+from levanter_flax.core.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
 
 @dataclasses.dataclass

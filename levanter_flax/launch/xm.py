@@ -6,7 +6,7 @@ Kubernetes executors.
 """
 import pathlib
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.launch.experiment import Experiment, WorkUnit
 
 TARGETS = ("local", "vertex", "kubernetes")

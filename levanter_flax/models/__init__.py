@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from levanter_flax import flops
+from levanter_flax.core import flops
 from levanter_flax.models import (common, gemma3, gpt2, llama, mistral, mixtral, olmo2, qwen2,
                                   qwen3)
 from levanter_flax.models.family import ModelFamily

@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models.common import (SPLASH_BLOCK_MULTIPLE, check_attention_platform,
                                          platform_in_context)
 

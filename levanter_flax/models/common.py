@@ -7,8 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from levanter_flax.errors import UserError
-from levanter_flax.schema import STATE, setting
+from levanter_flax.core.errors import UserError
+from levanter_flax.core.schema import STATE, setting
 
 
 # What each transformer block keeps for the backward pass; the rest is recomputed.

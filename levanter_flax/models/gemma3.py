@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, overridden, setting
+from levanter_flax.core.schema import MODEL, overridden, setting
 
 # The four block norms are Llama's rule's (norm/scale$).
 PARTITION_RULES = llama.PER_HEAD_NORM_RULES + llama.PARTITION_RULES

@@ -15,14 +15,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, lora
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (ComputeConfig, attention_implementation, check_config,
                                          compute_section, constrain, stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, STATE, setting
+from levanter_flax.core.schema import MODEL, STATE, setting
 
 
 # Megatron-style tensor parallelism, in logical axes (sharding.tensor_axis takes heads,

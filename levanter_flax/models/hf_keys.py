@@ -5,7 +5,7 @@ A missing required key raises KeyError, which hf.read_config names with the file
 import math
 from typing import Any
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 
 REQUIRED = object()
 

@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import common, hf_keys, lora
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
                                          stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, STATE, setting
+from levanter_flax.core.schema import MODEL, STATE, setting
 
 # Tensor parallelism, in logical axes (sharding.tensor_axis takes heads, kv_heads, mlp
 # and vocab): Q/K/V, gate and up split by output column, o_proj and down_proj by input

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from levanter_flax.errors import UserError
-from levanter_flax.schema import FREE, MODEL, STATE, setting
+from levanter_flax.core.errors import UserError
+from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 
 ADAPTERS = ("lora_a", "lora_b")
 # The attention and MLP projections of every family: GPT-2's c_attn, c_proj (attention's and

@@ -9,7 +9,7 @@ import dataclasses
 
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import overridden
+from levanter_flax.core.schema import overridden
 
 PARTITION_RULES = llama.PARTITION_RULES
 

@@ -32,11 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama, mistral
 from levanter_flax.models.common import constrain
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import MODEL, STATE, overridden, setting
+from levanter_flax.core.schema import MODEL, STATE, overridden, setting
 
 # Each expert stack's logical axes: its partition rule, and its layout inside the layer.
 EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),

@@ -15,11 +15,11 @@ import dataclasses
 import flax.linen as nn
 import jax
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.common import constrain
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import overridden
+from levanter_flax.core.schema import overridden
 
 # The norms of the whole projection: split as the projection's output, so that each device
 # scales its own columns (the mean of squares is summed across the split).

@@ -8,10 +8,10 @@ do not use it.
 """
 import dataclasses
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import overridden
+from levanter_flax.core.schema import overridden
 
 PARTITION_RULES = llama.PARTITION_RULES  # Its q/k/v bias rules included.
 

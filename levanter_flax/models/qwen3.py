@@ -10,10 +10,10 @@ sliding window is refused: the released models do not use it.
 """
 import dataclasses
 
-from levanter_flax.errors import UserError
+from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.family import HFLayout, ModelFamily
-from levanter_flax.schema import overridden
+from levanter_flax.core.schema import overridden
 
 PARTITION_RULES = llama.PER_HEAD_NORM_RULES + llama.PARTITION_RULES
 # transformers' Qwen3Config.head_dim when config.json has none (not hidden_size / heads).

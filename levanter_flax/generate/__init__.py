@@ -1,0 +1,2 @@
+"""Generation from trained params: the KV-cached decoding loop (decoding). May import models
+and core."""

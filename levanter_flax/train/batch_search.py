@@ -1,0 +1,193 @@
+"""The largest microbatch that fits in memory, found by compiling, never by running out.
+
+    python -m levanter_flax.train.batch_search --config=configs/gpt2_small.py [--config.x=y ...]
+
+Each candidate is compiled exactly as it will run (on abstract arrays, so
+nothing is allocated): its global batch, its gradient_accumulation_steps,
+hence the accumulator and the stacked microbatches too. XLA's memory analysis
+gives the bytes it needs per device: arguments + outputs - donated buffers +
+temporaries + code. The budget is batch_search.memory_fraction of the device's memory, or
+batch_search.memory_budget_bytes where the backend reports none (CPU).
+
+Without batch_search.target_batch_size, candidates are per-device microbatches with
+no accumulation: doubling finds a bound, bisection the largest that fits. With
+it, candidates are the splits of the target into k equal microbatches that the
+data-parallel devices share evenly, and bisection finds the smallest k that
+fits. Both assume memory grows with the microbatch; whatever they return was
+itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first starts
+(resume.py); a resume keeps what it chose.
+"""
+import dataclasses
+import re
+from typing import Callable, Optional
+
+import jax
+from absl import app, flags, logging
+
+from levanter_flax.parallel import partitioning
+from levanter_flax.train import step
+from levanter_flax.config import settings
+from levanter_flax.config.settings import BatchSearchConfig
+from levanter_flax.core.errors import UserError, exit_with_error
+
+
+def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int = 0) -> int:
+  """Bytes per device a step may use; `capacity`: the device's memory, where it is not the
+  device at hand (an ahead-of-time compile for a TPU, see aot.py)."""
+  if not capacity:
+    capacity = (device.memory_stats() or {}).get("bytes_limit", 0)
+  if capacity:
+    return int(capacity * search.memory_fraction)
+  if not search.memory_budget_bytes:
+    raise UserError(f"config.trainer.batch_size 'auto' needs "
+                    f"config.batch_search.memory_budget_bytes on {device.platform}, which does "
+                    f"not report its memory")
+  return search.memory_budget_bytes
+
+
+def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner, per_device: int,
+               accumulation: int = 1, **data) -> int:
+  """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
+
+  Built by step.build, as loop.py builds it, so that the accumulator and the whole batch
+  (per_device x data-parallel size x accumulation sequences) are counted. `data`: what the
+  run's datasets make of the step (step.build's loss_weights, preference).
+  """
+  trainer = dataclasses.replace(run.trainer, gradient_accumulation_steps=accumulation)
+  # The document mask costs the same whichever token is EOS.
+  steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner,
+                     eos_id=0 if run.data.document_masking else None, **data)
+  inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
+  with partitioner.activation_context():
+    lowered = steps.train_step.lower(*inputs)
+  try:
+    return needed_bytes(lowered.compile().memory_analysis())
+  except jax.errors.JaxRuntimeError as e:
+    temporaries = out_of_memory_bytes(e)
+    if temporaries is None:
+      raise
+    # The compiler names only what it needs beyond the arguments: the state is resident too.
+    return partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
+
+
+def needed_bytes(memory) -> int:
+  """What a compiled program needs per device, from its memory_analysis(): arguments + outputs -
+  donated buffers + temporaries + code."""
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+          + memory.generated_code_size_in_bytes)
+
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def out_of_memory_bytes(error: Exception) -> Optional[int]:
+  """What a program needs beyond its arguments, from the error of a compiler that refused it
+  for want of memory (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"); None
+  for any other error."""
+  text = str(error)
+  size = re.search(r"\(([\d.]+)([KMGT])\)", text)
+  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text or not size:
+    return None
+  return int(float(size.group(1)) * _UNITS[size.group(2)])
+
+
+def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:
+  """The largest n in [low, high) with fits(n), given fits(low) and that nothing from high fits."""
+  while high - low > 1:
+    middle = (low + high) // 2
+    low, high = (middle, high) if fits(middle) else (low, middle)
+  return low
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+  """The largest n in [1, limit] with fits(n), assuming fits is monotone; 0 if none."""
+  if not fits(1):
+    return 0
+  low = 1
+  while low * 2 <= limit and fits(low * 2):
+    low *= 2
+  return _bisect(fits, low, min(low * 2, limit + 1))  # fits(low * 2) is False or beyond the limit.
+
+
+def microbatch_choices(target: int, data_parallel: int) -> list[int]:
+  """Per-device microbatches that split `target` into equal microbatches, ascending.
+
+  k microbatches of target / k sequences each need k | target and
+  data_parallel | target / k: exactly the divisors of target / data_parallel.
+  """
+  if target % data_parallel:
+    raise UserError(f"config.batch_search.target_batch_size ({target}) must be divisible by the "
+                    f"activation axis size ({data_parallel})")
+  per_device_total = target // data_parallel
+  return [n for n in range(1, per_device_total + 1) if not per_device_total % n]
+
+
+def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
+                                  data_parallel: int) -> tuple[int, int]:
+  """(per-device microbatch, accumulation steps) that reach `target` in the fewest steps that fit.
+
+  Every choice is tried with the accumulation it will run with. Bisection over
+  the choices: 1 + ceil(log2(choices)) calls of fits. (0, 0) if none fits.
+  """
+  choices = microbatch_choices(target, data_parallel)
+  accumulation = lambda i: target // (choices[i] * data_parallel)
+  fits_choice = lambda i: fits(choices[i], accumulation(i))
+  if not fits_choice(0):
+    return 0, 0
+  best = _bisect(fits_choice, 0, len(choices))
+  return choices[best], accumulation(best)
+
+
+def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+            capacity: int = 0, **data) -> "settings.TrainerConfig":
+  """The trainer config with batch_size and gradient_accumulation_steps chosen to fit the
+  partitioner's devices (of `capacity` bytes each, where they cannot say). `data`: step_bytes'."""
+  trainer, search = run.trainer, run.batch_search
+  budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
+  data_parallel = partitioner.data_parallel_size
+  needs = {}
+
+  def fits(per_device: int, accumulation: int) -> bool:
+    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation, **data)
+    logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device "
+                 "with gradient_accumulation_steps=%d (%d sequences per step); budget %s",
+                 per_device, per_device * data_parallel, f"{needs[per_device]:,}", accumulation,
+                 per_device * data_parallel * accumulation, f"{budget:,}")
+    return needs[per_device] <= budget
+
+  if search.target_batch_size:
+    per_device, accumulation = smallest_fitting_accumulation(fits, search.target_batch_size,
+                                                             data_parallel)
+  else:
+    per_device, accumulation = largest_fitting(lambda n: fits(n, 1), 4096), 1
+  if not per_device:
+    raise UserError(f"not even 1 sequence per device fits the memory budget of {budget:,} bytes: "
+                    f"the step needs {needs[1]:,}; use remat, ZeRO-3 (sharding.parameter_axis) "
+                    f"or a larger budget")
+  return dataclasses.replace(trainer, batch_size=per_device * data_parallel * accumulation,
+                             gradient_accumulation_steps=accumulation)
+
+
+def main(argv):
+  del argv
+  # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
+  from levanter_flax.config import run_config_of_flags
+  try:
+    run = run_config_of_flags()
+    mesh = partitioning.make_mesh(run.trainer.device_mesh, dcn_mesh=run.trainer.dcn_mesh)
+    partitioner = partitioning.Partitioner(mesh, run.sharding)
+    trainer = resolve(run, partitioner)
+  except UserError as e:
+    exit_with_error(str(e))
+  print(f"batch_size={trainer.batch_size} gradient_accumulation_steps="
+        f"{trainer.gradient_accumulation_steps}")
+
+
+if __name__ == "__main__":
+  # Defined only when run as a program: loop.py imports this module next to main.py's flag.
+  # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
+  from levanter_flax.config import define_config_flag, parse_flags
+  define_config_flag("A config file, or a shipped config's name (gpt2_nano, gpt2:nano).")
+  flags.mark_flag_as_required("config")
+  app.run(main, flags_parser=parse_flags)

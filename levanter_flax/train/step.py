@@ -1,0 +1,554 @@
+"""The jitted train and eval steps: next-token loss, gradients, optimizer update."""
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from levanter_flax.objectives import dpo
+from levanter_flax import models
+from levanter_flax.optim import optimizers, spikes
+from levanter_flax.parallel import partitioning
+from levanter_flax.models import common, lora
+
+if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
+  from levanter_flax.config import settings
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
+  base model's params are `frozen`: no gradient, no optimizer state, and not in the
+  checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
+  (resume.py). A DPO run without LoRA keeps its reference model, the initial params, as
+  `reference`, saved once the same way; with LoRA its reference is the base, `frozen`."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  frozen: Any = None
+  reference: Any = None
+
+  @property
+  def model_params(self) -> Any:
+    """What the model applies: the params, with the frozen base if there is one."""
+    return lora.merged(self.frozen, self.params)
+
+  @property
+  def reference_params(self) -> Any:
+    """DPO's reference model's params (applied by the model without LoRA): the frozen copy of
+    the initial params, or LoRA's base; None if neither."""
+    return self.frozen if self.reference is None else self.reference
+
+  @property
+  def checkpointed(self) -> dict:
+    """What a checkpoint holds: every field but the frozen base and the reference, as the tree
+    that checkpoints held before there were those, so that those restore."""
+    return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+
+  @classmethod
+  def from_checkpointed(cls, saved: dict, frozen: Any = None,
+                        reference: Any = None) -> "TrainState":
+    return cls(**saved, frozen=frozen, reference=reference)
+
+
+def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
+               rng: jax.Array, preference: bool = False) -> TrainState:
+  """Fresh state; with LoRA the base is frozen and only the adapters train. `preference` (DPO)
+  without LoRA: a copy of the params is the reference (ShardedSteps.init leaves it out)."""
+  params = models.init_params(model.config, rng)
+  frozen = reference = None
+  if model.config.lora.rank:
+    lora.check_targets(model.config, params)
+    frozen, params = lora.split(params)
+  elif preference:
+    reference = copied(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params), frozen=frozen, reference=reference)
+
+
+def copied(params: Any) -> Any:
+  """Params in buffers of their own: the reference must not be donated with the params."""
+  return jax.tree.map(jnp.copy, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preference:
+  """DPO's loss in place of the next-token loss (dpo.py): the batch's loss weights are a
+  preference row's codes, and the reference model is `reference_model` (the model without
+  LoRA) on `reference_params` (TrainState.reference_params), held constant."""
+  cfg: dpo.DpoConfig
+  reference_model: nn.Module
+  reference_params: Any
+
+
+def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
+                            block_size: int) -> jax.Array:
+  """Cross-entropy of each label under logits = hidden @ embedding.T, one vocabulary block at
+  a time; labels' shape.
+
+  A scan keeps a running max and sum of exponentials per token (an online
+  logsumexp). Its body is checkpointed, so the backward pass recomputes each
+  block's logits too: neither pass ever holds [tokens, vocab] floats, only
+  [tokens, block_size]. Logits are float32, as in the plain loss.
+  """
+  shape = labels.shape
+  hidden = hidden.reshape(-1, hidden.shape[-1])
+  labels = labels.reshape(-1)
+  vocab_size = embedding.shape[0]
+  num_blocks = -(-vocab_size // block_size)
+  padded = jnp.pad(embedding, ((0, num_blocks * block_size - vocab_size), (0, 0)))
+  blocks = padded.reshape(num_blocks, block_size, -1).astype(hidden.dtype)
+
+  @jax.checkpoint
+  def add_block(carry, block):
+    running_max, running_sum = carry
+    index, weights = block
+    logits = (hidden @ weights.T).astype(jnp.float32)
+    in_vocab = index * block_size + jnp.arange(block_size) < vocab_size
+    logits = jnp.where(in_vocab, logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, logits.max(axis=-1))
+    running_sum = (running_sum * jnp.exp(running_max - new_max)
+                   + jnp.exp(logits - new_max[:, None]).sum(axis=-1))
+    return (new_max, running_sum), None
+  start = (jnp.full(labels.shape, -jnp.inf, jnp.float32), jnp.zeros(labels.shape, jnp.float32))
+  (running_max, running_sum), _ = jax.lax.scan(add_block, start, (jnp.arange(num_blocks), blocks))
+  label_logits = jnp.einsum("nd,nd->n", hidden, embedding[labels].astype(hidden.dtype))
+  return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).reshape(shape)
+
+
+def next_token_loss(model: nn.Module, params, tokens: jax.Array,
+                    eos_id: int | None = None) -> jax.Array:
+  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in float32."""
+  return objective(model, params, tokens, eos_id)[1]["loss"]
+
+
+def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
+  """Which document each token of a packed window is in: the loader puts EOS after every
+  document, so each EOS starts a segment. It ends the document before it as a target
+  (predicted from that document) and opens the next as its first input, as a BOS would."""
+  return jnp.cumsum(tokens == eos_id, axis=1)
+
+
+def total_weight(loss_weights: jax.Array) -> jax.Array:
+  """The weight of a batch's targets (tokens[:, 1:]), or 1 if none weighs: the divisor of its
+  weighted mean, which is then 0."""
+  total = loss_weights[:, 1:].sum()
+  return jnp.where(total > 0, total, 1.0)
+
+
+def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = None,
+              loss_weights: jax.Array | None = None, weight_total: jax.Array | None = None,
+              auxiliary_share: float = 1.0, rngs: dict | None = None,
+              preference: Preference | None = None) -> tuple[jax.Array, Metrics]:
+  """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
+  loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
+  over the layers that sow it. The training loss adds each part times the model config's
+  `<name>_coef` (router_aux_loss_coef) to the cross-entropy.
+
+  With an eos_id (data.document_masking), each document of a window is computed as if alone:
+  attention within it, positions from 0. rngs: the model's ("dropout": LoRA's in training).
+
+  With loss_weights (float32, tokens' shape: each token's weight as a target, so that of
+  tokens[:, 0] is never read: chat data weighs the assistant's tokens only), "loss" is the
+  weighted sum of the cross-entropies over `weight_total`, by default these tokens'
+  (`total_weight`): their weighted mean. A microbatch passes its whole batch's total weight and
+  its share of the batch (`auxiliary_share`, which scales the auxiliary losses), so that the
+  microbatches' objectives sum to the batch's, however its weight falls among them.
+
+  With `preference`, "loss" is DPO's, the mean over the rows (pairs; loss_weights their codes),
+  and the parts add the dpo/ metrics, means over the rows too.
+  """
+  losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
+  auxiliary = _sown_losses(sown)
+  if preference is not None:
+    pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
+    parts = {name: value.mean() for name, value in pairs.items()}
+    total = parts["loss"] + sum(getattr(model.config, f"{name}_coef") * value
+                                for name, value in auxiliary.items())
+    return total, {**parts, **auxiliary}
+  if loss_weights is None:
+    loss = losses.mean()
+  else:
+    if weight_total is None:
+      weight_total = total_weight(loss_weights)
+    loss = (losses * loss_weights[:, 1:]).sum() / weight_total
+    auxiliary = {name: value * auxiliary_share for name, value in auxiliary.items()}
+  total = loss + sum(getattr(model.config, f"{name}_coef") * value
+                     for name, value in auxiliary.items())
+  return total, {"loss": loss, **auxiliary}
+
+
+def _pair_metrics(losses: jax.Array, tokens: jax.Array, codes: jax.Array, eos_id: int | None,
+                  preference: Preference) -> Metrics:
+  """dpo.pair_metrics of each row, from the policy's token losses and the reference's."""
+  reference_params = jax.lax.stop_gradient(preference.reference_params)
+  reference_losses = _token_losses(preference.reference_model, reference_params, tokens, eos_id)[0]
+  return dpo.pair_metrics(dpo.reply_log_probs(losses, codes),
+                          dpo.reply_log_probs(reference_losses, codes), preference.cfg)
+
+
+def _token_losses(model: nn.Module, params, tokens: jax.Array,
+                  eos_id: int | None, rngs: dict | None = None) -> tuple[jax.Array, Any]:
+  """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
+  what the model sowed)."""
+  block_size = model.config.compute.cross_entropy_block_size
+  segments = None if eos_id is None else segment_ids(tokens, eos_id)
+  apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
+                            mutable=["losses"], rngs=rngs)
+  if block_size:
+    hidden, sown = apply(return_hidden=True)
+    return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
+                                   block_size), sown
+  logits, sown = apply()
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1].astype(jnp.float32), tokens[:, 1:]), sown
+
+
+def _sown_losses(sown) -> Metrics:
+  """name -> the mean of what every layer sowed under it."""
+  values = collections.defaultdict(list)
+  for path, value in jax.tree_util.tree_leaves_with_path(sown.get("losses", {})):
+    name = next(key.key for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
+    values[name].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
+  return {name: jnp.concatenate(parts).mean() for name, parts in values.items()}
+
+
+def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
+                               eos_id: int | None = None, loss_weights: jax.Array | None = None,
+                               frozen=None, dropout_key: jax.Array | None = None,
+                               preference: Preference | None = None,
+                               unreduced: tuple[str, int] | None = None):
+  """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
+  microbatches by a lax.scan.
+
+  The gradient is of `params` alone: a LoRA model's `frozen` base is applied with them but
+  gets none. dropout_key: LoRA's dropout, folded with each microbatch's index.
+
+  Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
+  every device of the batch axis, and peak activation memory is that of one
+  microbatch. Equal-sized microbatches make the mean of means the batch mean.
+  With loss_weights the microbatches weigh what their tokens weigh: each sums
+  its weighted losses over the whole batch's total weight (see objective), and
+  the sums are the batch's weighted mean, as without accumulation. With `preference` (DPO:
+  loss_weights are codes) each microbatch's loss is the mean over its pairs, as without weights.
+
+  unreduced: (mesh axis, its size) of the batch over which the gradients of the microbatches
+  are kept apart, one per shard of the axis, until the last microbatch: one reduction over it
+  a step, not one a microbatch (for the axis that spans TPU slices: the data-center network
+  carries one reduction whatever the accumulation). Each shard then computes its share of a
+  microbatch as a vmapped batch of its own; a mixture's router loss is its share's.
+  """
+  weighted = loss_weights is not None and preference is None
+  weight_total = total_weight(loss_weights) if weighted else None
+  shares = unreduced[1] if unreduced and num_microbatches > 1 else 1
+
+  def parts_and_grads(p, t, w, index=0):
+    rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
+    (_, parts), grads = jax.value_and_grad(
+        lambda p: objective(model, lora.merged(frozen, p), t, eos_id, w, weight_total,
+                            1 / (num_microbatches * shares), rngs, preference),
+        has_aux=True)(p)
+    return parts, grads
+  if num_microbatches == 1:
+    return parts_and_grads(params, tokens, loss_weights)
+  if shares > 1:
+    parts_and_grads = _per_share(parts_and_grads, *unreduced)
+  batch, length = tokens.shape
+
+  def split(rows):
+    microbatches = rows.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
+    return nn.with_logical_constraint(microbatches, (None, "batch", "length"))
+  microbatches = (split(tokens), None if loss_weights is None else split(loss_weights))
+
+  def add(totals, indexed):
+    index, microbatch = indexed
+    return jax.tree.map(jnp.add, totals, parts_and_grads(params, *microbatch, index)), None
+  zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+      parts_and_grads, params, *jax.tree.map(lambda m: m[0], microbatches)))
+  totals, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
+  if shares > 1:  # The one reduction over the unreduced axis.
+    totals = jax.tree.map(lambda total: total.sum(axis=0) / (1 if weighted else shares), totals)
+  if weighted:  # Each microbatch's share is in its sums already.
+    return totals
+  return jax.tree.map(lambda total: total / num_microbatches, totals)
+
+
+def _per_share(parts_and_grads, axis: str, shares: int):
+  """parts_and_grads on a microbatch cut into `shares` equal blocks of rows, each computed
+  apart on its shard of mesh axis `axis` (vmapped over it): their results stacked, unreduced.
+  A block's rows are those the batch sharding already puts there, so no row moves."""
+  def per_share(p, t, w, index=0):
+    split = lambda rows: None if rows is None else nn.with_logical_constraint(
+        rows.reshape(shares, rows.shape[0] // shares, *rows.shape[1:]),
+        ("unreduced", "batch", "length"))
+    with nn.logical_axis_rules(_rules_within_share(axis)):
+      return jax.vmap(parts_and_grads, in_axes=(None, 0, 0, None), spmd_axis_name=axis)(
+          p, split(t), split(w), index)
+  return per_share
+
+
+def _rules_within_share(axis: str) -> tuple:
+  """The logical axis rules with `axis` the vmapped blocks' ("unreduced") and no other's: within
+  a block, the batch is split over the rest of its axes."""
+  rules = []
+  for name, axes in nn.get_logical_axis_rules():
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    rules.append((name, tuple(a for a in axes if a != axis) or None))
+  return (("unreduced", axis), *rules)
+
+
+def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, num_microbatches: int = 1,
+                    eos_id: int | None = None, seed: int = 0,
+                    dpo_cfg: dpo.DpoConfig | None = None,
+                    unreduced: tuple[str, int] | None = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+  """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
+  key is folded with the step, so that a resumed run drops what an uninterrupted one would.
+  dpo_cfg: train by DPO on preference batches, against TrainState.reference_params.
+  unreduced: see accumulated_loss_and_grads."""
+  uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
+  reference_model = models.build(lora.without_lora(model.config)) if dpo_cfg else None
+
+  def train_step(state: TrainState, batch: Batch):
+    """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
+
+    The step still counts (its batch is consumed), and train/nonfinite says it
+    was skipped; the loop then warns or halts per trainer.nan_policy. Under
+    trainer.spike_policy=skip the optimizer (spikes.py) gives a spike a zero update, counted
+    in train/spike_skipped_steps.
+    """
+    weights = batch.get("loss_weights")
+    dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
+                   else None)
+    preference = (Preference(dpo_cfg, reference_model, state.reference_params) if dpo_cfg
+                  else None)
+    parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
+                                              num_microbatches, eos_id, weights, state.frozen,
+                                              dropout_key, preference, unreduced)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
+    # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
+    hessian_tokens = batch["tokens"][::num_microbatches]
+    hessian_weights = None if weights is None else weights[::num_microbatches]
+    updates, opt_state = optimizer.update(
+        grads, state.opt_state, state.params, loss=parts["loss"],
+        loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
+                                         hessian_tokens, eos_id, hessian_weights,
+                                         preference=preference)[0])
+    params = optax.apply_updates(state.params, updates)
+    if_finite = lambda new, old: jnp.where(finite, new, old)
+    new_state = state.replace(step=state.step + 1,
+                              params=jax.tree.map(if_finite, params, state.params),
+                              opt_state=jax.tree.map(if_finite, opt_state, state.opt_state))
+    metrics = {
+        **{name if name.startswith("dpo/") else f"train/{name}": value
+           for name, value in parts.items()},
+        "train/grad_norm": grad_norm,
+        "train/param_norm": optax.tree.norm(new_state.params),
+        "train/update_norm": optax.tree.norm(updates),
+        "train/learning_rate": schedule(state.step),
+        "train/nonfinite": 1.0 - finite.astype(jnp.float32),
+        "train/loss_tokens": loss_tokens(batch),
+    }
+    skipped = spikes.skipped_spikes(new_state.opt_state)
+    if skipped is not None:
+      metrics["train/spike_skipped_steps"] = skipped.astype(jnp.float32)
+      metrics["train/spike"] = (skipped - spikes.skipped_spikes(state.opt_state)).astype(
+          jnp.float32)
+    return new_state, metrics
+  return train_step
+
+
+def loss_tokens(batch: Batch) -> jax.Array:
+  """How many targets train/loss averages: every token but each row's first, or those with a
+  weight (a preference row's: both replies')."""
+  if "loss_weights" in batch:
+    return (batch["loss_weights"][:, 1:] > 0).sum().astype(jnp.float32)
+  rows, length = batch["tokens"].shape
+  return jnp.float32(rows * (length - 1))
+
+
+def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any, Batch], Any]:
+  """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
+  the windows of its eval set, leaving out the rows that only pad the last batch. A batch with
+  "loss_weights" gives (each window's weighted sum of losses, its weight), float32[batch] each:
+  its windows weigh differently. The params are the model's whole (TrainState.model_params)."""
+  def eval_step(params, batch: Batch):
+    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
+    if "loss_weights" not in batch:
+      return losses.mean(axis=1)
+    weights = batch["loss_weights"][:, 1:]
+    return (losses * weights).sum(axis=1), weights.sum(axis=1)
+  return eval_step
+
+
+def make_dpo_eval_step(model: nn.Module, dpo_cfg: dpo.DpoConfig,
+                       eos_id: int | None = None) -> Callable[[Any, Batch], Metrics]:
+  """((params, reference params), batch of preference rows) -> dpo.pair_metrics of each row
+  ("loss" and the dpo/ metrics, float32[batch] each)."""
+  reference_model = models.build(lora.without_lora(model.config))
+
+  def eval_step(params, batch: Batch):
+    params, reference_params = params
+    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
+    return _pair_metrics(losses, batch["tokens"], batch["loss_weights"], eos_id,
+                         Preference(dpo_cfg, reference_model, reference_params))
+  return eval_step
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSteps:
+  """The train state's layout and the jitted functions that create and advance it."""
+  abstract_state: TrainState  # ShapeDtypeStructs, each with its sharding.
+  state_shardings: TrainState  # NamedShardings.
+  batch_sharding: jax.sharding.NamedSharding
+  seq_len: int  # Tokens per sequence of a batch.
+  loss_weights: bool  # Whether a batch has "loss_weights" (a dataset of the run has them).
+  preference: bool  # DPO on preference rows: eval_step takes eval_params(state).
+  init: Callable[[jax.Array], TrainState]
+  train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+  eval_step: Callable[[Any, Batch], jax.Array]
+  unmatched_params: frozenset[str]  # Those no partition rule matches.
+
+  def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
+    """train_step's arguments as ShapeDtypeStructs with their shardings, for global batches of
+    `batch_size` sequences: what an ahead-of-time compile takes, allocating nothing."""
+    shape = (batch_size, self.seq_len)
+    batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
+    if self.loss_weights:
+      batch["loss_weights"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.batch_sharding)
+    return self.abstract_state, batch
+
+  def eval_params(self, state: TrainState) -> Any:
+    """What eval_step takes of the state: the model's params; with DPO, and the reference's."""
+    if self.preference:
+      return state.model_params, state.reference_params
+    return state.model_params
+
+  def flops_per_token(self, cfg) -> float:
+    """The model FLOPs of a trained token in this step (models.flops_per_token): LoRA's frozen
+    base gets no weight gradient, and DPO runs its reference model forward too."""
+    state = self.abstract_state
+    return models.flops_per_token(cfg, state.model_params, frozen=state.frozen,
+                                  reference=self.preference)
+
+  def layout_table(self) -> str:
+    return partitioning.layout_table(self.abstract_state.model_params,
+                                     self.state_shardings.model_params,
+                                     self.abstract_state.opt_state, self.state_shardings.opt_state,
+                                     self.unmatched_params)
+
+
+def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+          eos_id: int | None = None, loss_weights: bool = False,
+          preference: bool = False) -> ShardedSteps:
+  """The run's init, train and eval steps, laid out with `partitioner` and jitted with
+  explicit shardings.
+
+  Reads run.model, run.optimizer (its schedule over trainer.num_train_steps) and
+  trainer.gradient_accumulation_steps. The partitioner is the caller's, made from the mesh
+  and run.sharding: call (and trace) the functions inside its activation_context().
+
+  eos_id: mask attention per document, each ending at this token (data.document_masking;
+  see objective); None: no mask. loss_weights: the batches carry "loss_weights" (a dataset of
+  the run has them: loader.has_loss_weights); abstract_inputs says so. preference: the run's
+  data is preference data (loader.is_preference): it trains and evaluates by DPO (run.dpo),
+  its batches' loss weights being codes, against a reference model (TrainState).
+
+  model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
+  be this host's (a TPU step compiled ahead of time on a CPU).
+  """
+  platform = partitioner.mesh.devices.flat[0].platform
+  attention = common.attention_implementation(run.model, platform)
+  common.check_attention_platform(attention, platform)
+  model = models.build(common.with_compute(run.model, attention_impl=attention))
+  schedule = optimizers.learning_rate_schedule(run.optimizer, run.trainer.num_train_steps)
+  optimizer = optimizers.make_optimizer(run.optimizer, schedule)
+  if run.trainer.spike_policy != "none":
+    optimizer = spikes.skip_spikes(optimizer, run.trainer.spike_window, run.trainer.spike_threshold)
+  init = functools.partial(init_state, model, optimizer, preference=preference)
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  frozen_shardings = lambda tree: None if tree is None else partitioner.param_shardings(tree)
+  shardings = TrainState(
+      step=partitioner.replicated,
+      params=partitioner.param_shardings(shapes.params),
+      opt_state=partitioner.opt_state_shardings(optimizer, shapes.opt_state, shapes.params),
+      frozen=frozen_shardings(shapes.frozen), reference=frozen_shardings(shapes.reference))
+  batch = partitioner.batch_sharding()
+  replicated = partitioner.replicated
+  dpo_cfg = run.dpo if preference else None
+  train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
+                               eos_id, run.trainer.seed, dpo_cfg,
+                               _cross_slice_batch_axis(run, partitioner, shardings.params))
+  eval_params = shardings.model_params
+  eval_step = make_eval_step(model, eos_id)
+  if preference:
+    eval_params = (eval_params, shardings.reference_params)
+    eval_step = make_dpo_eval_step(model, dpo_cfg, eos_id)
+  return ShardedSteps(
+      abstract_state=jax.tree.map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
+      state_shardings=shardings,
+      batch_sharding=batch,
+      seq_len=run.model.seq_len,
+      loss_weights=loss_weights or preference,
+      preference=preference,
+      # Without DPO's reference: the caller copies it from whatever params the run starts on
+      # (resume.py), so a start holds the params at most twice (policy and reference).
+      init=jax.jit(lambda rng: init(rng).replace(reference=None),
+                   out_shardings=shardings.replace(reference=None)),
+      train_step=jax.jit(train_step, in_shardings=(shardings, batch),
+                         out_shardings=(shardings, replicated), donate_argnums=(0,)),
+      eval_step=jax.jit(eval_step, in_shardings=(eval_params, batch), out_shardings=replicated),
+      unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
+  )
+
+
+def _cross_slice_batch_axis(run, partitioner: partitioning.Partitioner,
+                            param_shardings) -> tuple[str, int] | None:
+  """(axis, size): the batch's mesh axis that spans TPU slices (trainer.dcn_mesh) and splits no
+  parameter, over which accumulated gradients stay unreduced until the step's end; None on one
+  slice, or where ZeRO-3 splits the parameters over it too (its accumulator would then be
+  whole on every device)."""
+  mesh = partitioner.mesh
+  if len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}) < 2:
+    return None
+  spans = dict(run.trainer.dcn_mesh)
+  splits_parameters = {axis for sharding in jax.tree.leaves(param_shardings)
+                       for entry in sharding.spec if entry
+                       for axis in ((entry,) if isinstance(entry, str) else entry)}
+  batch = partitioner.logical_axes["batch"]
+  for axis in (batch,) if isinstance(batch, str) else tuple(batch or ()):
+    if spans.get(axis, 1) != 1 and axis not in splits_parameters:  # -1: every slice.
+      return axis, mesh.shape[axis]
+  return None
+
+
+def compile_in_background(steps: ShardedSteps, partitioner: partitioning.Partitioner,
+                          batch_size: int) -> concurrent.futures.Future:
+  """The train step compiled for global batches of `batch_size` sequences (on
+  steps.abstract_inputs), in a thread.
+
+  Compiling takes seconds on a CPU and minutes for a large model on a GPU;
+  started once the layout is known, it overlaps creating or restoring the
+  state and starting the input. The future holds the compiled step (called
+  like train_step) or the error compiling raised.
+  """
+  def compile_step():
+    with partitioner.activation_context():  # Its mesh and axis rules are per thread.
+      return steps.train_step.lower(*steps.abstract_inputs(batch_size)).compile()
+  executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-train-step")
+  try:
+    return executor.submit(compile_step)
+  finally:
+    executor.shutdown(wait=False)
