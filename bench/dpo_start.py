@@ -4,7 +4,7 @@ the step's FLOPs as XLA counts them against train/mfu's count.
     python bench/dpo_start.py [--num_layers=8 --batch_size=8 --num_steps=5]
 
 A DPO run (no LoRA) holds the policy's params and the reference model's copy of them. Its start
-(resume.py) runs the jitted init, which leaves the reference out, then copies the reference from
+(train/restore.py) runs the jitted init, which leaves the reference out, then copies the reference from
 the params the run starts on, as this does: the device holds the params at most twice, beside
 the optimizer's moments. The device's own counters (memory_stats: GPU and TPU; the CPU keeps
 none) give the bytes in use after each, and the peak, in units of the params' bytes.

@@ -18,7 +18,8 @@ from levanter_flax.config import changes, flat_dict, to_run_config
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.core.errors import UserError
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
-from levanter_flax.train.resume import Progress, _check_resumed_config
+from levanter_flax.train.resume_checks import check_resumed_config
+from levanter_flax.train.restore import Progress
 from levanter_flax.train.loop import train_and_evaluate
 from test_eval_set import HARD
 from test_main import NANO, TINY
@@ -142,7 +143,7 @@ def test_a_config_json_from_before_eval_tokens_is_the_same_run(tiny_config, capl
   assert changes(before | {"trainer.seed": 3}, now) == [f"trainer.seed 3 -> {now['trainer.seed']}"]
   with caplog.at_level(logging.WARNING):
     # pylint: disable-next=protected-access
-    _check_resumed_config(to_run_config(tiny_config), before, pathlib.Path("run"))
+    check_resumed_config(to_run_config(tiny_config), before, pathlib.Path("run"))
   assert ("The run in run started with trainer.eval_batches, which trainer.eval_tokens "
           "replaced: its evals before this resume scored another set") in caplog.text
 

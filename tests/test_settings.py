@@ -253,10 +253,10 @@ def test_a_config_json_of_an_unknown_family_is_named():
 
 
 def test_another_coordinator_or_process_id_is_no_change_on_resume(tmp_path):
-  from levanter_flax.train import resume
+  from levanter_flax.train import resume_checks
   run = to_run_config(load_config_file("configs/gpt2.py:nano"))
   saved = flat_dict(run) | {"trainer.distributed.process_id": 3,
                             "trainer.distributed.coordinator_address": "10.0.0.1:1234"}
-  assert resume._check_resumed_config(run, saved, tmp_path) == []
-  assert resume._check_resumed_config(run, saved | {"trainer.seed": 9}, tmp_path) == [
+  assert resume_checks.check_resumed_config(run, saved, tmp_path) == []
+  assert resume_checks.check_resumed_config(run, saved | {"trainer.seed": 9}, tmp_path) == [
       "trainer.seed 9 -> 0"]

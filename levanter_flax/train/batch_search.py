@@ -15,7 +15,7 @@ it, candidates are the splits of the target into k equal microbatches that the
 data-parallel devices share evenly, and bisection finds the smallest k that
 fits. Both assume memory grows with the microbatch; whatever they return was
 itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first starts
-(resume.py); a resume keeps what it chose.
+(start.py); a resume keeps what it chose.
 """
 import dataclasses
 import re

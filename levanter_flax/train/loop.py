@@ -1,4 +1,4 @@
-"""The training loop: run steps, log, eval, checkpoint; the start (resume.py) gives it the run
+"""The training loop: run steps, log, eval, checkpoint; the start (start.py) gives it the run
 as it trains and the state it starts from."""
 import concurrent.futures
 import contextlib
@@ -15,7 +15,8 @@ from clu import periodic_actions
 from etils import epath
 
 from levanter_flax import config
-from levanter_flax.train import callbacks as callbacks_lib, resume, step
+from levanter_flax.train import callbacks as callbacks_lib, restore, resume_checks, step
+from levanter_flax.train.start import Start, resolve
 from levanter_flax.parallel import distributed, partitioning
 from levanter_flax.core import flops, locks, paths
 from levanter_flax.monitoring import metrics, watch
@@ -133,7 +134,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
     # Opened first: whether the workdir holds checkpoints decides what the start keeps.
     checkpointer = opened.enter_context(contextlib.closing(
         Checkpointer(workdir / "checkpoints", run.checkpoint, before_save=lock.check_all)))
-    start = resume.resolve(run, workdir, partitioner, checkpointer)
+    start = resolve(run, workdir, partitioner, checkpointer)
     steps = step.build(start.run, partitioner, start.eos_id,
                        loss_weights=loader.has_loss_weights(start.sources),
                        preference=start.preference)
@@ -146,7 +147,13 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
                                 due_callbacks)
 
 
-def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.ShardedSteps,
+def _metric_writer(run: RunConfig, workdir: epath.Path, lock: locks.JobLock):
+  """The run's metric writers, closed on leaving; its settings go with the scalars."""
+  return contextlib.closing(metrics.create_writer(workdir, lock.may_write, config.flat_dict(run),
+                                                  run.trainer.wandb))
+
+
+def _restore_and_train(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
                        partitioner: partitioning.Partitioner, checkpointer: Checkpointer,
                        stop: preemption.StopSignal, lock: locks.JobLock,
                        due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
@@ -158,12 +165,13 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
   finished = (checkpointer.latest_step or 0) >= trainer.num_train_steps
   compiled_step = None if finished else compile_step()
   try:
-    state, progress = resume.initial_state(start, workdir, steps, checkpointer)
+    state, progress = restore.initial_state(start, workdir, steps, checkpointer)
     if int(state.step) >= trainer.num_train_steps:
-      eval_missed = resume.eval_missed(start, workdir, checkpointer, int(state.step))
-      harness_missed = resume.harness_missed(start, workdir, checkpointer, int(state.step))
+      step_num = int(state.step)
+      eval_missed = resume_checks.eval_missed(run, start.sources, workdir, checkpointer, step_num)
+      harness_missed = resume_checks.harness_missed(run, workdir, checkpointer, step_num)
       if eval_missed or harness_missed:
-        with contextlib.closing(metrics.create_writer(workdir, lock.may_write, config.flat_dict(run), run.trainer.wandb)) as writer:
+        with _metric_writer(run, workdir, lock) as writer:
           if eval_missed:
             _evaluate_missed_step("eval", _make_evaluate(run, steps, start.sources), state,
                                   writer)
@@ -174,7 +182,7 @@ def _restore_and_train(start: resume.Start, workdir: epath.Path, steps: step.Sha
                       "config.trainer.num_train_steps is %d; raise it to train on",
                       int(state.step), trainer.num_train_steps)
       return TrainResult(state, {})
-    resume.save_config(run, workdir)
+    resume_checks.save_config(run, workdir)
     compiled_step = compiled_step or compile_step()  # The newest checkpoint was unusable.
     return _train_loop(start, workdir, steps, state, progress, checkpointer, stop,
                        compiled_step, lock, due_callbacks)
@@ -283,7 +291,7 @@ class _FlaggedSteps:
   """
 
   def __init__(self, trainer: TrainerConfig, checkpointer: Checkpointer,
-               restored: resume.Progress, rollbacks: spikes.Rollbacks):
+               restored: restore.Progress, rollbacks: spikes.Rollbacks):
     self._policy, self._max_consecutive = trainer.nan_policy, trainer.max_consecutive_skipped_steps
     self._checkpointer = checkpointer
     self._pending = []
@@ -294,7 +302,7 @@ class _FlaggedSteps:
                                       restored.recent_spikes, rollbacks.replayed_through())
                     if trainer.spike_policy == "rollback" else None)
 
-  def progress(self, position: DataPosition) -> resume.Progress:
+  def progress(self, position: DataPosition) -> restore.Progress:
     """What a checkpoint saves with the state, once flushed."""
     return dataclasses.replace(self._restored, position=position, skipped_steps=self.count,
                                consecutive_skipped_steps=self._consecutive,
@@ -333,8 +341,8 @@ class _FlaggedSteps:
     logging.warning("Step %d: non-finite loss or gradients; its update was skipped", step_num)
 
 
-def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSteps,
-                state: step.TrainState, progress: resume.Progress, checkpointer: Checkpointer,
+def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
+                state: step.TrainState, progress: restore.Progress, checkpointer: Checkpointer,
                 stop: preemption.StopSignal, compiled_step: "concurrent.futures.Future",
                 lock: locks.JobLock, due_callbacks: callbacks_lib.Callbacks) -> TrainResult:
   run, sources, trainer = start.run, start.sources, start.run.trainer
@@ -361,12 +369,12 @@ def _train_loop(start: resume.Start, workdir: epath.Path, steps: step.ShardedSte
       sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
       local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
       vocab_size=run.model.vocab_size, groups=start.reader_groups)) as train_batches, \
-      contextlib.closing(metrics.create_writer(workdir, lock.may_write, config.flat_dict(run), run.trainer.wandb)) as writer, \
+      _metric_writer(run, workdir, lock) as writer, \
       watch.HangWatchdog(watching.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {RUN_START: start_step})
-    if resume.eval_missed(start, workdir, checkpointer, start_step):
+    if resume_checks.eval_missed(start.run, start.sources, workdir, checkpointer, start_step):
       last_metrics = _evaluate_missed_step("eval", evaluate, state, writer)
-    if run_harness and resume.harness_missed(start, workdir, checkpointer, start_step):
+    if run_harness and resume_checks.harness_missed(start.run, workdir, checkpointer, start_step):
       last_metrics |= _evaluate_missed_step("harness", _harness_of_state(run_harness), state,
                                             writer)
     report_progress = periodic_actions.ReportProgress(

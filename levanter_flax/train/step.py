@@ -29,7 +29,7 @@ class TrainState:
   """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
   base model's params are `frozen`: no gradient, no optimizer state, and not in the
   checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
-  (resume.py). A DPO run without LoRA keeps its reference model, the initial params, as
+  (restore.py). A DPO run without LoRA keeps its reference model, the initial params, as
   `reference`, saved once the same way; with LoRA its reference is the base, `frozen`."""
   step: jax.Array
   params: Any
@@ -504,7 +504,7 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       loss_weights=loss_weights or preference,
       preference=preference,
       # Without DPO's reference: the caller copies it from whatever params the run starts on
-      # (resume.py), so a start holds the params at most twice (policy and reference).
+      # (restore.py), so a start holds the params at most twice (policy and reference).
       init=jax.jit(lambda rng: init(rng).replace(reference=None),
                    out_shardings=shardings.replace(reference=None)),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
