@@ -13,7 +13,7 @@ import numpy as np
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import settings
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.data import DataConfig
 from levanter_flax.models.gpt2 import GPT2Config
 

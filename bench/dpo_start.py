@@ -4,7 +4,7 @@ the step's FLOPs as XLA counts them against train/mfu's count.
     python bench/dpo_start.py [--num_layers=8 --batch_size=8 --num_steps=5]
 
 A DPO run (no LoRA) holds the policy's params and the reference model's copy of them. Its start
-(train/restore.py) runs the jitted init, which leaves the reference out, then copies the reference from
+(training/restore.py) runs the jitted init, which leaves the reference out, then copies the reference from
 the params the run starts on, as this does: the device holds the params at most twice, beside
 the optimizer's moments. The device's own counters (memory_stats: GPU and TPU; the CPU keeps
 none) give the bytes in use after each, and the peak, in units of the params' bytes.
@@ -20,7 +20,7 @@ from common import run_config
 from levanter_flax.objectives import dpo
 from levanter_flax import models
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.models.llama import LlamaConfig
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from common import OPTIMIZER, compile_train_step, run_config
 from levanter_flax import models
 from levanter_flax.optim import optimizers
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.models.common import REMAT_POLICIES, with_compute
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig

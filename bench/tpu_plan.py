@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 from levanter_flax import aot
-from levanter_flax.train import batch_search
+from levanter_flax.training import batch_search
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import load_config_file, to_run_config
 from levanter_flax.core.errors import UserError

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import jax
 from absl import app, flags, logging
 
-from levanter_flax.train import batch_search, step
+from levanter_flax.training import batch_search, step
 from levanter_flax.parallel import partitioning
 from levanter_flax.core import progress
 from levanter_flax.config import settings

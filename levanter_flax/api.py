@@ -20,10 +20,10 @@ from levanter_flax.parallel import backend
 from levanter_flax.generate import trained
 from levanter_flax import config as config_lib, models
 from levanter_flax.core import paths
-from levanter_flax.train.callbacks import Callback
+from levanter_flax.training.callbacks import Callback
 from levanter_flax.core.errors import UserError
 from levanter_flax.config.settings import RunConfig
-from levanter_flax.train.loop import TrainResult, run_training
+from levanter_flax.training.loop import TrainResult, run_training
 
 __all__ = ["train", "load", "load_config", "Callback", "TrainResult", "Loaded"]
 

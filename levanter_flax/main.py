@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
                             "--workdir")
     backend.start(run.trainer)
     # Heavy (jax, tf); by its module's path: the package's `train` is the Python API's.
-    from levanter_flax.train.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+    from levanter_flax.training.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
     final = train_and_evaluate(run, workdir)
   except UserError as e:
     exit_with_error(str(e))

@@ -29,7 +29,7 @@ def test_import_is_light_and_exports_lazily():
           "('jax', 'flax', 'tensorflow', 'orbax'))\n"
           "assert not heavy, heavy\n"
           "print(lf.__version__, lf.Callback.__module__, lf.train.__module__)\n"
-          "import levanter_flax.train.loop\n"
+          "import levanter_flax.training.loop\n"
           "assert lf.train.__module__ == 'levanter_flax.api', lf.train\n"
           "lf.nothing\n")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -38,7 +38,7 @@ def test_import_is_light_and_exports_lazily():
   assert "module 'levanter_flax' has no attribute 'nothing'" in done.stderr
   version, *modules = done.stdout.split()
   assert re.fullmatch(r"\d+\.\d+\.\d+", version)
-  assert modules == ["levanter_flax.train.callbacks", "levanter_flax.api"]
+  assert modules == ["levanter_flax.training.callbacks", "levanter_flax.api"]
   setup = (REPO / "setup.py").read_text()
   assert "version=_version()" in setup and version not in setup  # One place holds it.
 
@@ -136,7 +136,7 @@ class _Unreadable:
 
 
 def test_a_step_no_callback_is_due_on_reads_nothing_from_the_device():
-  from levanter_flax.train.callbacks import Callbacks
+  from levanter_flax.training.callbacks import Callbacks
   seen = []
   due = Callbacks([lf.Callback(4, lambda step, state, metrics: seen.append((step, metrics)))])
   for step in (1, 2, 3, 5):

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from levanter_flax.train import batch_search, step
+from levanter_flax.training import batch_search, step
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
@@ -107,7 +107,7 @@ def test_budget_errors_are_named(run_and_partitioner):
 
 def test_command_line_prints_candidates_and_the_choice():
   result = subprocess.run(
-      [sys.executable, "-m", "levanter_flax.train.batch_search", f"--config={NANO}", *TINY[:3],
+      [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}", *TINY[:3],
        "--config.trainer.batch_size=auto", "--config.batch_search.memory_budget_bytes=30000000",
        "--config.batch_search.target_batch_size=64"],
       cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -115,6 +115,6 @@ def test_command_line_prints_candidates_and_the_choice():
   assert "batch search: microbatch 1 per device (8 global) needs" in result.stderr
   assert result.stdout.strip().startswith("batch_size=64 gradient_accumulation_steps=")
   assert_one_line_error(subprocess.run(
-      [sys.executable, "-m", "levanter_flax.train.batch_search", f"--config={NANO}",
+      [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}",
        "--config.trainer.batch_size=auto"], cwd=REPO, capture_output=True, text=True, timeout=300),
       "needs config.batch_search.memory_budget_bytes")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import prepare_texts, random_documents, read_metrics
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader, dataset_writer, sources, tfrecord
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
@@ -16,7 +16,7 @@ from levanter_flax.data.position import DataPosition
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 
 # Qwen2's ChatML template, shortened: a system turn, then each turn between <|im_start|>ROLE\n and
 # <|im_end|>\n; roles it does not know are refused with raise_exception.

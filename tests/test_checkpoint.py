@@ -18,7 +18,7 @@ from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_flax.checkpoint import store
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer
 from levanter_flax.generate.trained import run_params
 from levanter_flax.core.errors import UserError

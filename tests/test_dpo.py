@@ -8,7 +8,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import read_metrics
-from levanter_flax.train import batch_search, step
+from levanter_flax.training import batch_search, step
 from levanter_flax.objectives import dpo
 from levanter_flax import models
 from levanter_flax.parallel import partitioning
@@ -16,7 +16,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from test_chat import (documents, make_tokenizer, prepare_records,  # pylint: disable=unused-import
                        tokenizer_file, weighted_text)
 

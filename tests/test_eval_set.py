@@ -13,13 +13,13 @@ from etils import epath
 
 from levanter_flax import models
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import PreparedDataset, load_manifest
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import _make_evaluate, train_and_evaluate  # pylint: disable=protected-access
+from levanter_flax.training.loop import _make_evaluate, train_and_evaluate  # pylint: disable=protected-access
 
 
 def source_of(directory: pathlib.Path) -> PreparedDataset:

@@ -19,7 +19,7 @@ from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import train_bpe
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from test_hf import TOKENS, assert_one_error_line, export, hf_logits, hf_model
 
 

@@ -26,7 +26,7 @@ from levanter_flax.config import mesh, to_run_config
 from levanter_flax.data import eval_set
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO, TINY
 
 

@@ -35,7 +35,7 @@ from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
 from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
 from levanter_flax.core.errors import UserError  # pylint: disable=g-import-not-at-top
-from levanter_flax.train.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+from levanter_flax.training.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
 
 SEQ_LEN = 64
 GEN_TOKENS = 12

@@ -20,7 +20,7 @@ from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.llama import rope_frequencies
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from levanter_flax.models.common import with_compute
 
 def _llama(**changes):

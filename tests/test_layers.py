@@ -37,8 +37,8 @@ def test_the_code_keeps_the_layers_and_has_no_import_cycle():
 
 @pytest.mark.parametrize("module, line, broken", [
     # core, the lowest layer, reaching up to the training loop.
-    ("core/errors.py", "from levanter_flax.train import loop", "levanter_flax.core.errors -> "
-     "levanter_flax.train.loop"),
+    ("core/errors.py", "from levanter_flax.training import loop", "levanter_flax.core.errors -> "
+     "levanter_flax.training.loop"),
     # Two modules of one package importing each other.
     ("data/shards.py", "from levanter_flax.data import dataset_writer",
      "No import cycle, between the modules of any package BROKEN"),

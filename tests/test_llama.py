@@ -6,11 +6,11 @@ import pytest
 
 from conftest import load_config_file, train_losses
 from levanter_flax import models
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.llama import LlamaConfig, rope_frequencies, rotary_embedding
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from levanter_flax.models.common import ComputeConfig, with_compute
 
 SMALL = LlamaConfig(vocab_size=61, seq_len=16, num_layers=2, num_heads=4, num_kv_heads=2,

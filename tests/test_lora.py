@@ -20,12 +20,12 @@ from levanter_flax.core import flops
 from levanter_flax.hf import snapshot
 from levanter_flax import models
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import common, lora
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from test_hf import assert_one_error_line, export, tiny_llama  # pylint: disable=unused-import
 from test_resume import run_killed_after_checkpoint
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import load_config_file
 from levanter_flax import models
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.config import to_run_config
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from levanter_flax.models.common import ComputeConfig, with_compute

@@ -21,7 +21,7 @@ from levanter_flax.monitoring import history
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 
 
 def trace_event_names(workdir) -> set[str]:

@@ -16,7 +16,7 @@ from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.config import default_config, load_preset, to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.parallel.partitioning import path_name
 

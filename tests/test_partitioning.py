@@ -11,7 +11,7 @@ from conftest import load_config_file, shipped_configs
 from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.config import default_config, mesh, to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config

@@ -13,14 +13,14 @@ import sys
 import pytest
 
 from conftest import REPO, read_metrics, write_dataset
-from levanter_flax.train import batch_search
+from levanter_flax.training import batch_search
 from levanter_flax.config import changes, flat_dict, to_run_config
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.core.errors import UserError
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
-from levanter_flax.train.resume_checks import check_resumed_config
-from levanter_flax.train.restore import Progress
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.resume_checks import check_resumed_config
+from levanter_flax.training.restore import Progress
+from levanter_flax.training.loop import train_and_evaluate
 from test_eval_set import HARD
 from test_main import NANO, TINY
 

@@ -22,7 +22,7 @@ from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.sample import SamplingConfig, choose, encode, generate
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 
 MODELS = {
     "gpt2": GPT2Config(vocab_size=50, seq_len=24, num_layers=2, num_heads=2, hidden_dim=16),

@@ -19,7 +19,7 @@ from levanter_flax.core import schema
 from levanter_flax.config import settings
 from levanter_flax.config import default_config, flat_dict, load_config_file, to_run_config
 from levanter_flax.core.schema import CHOSEN, FREE, MODEL, STATE, setting
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
@@ -253,7 +253,7 @@ def test_a_config_json_of_an_unknown_family_is_named():
 
 
 def test_another_coordinator_or_process_id_is_no_change_on_resume(tmp_path):
-  from levanter_flax.train import resume_checks
+  from levanter_flax.training import resume_checks
   run = to_run_config(load_config_file("configs/gpt2.py:nano"))
   saved = flat_dict(run) | {"trainer.distributed.process_id": 3,
                             "trainer.distributed.coordinator_address": "10.0.0.1:1234"}

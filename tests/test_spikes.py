@@ -14,11 +14,11 @@ import pytest
 
 from conftest import REPO, read_metrics
 from levanter_flax.optim import spikes
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from test_main import NANO, TINY, assert_one_line_error
 from test_resume import run_killed_after_checkpoint

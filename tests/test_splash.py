@@ -11,7 +11,7 @@ import pytest
 
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import settings
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import FAMILIES, attention, build, common
 from levanter_flax.models.llama import LlamaConfig

@@ -13,7 +13,7 @@ from levanter_flax.monitoring import metrics
 from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 

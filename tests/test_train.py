@@ -7,7 +7,7 @@ import pytest
 from conftest import prepare_texts, random_documents, read_metrics, train_losses
 from levanter_flax.config import mesh, to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 
 
 def test_loss_falls_on_nano(tiny_config, tmp_path):

@@ -13,7 +13,7 @@ from conftest import read_metrics
 from levanter_flax.monitoring import metrics, wandb_config, wandb_writer
 from levanter_flax.config import flat_dict, to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.train.loop import train_and_evaluate
+from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO, TINY, assert_one_line_error, run_main
 from test_gcs import blobs, gcs  # pylint: disable=unused-import  # gcs: a fixture.
 from test_resume import run_killed_after_checkpoint

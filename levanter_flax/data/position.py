@@ -3,7 +3,7 @@
 `ReaderGroups` deals a dataset's shards and every global batch's rows to a
 fixed number of groups, so the batches do not depend on the process count;
 `DataPosition` is what a checkpoint records of the stream, per group. Both
-are plain data (no TensorFlow): the loader reads by them, train/restore.py checks
+are plain data (no TensorFlow): the loader reads by them, training/restore.py checks
 them on resume.
 """
 import dataclasses

@@ -16,7 +16,7 @@ from levanter_flax.data import eval_set, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import ReaderGroups
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import batch_search, choices, resume_checks
+from levanter_flax.training import batch_search, choices, resume_checks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The largest microbatch that fits in memory, found by compiling, never by running out.
 
-    python -m levanter_flax.train.batch_search --config=configs/gpt2_small.py [--config.x=y ...]
+    python -m levanter_flax.training.batch_search --config=configs/gpt2_small.py [--config.x=y ...]
 
 Each candidate is compiled exactly as it will run (on abstract arrays, so
 nothing is allocated): its global batch, its gradient_accumulation_steps,
@@ -25,7 +25,7 @@ import jax
 from absl import app, flags, logging
 
 from levanter_flax.parallel import partitioning
-from levanter_flax.train import step
+from levanter_flax.training import step
 from levanter_flax.config import settings
 from levanter_flax.config.settings import BatchSearchConfig
 from levanter_flax.core.errors import UserError, exit_with_error

@@ -17,8 +17,8 @@ from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import DataPosition
 from levanter_flax.hf import snapshot
 from levanter_flax.parallel import distributed, partitioning
-from levanter_flax.train import resume_checks, step
-from levanter_flax.train.start import Start
+from levanter_flax.training import resume_checks, step
+from levanter_flax.training.start import Start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ from clu import periodic_actions
 from etils import epath
 
 from levanter_flax import config
-from levanter_flax.train import callbacks as callbacks_lib, restore, resume_checks, step
-from levanter_flax.train.start import Start, resolve
+from levanter_flax.training import callbacks as callbacks_lib, restore, resume_checks, step
+from levanter_flax.training.start import Start, resolve
 from levanter_flax.parallel import distributed, partitioning
 from levanter_flax.core import flops, locks, paths
 from levanter_flax.monitoring import metrics, watch
