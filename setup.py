@@ -28,7 +28,7 @@ setuptools.setup(
         "orbax-checkpoint>=0.12,<0.13",
         "ml-collections>=1.1,<1.2",
         "clu==0.0.12",
-        # The input pipeline only; see BUILD_NOTES.md for why it is the CPU build.
+        # The input pipeline only; see docs/build-notes.md for why it is the CPU build.
         "tensorflow-cpu>=2.21,<2.22",
         "tensorflow-datasets>=4.9,<4.10",
         # Tokenizer files: Hugging Face JSON (and BPE training), SentencePiece models.

@@ -96,7 +96,7 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
     raise UserError(f"--num_slices must be at least 1; got {num_slices}")
   if importlib.util.find_spec("libtpu") is None:
     raise UserError("compiling for a TPU needs libtpu: pip install -e \".[tpu-aot]\" (the "
-                    "version jax[tpu] pins, see BUILD_NOTES.md)")
+                    "version jax[tpu] pins, see docs/build-notes.md)")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # No metadata server: this is not a TPU VM.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # Its lockfile is for real chips.
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top

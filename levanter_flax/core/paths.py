@@ -27,7 +27,7 @@ BUCKET_CHECK_SECONDS = 30.0
 _SUPPORTED = ("gs://",)
 _UNSUPPORTED = {"s3://": "TensorFlow 2.21 has no S3 filesystem and orbax hands only gs:// to "
                          "tensorstore; mount the bucket (e.g. mountpoint-s3) and pass the local "
-                         "path (BUILD_NOTES.md)",
+                         "path (docs/build-notes.md)",
                 "az://": "only local paths and gs:// are supported",
                 "hf://": "only local paths and gs:// are supported; download the repository "
                          "and pass its local directory"}
