@@ -120,24 +120,24 @@ def hub_snapshot(source, cache) -> os.PathLike:
   """`source`'s files as the hub cache keeps them: blobs named by hash, and a snapshot of
   relative symlinks to them."""
   repo = cache / "models--org--tiny"
-  snapshot = repo / "snapshots" / "0123abcd"
+  directory = repo / "snapshots" / "0123abcd"
   (repo / "blobs").mkdir(parents=True)
-  snapshot.mkdir(parents=True)
+  directory.mkdir(parents=True)
   for file in source.iterdir():
     blob = hashlib.sha256(file.read_bytes()).hexdigest()
     shutil.copy(file, repo / "blobs" / blob)
-    (snapshot / file.name).symlink_to(f"../../blobs/{blob}")
-  return snapshot
+    (directory / file.name).symlink_to(f"../../blobs/{blob}")
+  return directory
 
 
 @pytest.mark.parametrize("dtype, shard_size", [(torch.bfloat16, "20KB"), (torch.float16, "5GB")])
 def test_a_hub_cache_snapshot_imports_with_the_same_logits(tmp_path, dtype, shard_size):
   model = hf_model("llama")
   model.to(dtype).save_pretrained(tmp_path / "saved", max_shard_size=shard_size)
-  snapshot = hub_snapshot(tmp_path / "saved", tmp_path / "hub")
-  assert (shard_size == "20KB") == (snapshot / "model.safetensors.index.json").exists()
-  cfg, params = snapshot.load(snapshot)
-  widened = transformers.AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32)
+  cached = hub_snapshot(tmp_path / "saved", tmp_path / "hub")
+  assert (shard_size == "20KB") == (cached / "model.safetensors.index.json").exists()
+  cfg, params = snapshot.load(cached)
+  widened = transformers.AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
   ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
   assert np.max(np.abs(ours - hf_logits(widened.eval()))) <= 1e-4
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, parent_pid, prepare_texts, random_documents
-from levanter_flax.data import dataset_writer, sources, tfrecord
+from levanter_flax.data import dataset_writer, shards, sources, tfrecord
 from levanter_flax.data.manifest import MANIFEST, load_manifest
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.core.errors import UserError
@@ -60,7 +60,7 @@ def test_text_files_round_trip_exactly(tmp_path):
   assert sorted(read_documents(directory)) == sorted(texts[:-1])
   validation = read_documents(directory, "validation")
   assert 0 < len(validation) < 15
-  assert all(dataset_writer.is_validation(f"{texts.index(t):04d}.txt", 0.2) for t in validation)
+  assert all(shards.is_validation(f"{texts.index(t):04d}.txt", 0.2) for t in validation)
   assert manifest["source"]["documents"] == 30
   assert manifest["source"]["empty_documents_skipped"] == 1
   assert manifest["tokenizer"] == {"kind": "byte", "sha256": "", "vocab_size": 257, "eos_id": 256}
@@ -386,10 +386,10 @@ _SLOW_PREPARE = """
 import logging, pathlib, sys, time
 from levanter_flax.data import dataset_writer, sources, tfrecord
 logging.basicConfig(level=logging.INFO)
-write, run_shards = tfrecord.ShardWriter.write, prepare._run_shards
+write, run_shards = tfrecord.ShardWriter.write, dataset_writer._run_shards
 tfrecord.ShardWriter.write = lambda self, *args: (time.sleep(0.1), write(self, *args))
-prepare._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))[1]
-prepare.prepare_dataset(prepare.PrepareOptions(
+dataset_writer._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))[1]
+dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
     source=sources.SourceSpec(kind="text", inputs=(sys.argv[1],)),
     output_dir=pathlib.Path(sys.argv[2]), num_shards=4, validation_fraction=0.2), wait=True)
 """

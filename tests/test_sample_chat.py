@@ -13,7 +13,8 @@ from levanter_flax import export_hf, models
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.core.errors import UserError
-from levanter_flax.sample import SamplingConfig, chat_prompts, chat_template, encode, generate
+from levanter_flax.generate.trained import chat_template
+from levanter_flax.sample import SamplingConfig, chat_prompts, encode, generate
 from levanter_flax.training.loop import train_and_evaluate
 from test_chat import CHATML, conversation, make_tokenizer, prepare_records
 from test_sample import MODELS, PROMPTS

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import read_metrics
-from levanter_flax.monitoring import metrics, wandb_config, wandb_writer
+from levanter_flax.monitoring import metrics, wandb_writer
+from levanter_flax.monitoring.wandb_config import _tags as config_tags  # pylint: disable=protected-access
 from levanter_flax.config import flat_dict, to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.training.loop import train_and_evaluate
@@ -221,7 +222,7 @@ def test_tags_are_comma_separated(tiny_config):
   assert to_run_config(with_wandb(tiny_config, tags="a, b,,c")).trainer.wandb.tags == (
       "a", "b", "c")
   assert to_run_config(with_wandb(tiny_config, tags="")).trainer.wandb.tags == ()
-  tags = wandb_config._tags  # pylint: disable=protected-access
+  tags = config_tags
   assert tags("config.trainer.wandb.tags", ["x"]) == ("x",)  # As a config.json holds them.
   assert tags("config.trainer.wandb.tags", '["a", "b,c"]') == ("a", "b,c")  # A flag's list.
   with pytest.raises(UserError, match=r"must be tags.*got '\[\"a\"'$"):
