@@ -86,6 +86,7 @@ def nano(**overrides):
   return to_run_config(config)
 
 
+@pytest.mark.slow
 def test_the_command_prints_and_writes_every_key(tmp_path):
   pytest.importorskip("libtpu")
   output = tmp_path / "plan.json"
@@ -110,6 +111,7 @@ def test_no_tensorflow_on_the_compile_side():
   subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
   pytest.importorskip("libtpu")
   result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
@@ -120,6 +122,7 @@ def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
   assert "does NOT fit" in result.stdout
 
 
+@pytest.mark.slow
 def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
   """Two 8192-wide layers outgrow a v5e chip whatever the batch: batch 4 is already one
   sequence per device, so the smallest step is this step, its state counted as well."""
@@ -137,6 +140,7 @@ def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
   assert plan["smallest_step_bytes_per_chip"] == plan["bytes_per_chip"]
 
 
+@pytest.mark.slow
 def test_accumulation_sends_no_more_across_slices_than_one_microbatch():
   """The data-center network carries one gradient reduction a step, however many microbatches
   (step._cross_slice_batch_axis keeps the accumulator unreduced over the slices)."""
@@ -166,6 +170,7 @@ def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
     aot.devices("v5e:3x3")
 
 
+@pytest.mark.slow
 def test_a_dpo_plan_holds_and_runs_the_reference_model():
   pytest.importorskip("libtpu")
   run = nano()
@@ -197,6 +202,7 @@ def test_a_mesh_the_torus_cannot_hold_axis_by_axis_is_still_built():
   assert dict(mesh.shape) == {"data": 8, "expert": 8}
 
 
+@pytest.mark.slow
 def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
   """The batch search against the TPU's HBM; the compiler refuses what does not fit."""
   pytest.importorskip("libtpu")
@@ -208,6 +214,7 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
   assert plan["bytes_per_chip"] <= budget
 
 
+@pytest.mark.slow
 def test_a_scanned_stack_is_counted_as_the_unrolled_one():
   """The compiler counts a loop's body once: its FLOPs are extrapolated from unrolled compiles
   of 2 and 4 layers, its collectives counted as often as the loop runs."""
@@ -224,6 +231,7 @@ def test_a_scanned_stack_is_counted_as_the_unrolled_one():
         unrolled["collective_bytes_per_step"][kind], rel=0.03)
 
 
+@pytest.mark.slow
 def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
   pytest.importorskip("libtpu")
   run = nano(**{"trainer.device_mesh": {"data": 2, "model": 2},

@@ -23,6 +23,7 @@ def _readme_example() -> str:
   return blocks[0]
 
 
+@pytest.mark.slow
 def test_import_is_light_and_exports_lazily():
   code = ("import sys, levanter_flax as lf\n"
           "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -43,6 +44,7 @@ def test_import_is_light_and_exports_lazily():
   assert "version=_version()" in setup and version not in setup  # One place holds it.
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_as_written(data_cache, tmp_path):
   """In a fresh directory whose ~/.cache/levanter_flax is the session's prepared corpus, on one
   CPU device as a plain CPU run has."""
@@ -66,6 +68,7 @@ def _recorder(seen: list):
   return record
 
 
+@pytest.mark.slow
 def test_callbacks_see_every_nth_step_and_params_are_the_checkpoints(tiny_config, tmp_path):
   every_3, every_5 = [], []
   workdir = str(tmp_path / "run")  # A str, as a user passes it.

@@ -30,6 +30,7 @@ def test_largest_fitting_is_exact_for_every_threshold():
     assert batch_search.largest_fitting(lambda n: n <= threshold, 37) == min(threshold, 37)
 
 
+@pytest.mark.slow
 def test_search_finds_the_largest_microbatch_under_the_budget(run_and_partitioner):
   run, partitioner = run_and_partitioner
   needs = {n: batch_search.step_bytes(run, partitioner, n) for n in (1, 2, 3, 4)}
@@ -75,6 +76,7 @@ def compiled_bytes(run, partitioner, per_device: int, accumulation: int) -> int:
           - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
 
 
+@pytest.mark.slow
 def test_target_search_counts_the_accumulation_the_step_will_run(run_and_partitioner):
   run, partitioner = run_and_partitioner
   # A target of 48 over 8 devices: 1, 2, 3 or 6 per device in 6, 3, 2 or 1 microbatches.
@@ -105,6 +107,7 @@ def test_budget_errors_are_named(run_and_partitioner):
                          partitioner)
 
 
+@pytest.mark.slow
 def test_command_line_prints_candidates_and_the_choice():
   result = subprocess.run(
       [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}", *TINY[:3],

@@ -290,6 +290,7 @@ def reference_logit_gradient(logits, tokens, weights) -> np.ndarray:
   return grad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_microbatches", [1, 2, 4])
 @pytest.mark.parametrize("eos_id", [None, EOS])
 def test_the_masked_loss_and_gradient_are_numpys(num_microbatches, eos_id):
@@ -318,6 +319,7 @@ def test_the_masked_loss_and_gradient_are_numpys(num_microbatches, eos_id):
   assert float(sums.sum() / counts.sum()) == pytest.approx(float(parts["loss"]), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_all_weights_one_is_the_unweighted_loss():
   model = GPT2LMHeadModel(TINY)
   tokens = jax.random.randint(jax.random.key(1), (8, TINY.seq_len), 0, TINY.vocab_size)
@@ -328,6 +330,7 @@ def test_all_weights_one_is_the_unweighted_loss():
   assert float(ones["loss"]) == pytest.approx(float(plain["loss"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_run_trains_and_evaluates_on_chat_mixed_with_text(tmp_path, tokenizer_file,
                                                            tiny_config):
   chats = [conversation(f"question {i} hello", f"answer {i} hello there, how are you")
@@ -356,6 +359,7 @@ def test_a_run_trains_and_evaluates_on_chat_mixed_with_text(tmp_path, tokenizer_
   assert evaluated["eval/chat/tokens"] < evaluated["eval/text/tokens"]
 
 
+@pytest.mark.slow
 def test_abstract_inputs_carry_the_weights_the_train_step_takes(tiny_config):
   from levanter_flax.parallel import partitioning
   run = to_run_config(tiny_config)

@@ -140,6 +140,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damage_is_set_aside_and_the_checkpoint_before_used(checkpoints, damage):
   DAMAGE[damage](checkpoints / "2")
@@ -209,6 +210,7 @@ PINNED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PINNED)
 def test_the_errors_each_verdict_rests_on_are_as_orbax_and_tensorstore_raise_them(
     checkpoints, monkeypatch, case):

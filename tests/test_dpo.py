@@ -59,6 +59,7 @@ def numpy_dpo(policy_logits, reference_logits, tokens, codes, beta, smoothing) -
           "dpo/rejected_reward": rejected.mean()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_the_dpo_loss_is_numpys_and_exact_under_accumulation(smoothing):
   model = GPT2LMHeadModel(TINY)
@@ -183,6 +184,7 @@ def held_at_the_reference_copy(monkeypatch) -> list[int]:
   return held
 
 
+@pytest.mark.slow
 def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path, monkeypatch):
   held = held_at_the_reference_copy(monkeypatch)
   config = dpo_config(tiny_config, byte_pairs)
@@ -222,6 +224,7 @@ def test_a_dpo_run_learns_the_preference(tiny_config, byte_pairs, tmp_path, monk
     train_and_evaluate(to_run_config(config), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_pairs, tmp_path):
   config = dpo_config(tiny_config, byte_pairs)
   config.model.lora.rank = 4
@@ -246,6 +249,7 @@ def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_p
     train_and_evaluate(to_run_config(config), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pairs, tmp_path):
   config = dpo_config(tiny_config, byte_pairs)
   config.model.seq_len = 128
@@ -270,6 +274,7 @@ def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pair
     train_and_evaluate(to_run_config(config), tmp_path / "next_token")
 
 
+@pytest.mark.slow
 def test_the_batch_search_compiles_the_step_with_its_reference_model(tiny_config):
   """batch_size=auto on preference data sizes the DPO step: a second copy of the params (the
   reference, replicated here as the params are) and its forward pass."""

@@ -33,6 +33,7 @@ HARD = ["".join(RNG.choice(list("abcdefghijklmnopqrstuvwxyz "), size=len(EASY)))
         for _ in range(100)]
 
 
+@pytest.mark.slow
 def test_a_sampled_eval_scores_what_the_whole_split_does_not_its_first_documents(tiny_config, tmp_path):
   """Validation easy first, hard last: 40 of its ~350 windows, spread, score what all of them do.
   The first 40 alone (the eval before this one) would score the easy half only."""
@@ -61,6 +62,7 @@ def test_a_sampled_eval_scores_what_the_whole_split_does_not_its_first_documents
   assert whole_loss - first_loss > 0.5  # What reading the split in file order got wrong.
 
 
+@pytest.mark.slow
 def test_eval_loss_of_the_same_params_does_not_depend_on_the_batch_layout(tiny_config, tmp_path):
   """Batch sizes 8/16, accumulation 1/2, reader groups 1/4: one eval set, one loss."""
   directory = write_dataset(tmp_path / "data", HARD, [EASY] * 30 + HARD[:30], num_shards=4)
@@ -117,6 +119,7 @@ def test_each_processs_rows_are_where_the_mesh_puts_its_devices():
     assert [list(r) for r in eval_set.process_rows(sharding, 16, 1)] == [list(range(16))]
 
 
+@pytest.mark.slow
 def test_one_validation_document_and_eight_reader_groups_evaluate(tiny_config, tmp_path):
   directory = write_dataset(tmp_path / "data", HARD[:40], [HARD[50]], num_shards=8)
   tiny_config.data.dataset = str(directory)
@@ -156,6 +159,7 @@ def test_more_than_the_split_is_all_of_it_with_one_warning(tmp_path, caplog):
   assert list(eval_set.spread(5, 5)) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_long_eval_on_a_cpu_split_into_devices_does_not_deadlock(tiny_config, tmp_path):
   """Hundreds of eval batches on the 8 fake devices of 2 cores: dispatched all at once, their
   all-gathers starved XLA:CPU's thread pool until its rendezvous aborted the process."""

@@ -50,6 +50,7 @@ def our_logits(workdir) -> np.ndarray:
   return np.asarray(models.build(cfg).apply({"params": params}, TOKENS % cfg.vocab_size))
 
 
+@pytest.mark.slow
 def test_an_export_in_the_runs_bfloat16_loads_alone_in_transformers(bpe_run, tmp_path):
   workdir, tokenizer = bpe_run
   result = export(workdir, tmp_path / "out")
@@ -89,6 +90,7 @@ def hf_tokenizer_ids(path, text: str) -> list[int]:
   return tokenizers.Tokenizer.from_file(str(path)).encode(text).ids
 
 
+@pytest.mark.slow
 def test_a_sharded_float32_export_loads_with_the_same_logits(bpe_run, tmp_path):
   workdir, _ = bpe_run
   out = tmp_path / "out"
@@ -154,6 +156,7 @@ def test_an_index_naming_a_missing_shard_is_named(tmp_path):
     snapshot.load(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_config_beside_the_tokenizer_is_copied(bpe_run, tmp_path):
   """Its chat template and special tokens go with the export; its EOS ends a generation too."""
   workdir, tokenizer = bpe_run

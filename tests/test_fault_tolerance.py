@@ -37,12 +37,14 @@ def diverging(config, policy):
   return to_run_config(config)
 
 
+@pytest.mark.slow
 def test_halt_stops_at_the_first_non_finite_step(tiny_config, tmp_path):
   with pytest.raises(UserError, match=r"non-finite loss or gradients at step \d+; stopped "
                                       r"\(config.trainer.nan_policy='halt'\)"):
     train_and_evaluate(diverging(tiny_config, "halt"), tmp_path)
 
 
+@pytest.mark.slow
 def test_skip_drops_non_finite_updates_and_saves_finite_params(tiny_config, tmp_path):
   tiny_config.trainer.max_consecutive_skipped_steps = 100
   final = train_and_evaluate(diverging(tiny_config, "skip"), tmp_path)
@@ -59,6 +61,7 @@ def test_skip_halts_after_too_many_skipped_steps_in_a_row(tiny_config, tmp_path)
     train_and_evaluate(diverging(tiny_config, "skip"), tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_path, signum):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
@@ -113,6 +116,7 @@ def checkpoint_files(workdir: pathlib.Path) -> dict[str, bytes]:
           for p in sorted((workdir / "checkpoints").rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -142,6 +146,7 @@ def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(tin
   assert '"optimizer.learning_rate": 0.001' in (tmp_path / "config.json").read_text()
 
 
+@pytest.mark.slow
 def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path):
   """A change no config key check knows of: adafactor's state gains a decay with weight_decay."""
   tiny_config.optimizer.name = "adafactor"
@@ -169,6 +174,7 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
   assert checkpoint_files(tmp_path) == checkpoints
 
 
+@pytest.mark.slow
 def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, monkeypatch):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -195,6 +201,7 @@ def corrupt(checkpoint: pathlib.Path) -> None:
   largest.write_bytes(largest.read_bytes()[:100])
 
 
+@pytest.mark.slow
 @ignore_abandoned_reads
 def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, tmp_path):
   tiny_config.optimizer.min_learning_rate_ratio = 1.0  # Constant LR: a resumed run is the straight one.
@@ -214,6 +221,7 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, 
     assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
+@pytest.mark.slow
 @ignore_abandoned_reads
 def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
@@ -237,6 +245,7 @@ def test_no_usable_checkpoint_stops_unless_told_to_start_fresh(tiny_config, tmp_
       "1.unreadable", "2.unreadable", "1.unreadable.2", "2.unreadable.2", "2", "3"}
 
 
+@pytest.mark.slow
 def test_time_based_checkpoints_replace_each_other_and_periodic_ones_stay(tiny_config, tmp_path):
   tiny_config.checkpoint.every_steps = 4
   tiny_config.checkpoint.every_minutes = 1e-9  # Due after every step.
@@ -260,6 +269,7 @@ def test_a_temporary_checkpoint_is_known_as_one_after_a_restart(tmp_path):
   assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [10, 14]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("items", ["params", "state"])
 def test_a_new_run_starts_from_another_runs_checkpoint(tiny_config, tmp_path, items):
   tiny_config.optimizer.min_learning_rate_ratio = 1.0
@@ -286,6 +296,7 @@ def test_a_missing_checkpoint_to_load_is_named(tiny_config, tmp_path):
     train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_reshards_the_checkpoint(tiny_config, tmp_path):
   tiny_config.optimizer.min_learning_rate_ratio = 1.0
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
@@ -307,6 +318,7 @@ def test_unwritable_checkpoint_directory_is_named(tiny_config, tmp_path):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
 
 
+@pytest.mark.slow
 def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp_path):
   """The disk fills mid-run: a file size limit set on the running trainer makes its writes fail."""
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
@@ -387,6 +399,7 @@ def wait_for_steps(workdir: pathlib.Path, count: int, process: subprocess.Popen)
   assert process.poll() is None, process.communicate()[1][-3000:]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache, tmp_path):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=100000", "--config.checkpoint.every_steps=2",
@@ -414,6 +427,7 @@ def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache
   assert max(train_losses(tmp_path)) == stopped_at + 2
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_says_so(data_cache, tmp_path):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=3", f"--config.data.cache_dir={data_cache}"]
@@ -451,6 +465,7 @@ def test_a_failing_eval_does_not_cost_the_steps_checkpoint(tiny_config, tmp_path
   assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["2"]
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config, tmp_path, caplog):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -467,6 +482,7 @@ def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config,
   assert max(train_losses(tmp_path)) == 3
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_start_is_one_line(data_cache, tmp_path):
   """Files cannot grow past one block (ulimit -f, SIGXFSZ ignored): the first real write fails.
 
@@ -491,6 +507,7 @@ def test_an_unwritable_metrics_file_is_one_line(tiny_config, tmp_path):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
 
 
+@pytest.mark.slow
 def test_a_malformed_data_position_is_damage(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   tiny_config.checkpoint.every_steps = 1

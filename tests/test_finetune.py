@@ -37,6 +37,7 @@ def run(*argv):
   return result.stdout
 
 
+@pytest.mark.slow
 def test_the_readmes_fine_tuning_path_runs_end_to_end(tmp_path):
   model_dir = tmp_path / "Qwen2-tiny"
   make_tokenizer(tmp_path / "tokenizer")

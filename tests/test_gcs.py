@@ -103,6 +103,7 @@ def gcs_dataset(gcs, tmp_path_factory):
       num_shards=4, validation_fraction=0.2))
 
 
+@pytest.mark.slow
 def test_prepare_on_gcs_writes_what_it_writes_locally(gcs_dataset):
   written = blobs("data/")
   local = {p.name: p.read_bytes() for p in gcs_dataset.iterdir() if p.name != ".lock"}
@@ -166,6 +167,7 @@ def losses(metrics: bytes) -> dict[int, float]:
   return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
+@pytest.mark.slow
 def test_a_gcs_run_killed_damaged_and_resumed_equals_a_local_one(gcs_run):
   written = blobs("run/")
   assert losses(written["metrics.jsonl"]) == losses((gcs_run / "metrics.jsonl").read_bytes())
@@ -178,6 +180,7 @@ def test_a_gcs_run_killed_damaged_and_resumed_equals_a_local_one(gcs_run):
   assert ".lock" not in written
 
 
+@pytest.mark.slow
 def test_report_export_and_sample_read_a_gcs_run(gcs_run, tmp_path):
   from levanter_flax.hf import snapshot
   from levanter_flax.core import paths
@@ -206,6 +209,7 @@ def _leaves(tree):
   return jax.tree.leaves(tree)
 
 
+@pytest.mark.slow
 def test_two_processes_write_one_gcs_workdir(gcs_run):
   from test_multihost import finish, start_two
   finish(*start_two("gs://bkt/two", *TRAIN[1:], "--config.data.dataset=gs://bkt/data"))
@@ -308,6 +312,7 @@ def kill_a_holder(kill: str) -> int:
                         start_new_session=True).returncode
 
 
+@pytest.mark.slow
 def test_a_launch_under_a_gcs_root_runs_and_a_rerun_skips(gcs_dataset, tmp_path):
   from test_launch import launch, write_experiment
   unit = {"trainer.num_train_steps": 2, "trainer.batch_size": 8,
@@ -340,6 +345,7 @@ def wait_for(path, process: subprocess.Popen, log, seconds: float = 240) -> None
     time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cache, tmp_path,
                                                                    monkeypatch):
   """Frozen past the lease (as by a thread that holds the GIL), it keeps its lock; once the lock
@@ -382,6 +388,7 @@ def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cac
   assert ".lock" not in blobs("taken/")
 
 
+@pytest.mark.slow
 def test_a_lock_renewal_that_fails_for_a_moment_keeps_the_gcs_lock(gcs, monkeypatch):
   """Storage that answers nothing for longer than a request's retries, and then the renewals'
   requests that it answers late, do not cost the lock."""
@@ -406,6 +413,7 @@ def test_a_lock_renewal_that_fails_for_a_moment_keeps_the_gcs_lock(gcs, monkeypa
   taker.release()
 
 
+@pytest.mark.slow
 def test_a_job_of_two_processes_whose_gcs_lock_is_taken_stops_on_both(gcs, data_cache, tmp_path):
   """Process 0 finds the lock lost before its next metrics write and skips it; both stop together
   at the next checkpoint, writing nothing, each with one line."""

@@ -294,6 +294,7 @@ def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
   assert lengths[0] == list(free).index(free[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names, message", [
     ("nope_not_a_task", "unknown lm-eval task 'nope_not_a_task'"),
     ("hellaswag", "lm-eval task 'hellaswag' cannot load its data: Couldn't reach 'Rowan/hellaswag'"),
@@ -336,6 +337,7 @@ def harness_config(data_cache, tasks):
   return config
 
 
+@pytest.mark.slow
 def test_the_in_run_harness_logs_at_its_steps(harness_run):
   _, workdir = harness_run
   logged = {m["step"]: m for m in read_metrics(workdir) if "harness/tiny_mc/acc" in m}
@@ -344,6 +346,7 @@ def test_the_in_run_harness_logs_at_its_steps(harness_run):
     assert 0 <= metrics["harness/tiny_mc/acc"] <= 1 and "harness/tiny_mc/acc_stderr" in metrics
 
 
+@pytest.mark.slow
 def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run, tmp_path):
   config, _ = harness_run
   config.trainer.eval_harness_tasks = "tiny_mc,no_such_task"
@@ -374,6 +377,7 @@ def evaluate_cli(*flags):
                         env={**os.environ, "XLA_FLAGS": xla_flags(2)})
 
 
+@pytest.mark.slow
 def test_the_evaluate_command_writes_its_results(harness_run, hf_dir, tasks, tmp_path):
   _, workdir = harness_run
   result = evaluate_cli(f"--workdir={workdir}", "--tasks=tiny_mc", f"--include_path={tasks}",
@@ -396,6 +400,7 @@ def test_the_evaluate_command_writes_its_results(harness_run, hf_dir, tasks, tmp
   assert written["tiny_gen"]["exact_match,none"] == pytest.approx(1 / 6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--tasks=nope_not_a_task"], "unknown lm-eval task 'nope_not_a_task'"),
     (["--tasks=tiny_mc", "--limit=0"], "--limit must be above 0"),
@@ -417,6 +422,7 @@ def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message
                         message.format(tmp=tmp_path))
 
 
+@pytest.mark.slow
 def test_a_harness_lost_after_its_checkpoint_runs_on_resume_once(data_cache, tasks, tmp_path,
                                                                   monkeypatch):
   """A run stopped between a step's checkpoint and its harness (at step 2; then, resumed, at

@@ -428,6 +428,7 @@ def tiny_llama(data_cache):
   return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_layers, tmp_path):
   # Every shape key other than llama:nano's, and no flag restating one: config.json decides.

@@ -37,6 +37,7 @@ def _run(command: list, site, cwd, **env) -> subprocess.CompletedProcess:
                         env=env, check=False, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_installed_package_finds_its_shipped_configs(installed, tmp_path):
   site, script = installed
   where = _run([sys.executable, "-c", "import levanter_flax as lf; from levanter_flax import "
@@ -68,6 +69,7 @@ def test_the_installed_package_finds_its_shipped_configs(installed, tmp_path):
   assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_the_installed_script_trains(installed, tmp_path, data_cache):
   """Two steps of gpt2:nano and its eval, on one CPU device; the default workdir runs/gpt2_nano
   is under the directory it runs in."""

@@ -134,6 +134,7 @@ def launch(experiment_file, root, *flags):
                         timeout=600)
 
 
+@pytest.mark.slow
 def test_local_experiment_runs_its_units_and_a_rerun_skips_them(data_cache, tmp_path):
   units = [{"trainer.num_train_steps": 2, "trainer.seed": s, "data.cache_dir": str(data_cache),
             "trainer.batch_size": 8} for s in (1, 2)]
@@ -150,6 +151,7 @@ def test_local_experiment_runs_its_units_and_a_rerun_skips_them(data_cache, tmp_
   assert "started" not in again.stdout
 
 
+@pytest.mark.slow
 def test_a_changed_shared_override_extends_or_refuses_a_finished_unit(data_cache, tmp_path):
   shared = {"data.cache_dir": str(data_cache), "trainer.batch_size": 8}
   units = [{"trainer.seed": 1}, {"trainer.seed": 2, "optimizer.learning_rate": 0.003}]
@@ -181,6 +183,7 @@ def test_a_changed_shared_override_extends_or_refuses_a_finished_unit(data_cache
   assert len(starts) == 1  # Not started again.
 
 
+@pytest.mark.slow
 def test_a_failing_unit_is_reported_while_the_other_finishes(data_cache, tmp_path):
   good = {"trainer.num_train_steps": 2, "data.cache_dir": str(data_cache), "trainer.batch_size": 8}
   bad = {**good, "data.dataset": str(tmp_path / "missing")}
@@ -213,6 +216,7 @@ def start_until_it_trains(experiment_file, root, workdir_glob: str, after_step: 
   raise AssertionError("the unit logged no step in time")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="Linux only: PR_SET_PDEATHSIG, and the processes are found in /proc")
 def test_a_hangup_or_a_killed_launch_stops_its_units_with_a_checkpoint(data_cache, tmp_path):

@@ -135,6 +135,7 @@ def tiny_llama(data_cache):
   return config
 
 
+@pytest.mark.slow
 def test_llama_nano_learns(tiny_llama, tmp_path):
   tiny_llama.trainer.num_train_steps = 30
   train_and_evaluate(to_run_config(tiny_llama), tmp_path)

@@ -63,6 +63,7 @@ def tiny_gpt2(tiny_config):
   return tiny_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture, scan_layers", [("llama", False), ("gpt2", True)])
 def test_adapters_alone_train_on_a_frozen_hf_base_and_export_merged_or_to_peft(
     architecture, scan_layers, tiny_llama, tiny_gpt2, tmp_path):
@@ -160,6 +161,7 @@ def test_adapters_shard_like_their_kernels_axes():
   assert spec("layers_0/mlp/down_proj/lora_b", (8, 64)) == (None, "data")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_dropout_reaches_the_adapters_of_every_layer_scanned_or_not(tiny_gpt2, scan_layers):
   cfg = to_run_config(tiny_gpt2).model
@@ -177,6 +179,7 @@ def test_dropout_reaches_the_adapters_of_every_layer_scanned_or_not(tiny_gpt2, s
   np.testing.assert_array_equal(apply(None), apply(None))  # No key: no dropout (eval, sampling).
 
 
+@pytest.mark.slow
 def test_a_killed_lora_run_resumes_with_the_same_losses(data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
            "--config.trainer.num_train_steps=4", "--config.checkpoint.every_steps=2",
@@ -193,6 +196,7 @@ def test_a_killed_lora_run_resumes_with_the_same_losses(data_cache, tmp_path):
   assert sorted(train_losses(tmp_path / "whole")) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resuming_with_lora_switched_is_refused_and_adapter_export_needs_lora(tiny_gpt2,
                                                                               tmp_path):
   tiny_gpt2.trainer.num_train_steps = 2

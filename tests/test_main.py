@@ -27,6 +27,7 @@ def assert_one_line_error(result, *fragments):
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_overrides_reach_the_trainer(data_cache, tmp_path):
   result = run_main(f"--config={NANO}", f"--workdir={tmp_path}", *TINY,
                     "--config.trainer.num_train_steps=3", "--config.trainer.batch_size=8",
@@ -46,6 +47,7 @@ def test_overrides_reach_the_trainer(data_cache, tmp_path):
   assert "mesh {'data': 3, 'model': 1}" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [f"{REPO}/configs/gpt2.py:nano", "gpt2:nano"])
 def test_workdir_defaults_to_runs_config_name(config, data_cache, tmp_path):
   """runs/<file>_<variant>: configs/gpt2.py:nano's is configs/gpt2_nano.py's, runs/gpt2_nano;
@@ -99,6 +101,7 @@ def test_missing_config_flag_is_one_line():
   assert_one_line_error(run_main(), "--config")
 
 
+@pytest.mark.slow
 def test_unwritable_workdir_is_one_line(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
@@ -106,6 +109,7 @@ def test_unwritable_workdir_is_one_line(tmp_path):
                         f"cannot create workdir {blocker}/run")
 
 
+@pytest.mark.slow
 def test_unwritable_cache_dir_is_one_line(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
@@ -114,6 +118,7 @@ def test_unwritable_cache_dir_is_one_line(tmp_path):
                         f"cannot create dataset directory {blocker}/")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     (["--config.data.dataset=/nowhere/data"],
      "/nowhere/data is not a prepared dataset (no manifest.json); run python -m levanter_flax.prepare"),
@@ -125,6 +130,7 @@ def test_bad_data_settings_are_one_line(data_cache, tmp_path, args, fragment):
                                  f"--config.data.cache_dir={data_cache}", *args), fragment)
 
 
+@pytest.mark.slow
 def test_compilation_cache_and_mfu(data_cache, tmp_path):
   result = run_main(f"--config={NANO}", f"--workdir={tmp_path}/run", *TINY,
                     "--config.trainer.num_train_steps=2", "--config.trainer.batch_size=16",
@@ -140,6 +146,7 @@ def test_compilation_cache_and_mfu(data_cache, tmp_path):
   assert logged[-1]["train/model_tflops_per_device"] == pytest.approx(logged[-1]["train/mfu"] * 0.1)
 
 
+@pytest.mark.slow
 def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache, tmp_path):
   """Without the switch, test_bad_data_settings_are_one_line shows the same line alone."""
   args = [f"--config={NANO}", f"--workdir={tmp_path}", f"--config.data.cache_dir={data_cache}",

@@ -86,6 +86,7 @@ def test_logits_match_numpy_reference(remat, attention_impl):
   np.testing.assert_allclose(np.asarray(logits, np.float64), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.slow
 def test_initialisation_scales_residual_projections():
   cfg = GPT2Config(vocab_size=512, seq_len=32, num_layers=8, num_heads=4, hidden_dim=256)
   params = GPT2LMHeadModel(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]

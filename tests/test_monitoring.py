@@ -30,6 +30,7 @@ def trace_event_names(workdir) -> set[str]:
           for line in plane.lines for event in line.events}
 
 
+@pytest.mark.slow
 def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 6
   tiny_config.monitoring.profiler = True
@@ -49,6 +50,7 @@ def test_profiler_traces_its_window_with_the_loop_annotated(tiny_config, tmp_pat
   assert not (tmp_path / "off" / "plugins").exists()
 
 
+@pytest.mark.slow
 def test_health_metrics_are_logged_and_the_param_norm_is_the_saved_params(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 5
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -61,6 +63,7 @@ def test_health_metrics_are_logged_and_the_param_norm_is_the_saved_params(tiny_c
   assert {"steps_per_sec", "uptime", history.RUN_START} <= progress
 
 
+@pytest.mark.slow
 def test_watchdog_dumps_the_stacks_when_a_step_hangs(tiny_config, tmp_path, monkeypatch, caplog):
   next_batch = loader.TrainBatches.__next__
   calls = []
@@ -95,6 +98,7 @@ def test_watchdog_dumps_the_stacks_when_a_step_hangs_holding_the_gil(capfd):
   assert "Timeout (0:00:01)!" in stderr and "in step_stuck_in_c" in stderr, stderr
 
 
+@pytest.mark.slow
 def test_report_plots_runs_together_and_its_table_matches_the_metrics(tiny_config, tmp_path, capsys):
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.eval_every_steps = 2

@@ -57,6 +57,7 @@ def eval_losses(workdir) -> dict[int, float]:
   return {m["step"]: m["eval/loss"] for m in read_metrics(workdir) if "eval/loss" in m}
 
 
+@pytest.mark.slow
 def test_a_run_resumes_exactly_on_another_process_count_by_default(data_cache, tmp_path):
   """1 x 4 devices -> 2 x 2 and back, with the default reader groups: one uninterrupted stream."""
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.device_mesh.data=4",
@@ -90,6 +91,7 @@ def corrupt_files_of_process_1(checkpoint: pathlib.Path) -> list[pathlib.Path]:
   return files
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_zero3_on_two_processes_trains_like_one_and_both_agree_on_a_damaged_checkpoint(
     data_cache, tmp_path):
@@ -117,6 +119,7 @@ def last_line(process: subprocess.Popen) -> str:
   return stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_an_unreachable_coordinator_is_named(tmp_path):
   address = free_address()  # Nothing listens there.
   line = last_line(start(tmp_path, 2, coordinator_address=address, num_processes=2, process_id=1,
@@ -165,6 +168,7 @@ def uninterrupted_skewed_run(data_cache, tmp_path_factory) -> pathlib.Path:
   return workdir
 
 
+@pytest.mark.slow
 def test_time_based_checkpoints_are_the_same_on_every_process(uninterrupted_skewed_run):
   on_0, on_1 = saves(uninterrupted_skewed_run)
   assert on_0 == on_1  # Process 0's clock decided for both; orbax would hang otherwise.
@@ -174,6 +178,7 @@ def test_time_based_checkpoints_are_the_same_on_every_process(uninterrupted_skew
   assert [p.name for p in (uninterrupted_skewed_run / "checkpoints").iterdir()] == ["40"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_path,
                                                                uninterrupted_skewed_run):
   flags = [f"--config.data.cache_dir={data_cache}", *SKEWED_FLAGS]
@@ -195,6 +200,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(data_cache, tmp_p
   assert all(got[step] == expected[step] for step in got), (got, expected)  # Bit for bit.
 
 
+@pytest.mark.slow
 def test_a_job_whose_workdir_is_held_stops_on_every_process(data_cache, tmp_path):
   holder = start(tmp_path, 2, f"--config.data.cache_dir={data_cache}",
                  "--config.trainer.num_train_steps=100000")

@@ -62,6 +62,7 @@ def test_sophia_h_update_matches_the_papers_algorithm():
     np.testing.assert_allclose(params["kernel"], x, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, learning_rate", [("adamw", 3e-3), ("lion", 1e-3),
                                                   ("adafactor", 3e-2), ("sophia_h", 3e-3),
                                                   ("muon", 3e-3)])
@@ -270,6 +271,7 @@ def muon_on_one_device():
   return train_with_muon((("data", 1),), sharding_config(), devices=jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data8_zero3", "data2_model4_zero3"])
 def test_muon_under_zero3_and_tensor_parallelism_trains_as_on_one_device(layout,
                                                                         muon_on_one_device):
@@ -284,6 +286,7 @@ def test_muon_under_zero3_and_tensor_parallelism_trains_as_on_one_device(layout,
     np.testing.assert_allclose(x, y, atol=1e-5, err_msg=path_name(path))
 
 
+@pytest.mark.slow
 def test_a_muon_wsd_run_extended_from_its_checkpoint_trains_as_one_longer_run(tiny_config,
                                                                               tmp_path):
   """5 steps, then resumed to 10, against 10 straight. With decay_fraction 0.2 the 5-step run's

@@ -107,6 +107,7 @@ def layout_run(request):
   return request.param, losses, state
 
 
+@pytest.mark.slow
 def test_losses_match_single_device(layout_run, single_device_losses):
   name, losses, _ = layout_run
   np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5, err_msg=name)
@@ -121,6 +122,7 @@ TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_
 FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(models.FAMILIES))
 def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   family = models.FAMILIES[name]
@@ -135,6 +137,7 @@ def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow
 def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
   """Scanned, each layer's kind (local, global) is the scan's input, traced: the lax.cond between
   the two masks under ZeRO-3 and the tensor split."""
@@ -146,6 +149,7 @@ def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
   np.testing.assert_allclose(eight, one, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
   """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
@@ -179,6 +183,7 @@ def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:
              for dims in re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather", hlo))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data8", "data8_zero3", "data2_expert4"])
 def test_the_expert_layer_keeps_each_devices_tokens_on_that_device(layout):
   """Routing and dispatch are per sequence and the expert weights are gathered, not the rows,
@@ -215,6 +220,7 @@ def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
     assert spec[0] == "expert"
 
 
+@pytest.mark.slow
 def test_scanned_layers_keep_the_rules_and_the_losses():
   scanned = with_compute(MODEL, scan_layers=True)
   single, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=scanned)
@@ -229,6 +235,7 @@ def test_scanned_layers_keep_the_rules_and_the_losses():
   assert spec_of(params["h/attn/c_attn/bias"]) == ("data", "model")
 
 
+@pytest.mark.slow
 def test_params_carry_the_intended_sharding(layout_run):
   name, _, state = layout_run
   params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
@@ -350,6 +357,7 @@ def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(nam
       x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     (['--config.sharding.rules=(("h_(", (None,)),)'], "is not a valid regex"),
     (["--config.trainer.device_mesh.data=3"], "the sizes multiply to 3 but there are 8 devices"),
@@ -389,6 +397,7 @@ def test_the_default_table_is_what_the_role_keys_gave():
   assert partitioner.batch_sharding().spec == jax.sharding.PartitionSpec("data")
 
 
+@pytest.mark.slow
 def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_losses):
   """Context-parallel style: "length" onto a mesh axis splits activations' sequence dimension
   and the position embedding's rows (its rule names "length"), by the table alone."""
@@ -407,6 +416,7 @@ def test_the_sequence_split_by_the_table_trains_as_on_one_device(single_device_l
   assert spec_of(logits) == ("data", "seq", None)  # The model's last constraint.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "gemma3"])
 def test_context_parallelism_trains_as_on_one_device(name):
   """The sequence split over a mesh axis by the table alone: each device holds a quarter of

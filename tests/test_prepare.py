@@ -178,6 +178,7 @@ def test_tfds_dataset_is_read_offline_from_its_data_dir(tmp_path):
         output_dir=tmp_path / "out2"))
 
 
+@pytest.mark.slow
 def test_parallel_workers_write_the_same_shards(tmp_path):
   texts = random_documents(20)
   one = prepare_texts(tmp_path / "one", texts)
@@ -290,6 +291,7 @@ def test_a_tokenizer_trained_by_an_older_prepare_is_kept_if_complete(tmp_path):
     prepare_again(tmp_path, **options)
 
 
+@pytest.mark.slow
 def test_command_line_trains_a_tokenizer_and_names_bad_input(tmp_path):
   (tmp_path / "in").mkdir()
   for i, text in enumerate(random_documents(30)):
@@ -311,6 +313,7 @@ def test_command_line_trains_a_tokenizer_and_names_bad_input(tmp_path):
   assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_command_line_separator_keeps_non_ascii_and_names_a_bad_escape(tmp_path):
   (tmp_path / "a.txt").write_text("one§\ntwo✂§\nthrée")
   flags = ["--source=text", f"--input={tmp_path}/a.txt", "--num_shards=1",
@@ -403,6 +406,7 @@ def wait_until(condition, process: subprocess.Popen, timeout: float = 120) -> No
     time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_concurrent_prepares_take_turns(tmp_path):
   """A second prepare into a directory being written waits for the first, then finds it done.
 
@@ -490,6 +494,7 @@ def running(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="Linux only: PR_SET_PDEATHSIG, and the processes are found in /proc")
 @pytest.mark.parametrize("victim", ["parent", "worker"])

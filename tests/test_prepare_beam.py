@@ -99,6 +99,7 @@ def assert_same_files(one: pathlib.Path, two: pathlib.Path) -> None:
     assert one[name] == two[name], name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_source, options", [
     (mixed_jsonl, {}),
     (parquet_with_nulls, {"train_tokenizer_vocab_size": 300, "tokenizer_sample_bytes": 4000}),
@@ -175,6 +176,7 @@ def test_without_beam_installed_the_engine_says_what_to_install(tmp_path, monkey
     prepare_with("beam", mixed_jsonl(tmp_path / "input"), tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   source = mixed_jsonl(tmp_path / "input")
   (tmp_path / "input" / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
@@ -190,6 +192,7 @@ def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   assert not (tmp_path / "out" / MANIFEST).exists()
 
 
+@pytest.mark.slow
 def test_a_killed_beam_worker_is_one_line_and_the_rerun_finishes(tmp_path):
   source = mixed_jsonl(tmp_path / "input")
   killed = []

@@ -101,6 +101,7 @@ def test_hidden_progress_shows_nothing(monkeypatch):
   assert not err.getvalue() and not lines
 
 
+@pytest.mark.slow
 def test_prepare_logs_documents_bytes_and_shards(tmp_path):
   """Run as a user runs it, into a log (stderr not a terminal), with two worker processes:
   their documents and bytes reach the closing line."""

@@ -25,6 +25,7 @@ from test_eval_set import HARD
 from test_main import NANO, TINY
 
 
+@pytest.mark.slow
 def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_start(tiny_config,
                                                                                   tmp_path):
   directory = write_dataset(tmp_path / "data", HARD, HARD[:20])
@@ -59,6 +60,7 @@ def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_star
           if "data/tokens/train" in m][-1] == 2 * 8 * 64
 
 
+@pytest.mark.slow
 def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, tmp_path, caplog):
   tiny_config.trainer.num_train_steps = 2
   tiny_config.checkpoint.every_steps = 2
@@ -78,6 +80,7 @@ def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, t
   assert json.loads((tmp_path / "config.json").read_text())["trainer.seed"] == 7
 
 
+@pytest.mark.slow
 def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_config, tmp_path,
                                                                         caplog):
   tiny_config.trainer.num_train_steps = 2
@@ -90,6 +93,7 @@ def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_co
           f"usable checkpoint of that run is in {tmp_path / 'checkpoints'}") in caplog.text
 
 
+@pytest.mark.slow
 def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
   """A run that crash-loops on non-finite steps reaches max_consecutive_skipped_steps across its
   restarts, and its count of skipped steps goes on."""
@@ -118,6 +122,7 @@ def run_killed_after_checkpoint(workdir, step, *flags):
       timeout=300, env={**os.environ, "KILL_AFTER_CHECKPOINT": str(step)})
 
 
+@pytest.mark.slow
 def test_an_eval_lost_to_a_kill_after_its_checkpoint_runs_on_resume(data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
            "--config.trainer.num_train_steps=4", "--config.trainer.eval_every_steps=2",
@@ -160,6 +165,7 @@ def test_a_data_item_from_before_dataset_hashes_and_skip_counts_resumes(tmp_path
   assert "predates dataset hashes" in caplog.text
 
 
+@pytest.mark.slow
 def test_an_auto_batch_is_kept_on_resume_whatever_the_search_would_now_choose(tiny_config,
                                                                              tmp_path, caplog):
   tiny_config.trainer.batch_size = "auto"

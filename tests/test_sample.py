@@ -65,6 +65,7 @@ def full_forward_greedy(model, params, prompt, steps):
   return sequence[0, len(prompt):len(prompt) + steps].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_decoding_on_the_cache_equals_the_full_forward_argmax(name):
   cfg = MODELS[name]
@@ -110,6 +111,7 @@ def test_a_prompt_too_long_is_refused_or_truncated():
                                SamplingConfig(max_new_tokens=8, temperature=0))
 
 
+@pytest.mark.slow
 def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   """Trained on 8 devices, sampled on a machine with one."""
   tiny_config.trainer.num_train_steps = 2
@@ -153,6 +155,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
       "byte)")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.
 @pytest.mark.parametrize("damage", ["cut_array_data", "no_tree_metadata"])
 def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog,

@@ -58,6 +58,7 @@ def test_a_chat_prompt_is_transformers_apply_chat_template(chat_run_data):
   assert stop_ids == tuple(sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"]}))
 
 
+@pytest.mark.slow
 def test_a_reply_ends_before_its_first_stop_token():
   """Sampling on one seed draws the same tokens with or without stop tokens up to the first one;
   the reply ends there, that token left out; a row that never meets one runs to max_new_tokens."""
@@ -111,6 +112,7 @@ def test_bad_chat_input_is_one_line(chat_run_data, tmp_path):
           match=r"chat template .*tokenizer_config.json changed since .* was prepared with it")
 
 
+@pytest.mark.slow
 def test_the_command_line_chats_with_a_run(chat_run_data, tiny_config, tmp_path):
   tokenizer_file, dataset = chat_run_data
   tiny_config.data.tokenizer = tokenizer_file

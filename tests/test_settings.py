@@ -182,6 +182,7 @@ def test_a_bad_value_with_print_config_is_one_line():
       "levanter_flax: error: config.trainer.nan_policy must be 'halt' or 'skip'; got 'maybe'"]
 
 
+@pytest.mark.slow
 def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp_path, caplog):
   """config.json as the version before the sections moved wrote it (tests/fixtures), beside this
   version's checkpoints: the resume takes it as the same run and continues it exactly."""

@@ -67,6 +67,7 @@ def test_spikes_are_the_numpy_rules_and_update_nothing():
   assert [i for i, s in enumerate(skipped) if s] == [12, 18, 25, 30]
 
 
+@pytest.mark.slow
 def test_a_window_of_other_data_is_skipped_by_the_train_step():
   """A model learning one token pattern meets a batch of random tokens (its loss jumps): that
   step updates nothing, the next one trains again."""
@@ -91,6 +92,7 @@ def test_a_window_of_other_data_is_skipped_by_the_train_step():
   assert not np.array_equal(state.params["wte"]["embedding"], before.params["wte"]["embedding"])
 
 
+@pytest.mark.slow
 def test_skipped_spikes_and_params_are_bit_identical_across_a_kill(data_cache, tmp_path):
   """A low threshold skips many steps, each decided from the checkpointed window: a run killed
   after its step-4 checkpoint and resumed ends as the uninterrupted run, bit for bit."""
@@ -113,6 +115,7 @@ def test_skipped_spikes_and_params_are_bit_identical_across_a_kill(data_cache, t
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_changed_spike_policy_is_refused_on_resume(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   tiny_config.trainer.eval_every_steps = 100
@@ -172,6 +175,7 @@ def final_params(workdir):
   return jax.tree.leaves(run_params(workdir)[1])
 
 
+@pytest.mark.slow
 def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cache, tmp_path):
   rolled, killed, never = tmp_path / "rolled", tmp_path / "killed", tmp_path / "never"
   result = run_spiked(rolled, data_cache)
@@ -197,6 +201,7 @@ def test_a_rollback_ends_as_a_run_that_never_saw_the_spikes_kill_or_not(data_cac
     np.testing.assert_array_equal(killed_leaf, never_leaf)
 
 
+@pytest.mark.slow
 def test_a_lasting_change_of_level_ends_within_max_rollbacks(data_cache, tmp_path):
   """From step 9 on, every batch is of another level: the replays after each rollback skip and
   learn from it, and the rollbacks stop at max_rollbacks, in one line, or the run trains on."""
@@ -211,6 +216,7 @@ def test_a_lasting_change_of_level_ends_within_max_rollbacks(data_cache, tmp_pat
              for earlier, later in zip(rollbacks, rollbacks[1:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("term_at", ["rollback", "restart"])
 def test_a_stop_asked_for_at_a_rollback_ends_the_run_with_a_checkpoint(data_cache, tmp_path,
                                                                        term_at):

@@ -118,6 +118,7 @@ def mosaic_calls(hlo: str) -> int:
   return len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "olmo2"])
 def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                          architecture):
@@ -130,6 +131,7 @@ def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_dev
                                      attention_impl="xla")) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_gemma3s_local_and_global_layers_compile_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                             scan_layers):

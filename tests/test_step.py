@@ -46,6 +46,7 @@ SAME_RESULT = ([({}, n) for n in (2, 4, 8)]
                + [({"cross_entropy_block_size": b}, 1) for b in (32, 50, 128)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, num_microbatches", SAME_RESULT, ids=str)
 def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   loss, grads = loss_and_grads(TINY)
@@ -54,6 +55,7 @@ def test_cost_knobs_give_the_same_loss_and_gradients(change, num_microbatches):
   assert_trees_close(new_grads, grads, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True], ids=["mean", "loss_weights"])
 def test_gradients_kept_apart_over_an_axis_until_the_step_end_are_the_same(weighted):
   """Multi-slice accumulation (step._cross_slice_batch_axis): each data shard's gradients summed
@@ -88,6 +90,7 @@ def tiny(family: str, **sizes):
   return config(**{k: v for k, v in sizes.items() if k in {f.name for f in dataclasses.fields(config)}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(models.FAMILIES))
 def test_scanning_the_layers_leaves_the_run_unchanged(family):
   """The same seed gives the same parameters, loss and gradients with scan_layers on or off."""
@@ -105,6 +108,7 @@ def test_scanning_the_layers_leaves_the_run_unchanged(family):
   assert_trees_close(models.unstack_layers(cfg, scanned_grads), grads, 1e-5)
 
 
+@pytest.mark.slow
 def test_accumulation_lowers_peak_memory():
   cfg = dataclasses.replace(TINY, vocab_size=2048, seq_len=128)
   params, tokens = params_and_tokens(cfg, batch_size=32)
@@ -119,6 +123,7 @@ def test_accumulation_lowers_peak_memory():
   assert temp_bytes[1] < temp_bytes[0] / 2, temp_bytes
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_parameters_and_loss_in_float32():
   cfg = with_compute(TINY, dtype="bfloat16")
   params, tokens = params_and_tokens(cfg)
@@ -132,6 +137,7 @@ def test_bfloat16_compute_keeps_parameters_and_loss_in_float32():
   assert float(loss) == pytest.approx(float(full_loss), rel=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(models.FAMILIES))
 def test_a_packed_windows_loss_is_the_sum_of_its_documents_losses(family):
   """With document masking, a window of three documents (EOS opening each, as the loader packs
@@ -247,6 +253,7 @@ def test_weight_decay_skips_biases_and_layer_norms(scan_layers):
   assert not any(name.endswith(("bias", "scale")) for name in decayed)
 
 
+@pytest.mark.slow
 def test_blockwise_cross_entropy_never_holds_all_logits():
   cfg = dataclasses.replace(TINY, vocab_size=65536, seq_len=128)
   params, tokens = params_and_tokens(cfg, batch_size=8)

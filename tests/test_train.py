@@ -10,6 +10,7 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.training.loop import train_and_evaluate
 
 
+@pytest.mark.slow
 def test_loss_falls_on_nano(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 40
   tiny_config.trainer.eval_every_steps = 40
@@ -36,6 +37,7 @@ def prose_dataset(tmp_path_factory):
   return prepare_texts(tmp_path_factory.mktemp("prose"), random_documents(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixture", [False, True])
 def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture):
   """Stopping at step 5 and running again gives the losses of one uninterrupted run."""
@@ -83,6 +85,7 @@ def test_resume_continues_exactly(tiny_config, tmp_path, prose_dataset, mixture)
     assert tokens["data/tokens/code"] > 2 * tokens["data/tokens/prose"]
 
 
+@pytest.mark.slow
 def test_keeps_the_newest_checkpoints(tiny_config, tmp_path):
   tiny_config.checkpoint.every_steps = 2
   tiny_config.checkpoint.keep = 2
@@ -91,6 +94,7 @@ def test_keeps_the_newest_checkpoints(tiny_config, tmp_path):
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [6, 7]
 
 
+@pytest.mark.slow
 def test_two_dimensional_mesh_trains(tiny_config, tmp_path):
   tiny_config.trainer.device_mesh = mesh(data=4, model=2)
   tiny_config.trainer.num_train_steps = 3

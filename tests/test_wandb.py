@@ -140,6 +140,7 @@ def with_wandb(config, mode="offline", **settings):
 
 # --- The tests. ---
 
+@pytest.mark.slow
 def test_an_offline_run_logs_tensorboards_scalars_and_the_settings(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 4
   tiny_config.trainer.eval_every_steps = 2
@@ -170,6 +171,7 @@ def test_an_offline_run_logs_tensorboards_scalars_and_the_settings(tiny_config, 
       saved["trainer.device_mesh"])
 
 
+@pytest.mark.slow
 def test_a_kill_and_each_rerun_continue_the_same_wandb_run(data_cache, tmp_path):
   flags = [f"--config.data.cache_dir={data_cache}", "--config.trainer.batch_size=8",
            "--config.trainer.num_train_steps=4", "--config.trainer.eval_every_steps=2",
