@@ -204,7 +204,7 @@ def main(argv: list[str]) -> None:
       files, token_ids = tokenizer_files(workdir, saved, model_cfg.seq_len)
       remove_stale_files(output_dir)  # Only once there is something to write instead.
       snapshot.save(model_cfg, params, output_dir, dtype=dtype, max_shard_size=max_shard_size,
-              token_ids=token_ids, files=files)
+                    token_ids=token_ids, files=files)
   except UserError as e:
     exit_with_error(str(e))
   what = "its LoRA adapter" if flag.adapter else model_cfg.architecture

@@ -77,7 +77,7 @@ def data_cache(tmp_path_factory) -> pathlib.Path:
   cache_dir = tmp_path_factory.mktemp("data_cache")
   data = default_config().data
   dataset_writer.builtin_dataset(str(cache_dir), data.tokenizer, data.validation_fraction,
-                          data.num_train_shards)
+                                 data.num_train_shards)
   return cache_dir
 
 

@@ -332,7 +332,7 @@ def test_all_weights_one_is_the_unweighted_loss():
 
 @pytest.mark.slow
 def test_a_run_trains_and_evaluates_on_chat_mixed_with_text(tmp_path, tokenizer_file,
-                                                           tiny_config):
+                                                            tiny_config):
   chats = [conversation(f"question {i} hello", f"answer {i} hello there, how are you")
            for i in range(60)]
   chat_dir = prepare_records(tmp_path, "chat", chats, tokenizer_file, num_shards=2,

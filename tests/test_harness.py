@@ -216,7 +216,7 @@ def test_empty_contexts_long_pairs_and_rolling_windows_match_hflm(ours, referenc
     ({"eos_token": "<|im_end|>"}, False),  # Qwen2-Instruct's: another EOS than the corpus's.
 ], ids=["bos", "bos_added", "other_eos"])
 def test_the_tokenizer_configs_bos_or_eos_is_hflms_prefix_and_end(tmp_path, special_tokens,
-                                                                   adds_bos):
+                                                                  adds_bos):
   """HFLM's prefix (the config's BOS, else its EOS) before rolling windows and empty contexts,
   the tokenizer's own BOS before other texts, and its EOS ending generations: the numbers and
   texts of HFLM, not of the corpus EOS."""
@@ -424,7 +424,7 @@ def test_bad_evaluate_flags_are_one_line(hf_dir, tasks, tmp_path, flags, message
 
 @pytest.mark.slow
 def test_a_harness_lost_after_its_checkpoint_runs_on_resume_once(data_cache, tasks, tmp_path,
-                                                                  monkeypatch):
+                                                                 monkeypatch):
   """A run stopped between a step's checkpoint and its harness (at step 2; then, resumed, at
   the last step 4) logs that step's harness/ metrics when resumed, once: on the next start,
   and on a start that finds the run finished; a start that finds them logged runs none."""

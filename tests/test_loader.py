@@ -182,7 +182,7 @@ def train_batches(directory, on_corrupt_record, vocab_size=257):
 
 @pytest.mark.parametrize("damage", [flip_a_byte, cut_in_half, keep_a_few_bytes])
 def test_a_damaged_shard_stops_the_run_naming_it_or_is_left_out_and_counted(datasets, tmp_path,
-                                                                           damage):
+                                                                            damage):
   directory, entry = damaged_copy(datasets[0], tmp_path / "damaged", damage)
   batches_per_epoch = epoch_length(directory) // 4
   with pytest.raises(UserError, match=f"damaged train shard {directory / entry['file']}: it "

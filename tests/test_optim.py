@@ -43,7 +43,7 @@ def test_hutchinson_estimate_is_the_hessian_diagonal_in_expectation():
 def test_sophia_h_update_matches_the_papers_algorithm():
   lr, b1, b2, gamma, eps, decay = 0.1, 0.9, 0.8, 0.5, 1e-12, 0.01
   transform = optimizers.sophia_h(lr, b1=b1, b2=b2, gamma=gamma, eps=eps, weight_decay=decay,
-                             update_interval=2)
+                                  update_interval=2)
   params = {"kernel": jnp.array([0.3, -1.0, 2.0, 0.5])}
   loss_fn = lambda p: quadratic(p["kernel"])
   state = transform.init(params)
@@ -92,7 +92,7 @@ CHOSEN_STEPS = (0, 4, 10, 35, 69, 70, 71, 85, 99, 100, 130)
 
 def schedule_config(schedule: str, **fields) -> optimizers.OptimizerConfig:
   return optimizers.OptimizerConfig(learning_rate=PEAK, warmup_steps=WARMUP,
-                               min_learning_rate_ratio=END_RATIO, schedule=schedule, **fields)
+                                    min_learning_rate_ratio=END_RATIO, schedule=schedule, **fields)
 
 
 def expected_rate(schedule: str, step: int, decay_start: int = 70, shape: str = "linear") -> float:
@@ -174,8 +174,8 @@ def test_muon_steps_match_a_numpy_newton_schulz_reference():
   takes AdamW's first step (sign of the gradient) with decay; a norm scale, without."""
   lr, beta, decay, rms = 0.05, 0.9, 0.1, 0.2
   cfg = optimizers.OptimizerConfig(name="muon", learning_rate=lr, warmup_steps=0, schedule="constant",
-                              min_learning_rate_ratio=0.0, max_grad_norm=0.0, weight_decay=decay,
-                              muon_momentum=beta, muon_update_rms=rms)
+                                   min_learning_rate_ratio=0.0, max_grad_norm=0.0, weight_decay=decay,
+                                   muon_momentum=beta, muon_update_rms=rms)
   rng = np.random.default_rng(0)
   params = {"params": {"h": {"mlp": {"kernel": rng.normal(size=(2, 6, 4)).astype(np.float32)},
                              "ln": {"scale": np.ones((2, 4), np.float32)}},
@@ -274,7 +274,7 @@ def muon_on_one_device():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data8_zero3", "data2_model4_zero3"])
 def test_muon_under_zero3_and_tensor_parallelism_trains_as_on_one_device(layout,
-                                                                        muon_on_one_device):
+                                                                         muon_on_one_device):
   from test_partitioning import LAYOUTS, spec_of
   one, one_state = muon_on_one_device
   eight, state = train_with_muon(*LAYOUTS[layout])

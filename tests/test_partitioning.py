@@ -21,8 +21,8 @@ from test_main import NANO, assert_one_line_error, run_main
 
 MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 OPTIMIZER = optimizers.OptimizerConfig(learning_rate=3e-3, warmup_steps=2, weight_decay=0.1,
-                                  max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
-                                  min_learning_rate_ratio=0.1)
+                                       max_grad_norm=1.0, beta1=0.9, beta2=0.95, epsilon=1e-8,
+                                       min_learning_rate_ratio=0.1)
 BATCH_SIZE, NUM_STEPS = 8, 5
 
 

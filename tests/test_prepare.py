@@ -357,7 +357,7 @@ def test_an_output_dir_inside_the_input_glob_is_no_input(tmp_path):
     (tmp_path / name).write_text(text)
   everything = sources.SourceSpec(kind="text", inputs=(f"{tmp_path}/**",))
   options = dataset_writer.PrepareOptions(source=everything, output_dir=tmp_path / "out",
-                                   validation_fraction=0.0, num_shards=1)
+                                          validation_fraction=0.0, num_shards=1)
   dataset_writer.prepare_dataset(options)
   dataset_writer.prepare_dataset(options)  # The same command again.
   assert sorted(read_documents(tmp_path / "out")) == ["one", "two"]

@@ -153,7 +153,7 @@ def test_bad_pipeline_options_and_paths_remote_workers_cannot_see_are_named(tmp_
   assert not (tmp_path / "out").exists()
   # Beam's short names for local runners are local too: no gs:// needed.
   direct = dataset_writer.PrepareOptions(source=source, output_dir=tmp_path / "out", engine="beam",
-                                  beam_pipeline_options=("--runner=direct",))
+                                         beam_pipeline_options=("--runner=direct",))
   assert beam_engine.is_local(beam_engine.pipeline(direct, num_files=3).runner)
   on_gcs = dataset_writer.PrepareOptions(
       source=sources.SourceSpec(kind="jsonl", inputs=("gs://b/in/*.jsonl",)),

@@ -82,7 +82,7 @@ def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, t
 
 @pytest.mark.slow
 def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_config, tmp_path,
-                                                                        caplog):
+                                                                         caplog):
   tiny_config.trainer.num_train_steps = 2
   tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
@@ -167,7 +167,7 @@ def test_a_data_item_from_before_dataset_hashes_and_skip_counts_resumes(tmp_path
 
 @pytest.mark.slow
 def test_an_auto_batch_is_kept_on_resume_whatever_the_search_would_now_choose(tiny_config,
-                                                                             tmp_path, caplog):
+                                                                              tmp_path, caplog):
   tiny_config.trainer.batch_size = "auto"
   tiny_config.trainer.num_train_steps = 2
   tiny_config.checkpoint.every_steps = 2

@@ -159,7 +159,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.
 @pytest.mark.parametrize("damage", ["cut_array_data", "no_tree_metadata"])
 def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog,
-                                                                damage):
+                                                               damage):
   tiny_config.trainer.num_train_steps = 4
   tiny_config.checkpoint.every_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)

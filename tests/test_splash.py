@@ -134,7 +134,7 @@ def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_dev
 @pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_gemma3s_local_and_global_layers_compile_to_mosaic_kernels_for_a_tpu(tpu_devices,
-                                                                            scan_layers):
+                                                                             scan_layers):
   """A local layer (splash's LocalMask, a window of 128 of the 256 tokens) and a global one
   (CausalMask), with document masking. Unrolled, each layer's kind is static: a forward, a dq and
   a dkv kernel each. Scanned, the kind is the scan's per-layer input, and a lax.cond holds both

@@ -305,7 +305,7 @@ def test_the_run_id_is_chosen_once_per_workdir(tmp_path):
 
 
 def test_a_run_that_fails_is_marked_failed_and_wandb_dir_is_respected(tiny_config, tmp_path,
-                                                                       monkeypatch):
+                                                                      monkeypatch):
   monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
   (tmp_path / "wandb_dir").mkdir()
   run = to_run_config(with_wandb(tiny_config, name="named"))

@@ -31,9 +31,9 @@ from levanter_flax.data.tokenizers import identity, load_tokenizer
 from levanter_flax.core.errors import UserError
 from levanter_flax.data import shards
 from levanter_flax.data.shards import (ARGUMENTS, TOKENIZER_SAMPLE, TRAINED_TOKENIZER,
-                                        PrepareOptions, chat_template,
-                                        finished_shards, shard_record, tokenizer_sample,
-                                        tokenizer_spec, train_tokenizer, write_manifest)
+                                       PrepareOptions, chat_template,
+                                       finished_shards, shard_record, tokenizer_sample,
+                                       tokenizer_spec, train_tokenizer, write_manifest)
 
 ENGINES = ("local", "beam")
 DEFAULT_CACHE_DIR = "~/.cache/levanter_flax"

@@ -57,8 +57,8 @@ def load_datasets(cfg: DataConfig) -> list[PreparedDataset]:
   datasets = []
   for name, dataset, weight in entries:
     if dataset == "stdlib":
-      directory = dataset_writer.builtin_dataset(cfg.cache_dir, cfg.tokenizer, cfg.validation_fraction,
-                                          cfg.num_train_shards)
+      directory = dataset_writer.builtin_dataset(cfg.cache_dir, cfg.tokenizer,
+                                                 cfg.validation_fraction, cfg.num_train_shards)
     else:
       directory = paths.resolve(dataset, f"config.data.{'mixture' if cfg.mixture else 'dataset'}")
     manifest = load_manifest(directory)

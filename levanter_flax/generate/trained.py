@@ -132,6 +132,6 @@ def _directory(saved: dict, dataset: str) -> epath.Path:
   from levanter_flax.data import dataset_writer  # pylint: disable=g-import-not-at-top
   if dataset == "stdlib":
     return dataset_writer.builtin_directory(saved["data.cache_dir"], saved["data.tokenizer"],
-                                     saved["data.validation_fraction"],
-                                     saved["data.num_train_shards"])
+                                            saved["data.validation_fraction"],
+                                            saved["data.num_train_shards"])
   return paths.resolve(dataset, "data.dataset of the run's config.json")

@@ -45,7 +45,7 @@ def trains_by_dpo(run: RunConfig, sources: list[PreparedDataset]) -> bool:
 
 
 def batch(run: RunConfig, kept: dict, saved: Optional[dict],
-           search: Callable[[], TrainerConfig], workdir: epath.Path) -> TrainerConfig:
+          search: Callable[[], TrainerConfig], workdir: epath.Path) -> TrainerConfig:
   """The trainer with its batch: as set; for "auto", searched (`search`) when the run first
   starts, else as config.json keeps it (`kept`: config.keep_chosen's), never searched again."""
   trainer = run.trainer
@@ -91,7 +91,7 @@ def check_vocab(source: PreparedDataset, vocab_size: int) -> None:
 
 
 def reader_group_count(run: RunConfig, kept: int, saved: Optional[dict], batch_size: int,
-                        sources: list[PreparedDataset], workdir: epath.Path) -> int:
+                       sources: list[PreparedDataset], workdir: epath.Path) -> int:
   """data.reader_groups as the run first started with it: the batches depend on it.
 
   A new run takes config.data.reader_groups, or the default for its batch

@@ -362,7 +362,7 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
   position = progress.position
   watching = run.monitoring
   profile = watch.ProfileWindow(workdir, watching.profiler_start_step,
-                                     watching.profiler_num_steps if watching.profiler else 0)
+                                watching.profiler_num_steps if watching.profiler else 0)
   history, data_wait, steps_running, last_metrics = [], 0.0, 0, {}
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(loader.TrainBatches(

@@ -146,7 +146,7 @@ def _params_from_hf(path: str, model_cfg, expected):
   """An HF checkpoint's weights, checked against `expected` (this model's params, LoRA's frozen
   base: ShapeDtypeStructs with shardings) and laid out on the mesh."""
   hf_cfg, params = snapshot.load(paths.resolve(path, "config.trainer.init_from_hf"),
-                           model_cfg.compute.scan_layers)
+                                 model_cfg.compute.scan_layers)
   differences = snapshot.differences(hf_cfg, model_cfg)
   if not differences and jax.tree.structure(params) == jax.tree.structure(expected):
     differences = [f"{partitioning.path_name(p)} {x.shape} (checkpoint) != {e.shape} (config)"

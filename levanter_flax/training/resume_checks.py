@@ -21,7 +21,7 @@ from levanter_flax.monitoring import history
 
 
 def saved_config(workdir: epath.Path, checkpointer: Checkpointer,
-                  resume_without_config: bool) -> Optional[dict]:
+                 resume_without_config: bool) -> Optional[dict]:
   """The config.json the workdir's checkpoints were written with; None if it has none.
 
   Checkpoints without one are refused, unless `resume_without_config`: nothing
