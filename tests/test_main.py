@@ -146,6 +146,25 @@ def test_compilation_cache_and_mfu(data_cache, tmp_path):
   assert logged[-1]["train/model_tflops_per_device"] == pytest.approx(logged[-1]["train/mfu"] * 0.1)
 
 
+def test_the_cache_threshold_is_jaxs_own_unless_the_config_sets_one():
+  import jax
+  from levanter_flax.config.settings import TrainerConfig
+  from levanter_flax.core.errors import UserError
+  from levanter_flax.training import loop
+  key = "jax_persistent_cache_min_compile_time_secs"
+  before = getattr(jax.config, key)
+  try:
+    jax.config.update(key, 7.0)  # as $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS would
+    loop._use_compilation_cache(TrainerConfig())
+    assert getattr(jax.config, key) == 7.0
+    loop._use_compilation_cache(TrainerConfig(**{key: 0.5}))
+    assert getattr(jax.config, key) == 0.5
+  finally:
+    jax.config.update(key, before)
+  with pytest.raises(UserError, match=rf"config.trainer.{key} must be >= 0, or -1 .*; got -0.5"):
+    TrainerConfig(**{key: -0.5})
+
+
 @pytest.mark.slow
 def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache, tmp_path):
   """Without the switch, test_bad_data_settings_are_one_line shows the same line alone."""

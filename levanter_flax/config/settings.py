@@ -92,7 +92,8 @@ class TrainerConfig:
       "", "Keep compiled programs here across runs (a shared path serves many nodes); \"\" uses "
       "$JAX_COMPILATION_CACHE_DIR if set, else no cache")
   jax_persistent_cache_min_compile_time_secs: float = setting(
-      1.0, "Cache only programs that took at least this long to compile")
+      -1.0, "Cache only programs that took at least this long to compile; -1: JAX's own (1 s, "
+      "or $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS)")
   eval_harness_every_steps: int = setting(
       0, "Run lm-eval-harness on the current params every this many steps (and at the last), "
       "logged as harness/<task>/<metric>; 0: never")
@@ -121,7 +122,8 @@ class TrainerConfig:
         "peak_flops_per_device": checks.at_least(0, "0: look it up"),
         "eval_harness_every_steps": checks.at_least(0, "0: never"),
         "eval_harness_limit": checks.at_least(0, "0: all"),
-        "jax_persistent_cache_min_compile_time_secs": checks.at_least(0),
+        "jax_persistent_cache_min_compile_time_secs": (lambda seconds: seconds >= 0 or
+                                                       seconds == -1, ">= 0, or -1 (JAX's own)"),
     })
     self._check_spike_settings()
     if self.eval_harness_every_steps and not self.eval_harness_tasks.strip(" ,"):

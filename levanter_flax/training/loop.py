@@ -43,13 +43,15 @@ def _check_backend(model) -> None:
 
 
 def _use_compilation_cache(trainer) -> None:
-  """Compiled steps persist across runs; jax itself reads $JAX_COMPILATION_CACHE_DIR."""
+  """Compiled steps persist across runs. What the config leaves unset, jax reads from
+  $JAX_COMPILATION_CACHE_DIR and $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS."""
   if trainer.jax_compilation_cache_dir:
     what = "config.trainer.jax_compilation_cache_dir"
     directory = paths.make_dirs(paths.resolve(trainer.jax_compilation_cache_dir, what), what)
     jax.config.update("jax_compilation_cache_dir", str(directory))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    trainer.jax_persistent_cache_min_compile_time_secs)
+  if trainer.jax_persistent_cache_min_compile_time_secs != -1:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      trainer.jax_persistent_cache_min_compile_time_secs)
 
 
 # Steps dispatched ahead of the device at most: enough to hide the host's work and jitter,
