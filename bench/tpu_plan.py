@@ -2,7 +2,7 @@
 
     python bench/tpu_plan.py [--rows=targets,techniques] [--results=FILE.json] [--write_docs]
 
-Each row is `levanter_flax.aot`'s plan: the trainer's step compiled by libtpu for a TPU
+Each row is `aot`'s plan (levanter_flax.plan): the trainer's step compiled by libtpu for a TPU
 topology on this machine. Memory per chip and the counts are the compiled program's; the
 compiler's bound (`optimal_seconds`) is its idealized cost model, a relative signal between
 rows on the same libtpu, never a step time. Nothing runs on a TPU.
@@ -18,7 +18,8 @@ import time
 
 from absl import app, flags
 
-from levanter_flax import aot
+from levanter_flax.plan import planner
+from levanter_flax.plan.slices import HBM_BYTES, devices as slice_devices
 from levanter_flax.training import batch_search
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import load_config_file, to_run_config
@@ -97,10 +98,10 @@ def largest_batch(config: str, topology: str, num_slices: int, overrides: dict, 
   """The largest global batch, without accumulation, whose step fits the chip's HBM: the
   config's microbatch doubled while it fits (halved while it does not); memory-only compiles."""
   run = run_of(config, overrides)
-  devices = aot.devices(topology, num_slices)
+  devices = slice_devices(topology, num_slices)
   mesh = partitioning.make_mesh(run.trainer.device_mesh, devices, run.trainer.dcn_mesh)
   partitioner = partitioning.Partitioner(mesh, run.sharding)
-  capacity = aot.HBM_BYTES[devices[0].device_kind]
+  capacity = HBM_BYTES[devices[0].device_kind]
   fits = lambda n: batch_search.step_bytes(run, partitioner, n) <= capacity
   per_rank = max(1, row["batch_size"] // row["gradient_accumulation_steps"]
                  // partitioner.data_parallel_size)
@@ -116,7 +117,7 @@ def largest_batch(config: str, topology: str, num_slices: int, overrides: dict, 
 def compute(key: str, config: str, topology: str, num_slices: int, overrides: dict) -> dict:
   start = time.time()
   try:
-    row = aot.plan(run_of(config, overrides), topology, num_slices, _COMPILER_COSTS.value)
+    row = planner.plan(run_of(config, overrides), topology, num_slices, _COMPILER_COSTS.value)
   except UserError as e:
     row = {"error": str(e)}
   row["seconds"] = round(time.time() - start)

@@ -115,6 +115,21 @@ def train_losses(workdir: pathlib.Path) -> dict[int, float]:
   return {m["step"]: m["train/loss"] for m in read_metrics(workdir) if "train/loss" in m}
 
 
+def as_at_checkpoint(workdir: pathlib.Path, copy: pathlib.Path, step: int) -> pathlib.Path:
+  """A copy of a finished run's workdir as it was when its step-`step` checkpoint was the newest:
+  a run that stopped there, for a resume to take up, at no cost of training it again."""
+  import json
+  import shutil
+  shutil.copytree(workdir, copy)
+  for checkpoint in (copy / "checkpoints").iterdir():
+    if int(checkpoint.name) > step:
+      shutil.rmtree(checkpoint)
+  metrics = copy / "metrics.jsonl"
+  metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                             if json.loads(line)["step"] <= step))
+  return copy
+
+
 def random_documents(count: int, seed: int = 0) -> list[str]:
   """Distinct documents of varied lengths, some non-ASCII, so windows never repeat."""
   import numpy as np

@@ -8,7 +8,8 @@ import jax
 import pytest
 
 from conftest import REPO, load_config_file
-from levanter_flax import aot, models
+from levanter_flax import models
+from levanter_flax.plan import hlo, planner, slices
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
@@ -24,13 +25,13 @@ KEYS = ("topology", "chips", "hbm_per_chip_bytes", "bytes_per_chip", "temp_bytes
     ("v5litepod-16", 16), ("v6e-64", 64), ("v5e:16x16", 256), ("v5p:4x4x4", 64),
     ("v4:2x2x4", 16)])
 def test_cloud_names_count_cores_on_v4_and_v5p_and_chips_on_v5e_and_v6e(name, chips):
-  assert aot.chips(name) == chips
+  assert slices.chips(name) == chips
 
 
 @pytest.mark.parametrize("name", ["v5e-3", "v5p-3", "v9-8", "tpu", "v5e:4x4x4", "v5p:4x4"])
 def test_an_unknown_topology_is_one_line_with_examples(name):
   with pytest.raises(UserError, match=r"^--topology=.*(v5p-128|sizes are)"):
-    aot.topology(name)
+    slices.topology(name)
 
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
@@ -38,11 +39,11 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "libtpu" else real(name, *a))
   with pytest.raises(UserError, match=r"pip install -e \"\.\[tpu-aot\]\""):
-    aot.devices("v5e:2x2")
+    slices.devices("v5e:2x2")
 
 
 def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slices():
-  hlo = "\n".join([
+  text = "\n".join([
       "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
       "  %g = bf16[64]{0} all-gather(%x), channel_id=7, dimensions={0}",  # 3 times: 384 bytes.
       "}",
@@ -68,7 +69,7 @@ def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slic
       "  %f = bf16[64]{0} fusion(%h), kind=kCustom, calls=%fused",
       "  ROOT %e = f32[7]{0} add(%all-gather, %all-reduce)",
       "}"])
-  assert aot.collective_bytes(hlo) == {
+  assert hlo.collective_bytes(text) == {
       "all-reduce": 60, "all-gather": (12 + 8) * 2 + 3 * 128, "collective-permute": 24,
       "reduce-scatter": 128, "all-to-all": 0, "all-reduce across slices": 192 * 32 * 4}
 
@@ -147,7 +148,7 @@ def test_accumulation_sends_no_more_across_slices_than_one_microbatch():
   pytest.importorskip("libtpu")
   across = []
   for microbatches in (1, 4):
-    plan = aot.plan(nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
+    plan = planner.plan(nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
                             "trainer.batch_size": 32,
                             "trainer.gradient_accumulation_steps": microbatches}),
                     "v5e:2x2", num_slices=2, compiler_costs=False)
@@ -161,21 +162,21 @@ def test_a_batch_the_topologys_data_axis_cannot_split_is_one_line():
   with pytest.raises(UserError, match=r"^config.trainer.batch_size \(16\) / "
                                       r"gradient_accumulation_steps \(1\) must be divisible by "
                                       r"the activation axis size \(12\)"):
-    aot.plan(nano(**{"trainer.batch_size": 16}), "v4:2x2x3", compiler_costs=False)
+    planner.plan(nano(**{"trainer.batch_size": 16}), "v4:2x2x3", compiler_costs=False)
 
 
 def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"^--topology=v5e:3x3: .* v5e comes in 1x1, 2x2, 2x4"):
-    aot.devices("v5e:3x3")
+    slices.devices("v5e:3x3")
 
 
 @pytest.mark.slow
 def test_a_dpo_plan_holds_and_runs_the_reference_model():
   pytest.importorskip("libtpu")
   run = nano()
-  plain = aot.plan(run, "v5e:2x2", compiler_costs=False)
-  dpo = aot.plan(run, "v5e:2x2", compiler_costs=False, preference=True)
+  plain = planner.plan(run, "v5e:2x2", compiler_costs=False)
+  dpo = planner.plan(run, "v5e:2x2", compiler_costs=False, preference=True)
   assert (plain["objective"], dpo["objective"]) == ("next-token", "dpo")
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -191,14 +192,14 @@ def test_a_mesh_of_another_size_than_the_topology_is_one_line():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"trainer.device_mesh .* multiply to 8 but there are 4 "
                      r"devices: v5e:2x2 x 1 slice\(s\) has 4 chips"):
-    aot.plan(nano(**{"trainer.device_mesh": {"data": 8}}), "v5e:2x2")
+    planner.plan(nano(**{"trainer.device_mesh": {"data": 8}}), "v5e:2x2")
 
 
 def test_a_mesh_the_torus_cannot_hold_axis_by_axis_is_still_built():
   """Mixtral's data x expert = 8 x 8 on v5p-128's 4x4x4 chips: jax's torus-following layout
   has no such split; the mesh splits a physical axis instead."""
   pytest.importorskip("libtpu")
-  mesh = partitioning.make_mesh((("data", -1), ("expert", 8)), aot.devices("v5p-128"))
+  mesh = partitioning.make_mesh((("data", -1), ("expert", 8)), slices.devices("v5p-128"))
   assert dict(mesh.shape) == {"data": 8, "expert": 8}
 
 
@@ -207,8 +208,8 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
   """The batch search against the TPU's HBM; the compiler refuses what does not fit."""
   pytest.importorskip("libtpu")
   budget = 32 << 20
-  plan = aot.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 256,
-                          "batch_search.memory_fraction": budget / aot.HBM_BYTES["TPU v5 lite"]}),
+  plan = planner.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 256,
+                          "batch_search.memory_fraction": budget / slices.HBM_BYTES["TPU v5 lite"]}),
                   "v5e:2x2")
   assert plan["batch_size"] == 256 and plan["gradient_accumulation_steps"] > 1
   assert plan["bytes_per_chip"] <= budget
@@ -221,8 +222,8 @@ def test_a_scanned_stack_is_counted_as_the_unrolled_one():
   pytest.importorskip("libtpu")
   layout = {"model.num_layers": 6, "trainer.device_mesh": {"data": 2, "model": 2},
             "sharding.parameter_axis": "data"}
-  unrolled = aot.plan(nano(**layout), "v5e:2x2")
-  scanned = aot.plan(nano(**layout, **{"model.compute.scan_layers": True}), "v5e:2x2")
+  unrolled = planner.plan(nano(**layout), "v5e:2x2")
+  scanned = planner.plan(nano(**layout, **{"model.compute.scan_layers": True}), "v5e:2x2")
   assert scanned["compiler_flops_per_step"] == pytest.approx(
       unrolled["compiler_flops_per_step"], rel=0.01)
   assert scanned["model_flops_per_step"] == unrolled["model_flops_per_step"]
@@ -236,7 +237,7 @@ def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
   pytest.importorskip("libtpu")
   run = nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
                 "model.compute.scan_layers": True})
-  plan = aot.plan(run, "v5e:2x2", num_slices=2, compiler_costs=False)  # No unrolled compiles.
+  plan = planner.plan(run, "v5e:2x2", num_slices=2, compiler_costs=False)  # No unrolled compiles.
   assert plan["compiler_flops_per_step"] is None and plan["compiler_bound_seconds"] is None
   assert plan["chips"] == 8 and plan["mesh"] == {"data": 4, "model": 2}
   across = {k: v for k, v in plan["collective_bytes_per_step"].items() if "across" in k and v}

@@ -5,13 +5,12 @@ import dataclasses
 import json
 import logging
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, train_losses
+from conftest import REPO, as_at_checkpoint, train_losses
 from levanter_flax import config as config_module, models
 from levanter_flax.core.errors import UserError
 from levanter_flax.hf import snapshot
@@ -190,12 +189,7 @@ def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp
   # That version's default, which a resume would otherwise log as a change.
   tiny_config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "whole")
-  # The run as it was at its step-5 checkpoint.
-  shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
-  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "10")
-  metrics = tmp_path / "resumed" / "metrics.jsonl"
-  metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
-                             if json.loads(line)["step"] <= 5))
+  as_at_checkpoint(tmp_path / "whole", tmp_path / "resumed", 5)
   old = (FIXTURES / "config_before_issue_30.json").read_text()
   (tmp_path / "resumed" / "config.json").write_text(
       old.replace("CACHE_DIR", tiny_config.data.cache_dir))

@@ -33,7 +33,7 @@ from levanter_flax.core.errors import UserError, exit_with_error
 
 def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int = 0) -> int:
   """Bytes per device a step may use; `capacity`: the device's memory, where it is not the
-  device at hand (an ahead-of-time compile for a TPU, see aot.py)."""
+  device at hand (an ahead-of-time compile for a TPU, see plan/planner.py)."""
   if not capacity:
     capacity = (device.memory_stats() or {}).get("bytes_limit", 0)
   if capacity:

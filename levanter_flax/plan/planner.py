@@ -1,0 +1,227 @@
+"""The run's train step compiled for a topology: memory per chip, whether it fits, FLOPs and
+collectives; and what to try when it does not fit.
+
+The step is the trainer's own (step.build), with the run's mesh, shardings, global batch and
+gradient accumulation, so what the compiler reports is what the pod would run:
+- memory per chip (memory_analysis) is the hardware's verdict: a step that does not fit here
+  does not fit there;
+- FLOPs and collective bytes are counts of the compiled program;
+- `optimal_seconds` is the compiler's idealized cost model, not a step time: a relative signal
+  between two compiles on the same libtpu only.
+
+A scanned layer stack is one while loop whose body the compiler's cost model counts once: its
+FLOPs and bound come from unrolled compiles of 2 and 4 layers, extrapolated to the model's depth
+(each layer costs the same), and its collectives from the real program's HLO, the loop's body
+counted as often as it runs.
+"""
+import dataclasses
+import re
+from typing import Any
+
+import jax
+from absl import logging
+
+from levanter_flax.config import settings
+from levanter_flax.core import progress
+from levanter_flax.core.errors import UserError
+from levanter_flax.models import common
+from levanter_flax.parallel import partitioning
+from levanter_flax.plan.hlo import collective_bytes
+from levanter_flax.plan.slices import GIB, HBM_BYTES, devices
+from levanter_flax.training import batch_search, step
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """What the compiler's cost model says of one step, for the whole topology."""
+  flops: float
+  optimal_seconds: float
+
+  def scaled(self, other: "Costs", factor: float) -> "Costs":
+    """self + factor * (other - self), each figure."""
+    line = lambda a, b: a + factor * (b - a)
+    return Costs(line(self.flops, other.flops), line(self.optimal_seconds, other.optimal_seconds))
+
+
+def _costs(compiled, chip_count: int) -> Costs:
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+  return Costs(flops=float(analysis.get("flops", 0.0)) * chip_count,
+               optimal_seconds=float(analysis.get("optimal_seconds", 0.0)))
+
+
+def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+           preference: bool) -> step.ShardedSteps:
+  """The step as the run trains it; `preference`: by DPO, with its reference model."""
+  return step.build(run, partitioner, eos_id=0 if run.data.document_masking else None,
+                    preference=preference)
+
+
+def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+             steps: step.ShardedSteps):
+  what = (f"compile the step ({run.model.num_layers} layers, batch {run.trainer.batch_size}) for "
+          f"{partitioner.mesh.devices.flat[0].device_kind} x {partitioner.mesh.size}")
+  with partitioner.activation_context(), progress.waiting(what):
+    return steps.train_step.lower(*steps.abstract_inputs(run.trainer.batch_size)).compile()
+
+
+def _compiler_error(error: Exception) -> str:
+  """The line of a compile error that names the cause: MLIR's error with its source line."""
+  text = str(error)
+  detail = re.search(r"(\S+\.py:\d+:\d+: error: [^\n]*)", text)
+  return detail.group(1) if detail else text.strip().splitlines()[0]
+
+
+def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+               compiled, preference: bool = False) -> Costs:
+  """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
+  extrapolated from unrolled compiles of 2 and 4 layers."""
+  chip_count = partitioner.mesh.size
+  if not run.model.compute.scan_layers:
+    return _costs(compiled, chip_count)
+  unrolled = []
+  for depth in (2, 4):
+    model = dataclasses.replace(common.with_compute(run.model, scan_layers=False),
+                                num_layers=depth)
+    logging.info("Compiling %d unrolled layers to count the scanned step's costs", depth)
+    shallow_run = dataclasses.replace(run, model=model)
+    shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, preference))
+    unrolled.append(_costs(shallow, chip_count))
+  return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
+
+
+def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
+         compiler_costs: bool = True, preference: bool = False) -> dict[str, Any]:
+  """Compiles the run's train step for the topology; the plan's figures, JSON-ready.
+
+  compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers);
+  else those are None for scanned layers. preference: the step as DPO trains it (preference
+  data decides that in training), its reference model held and run forward too.
+  """
+  target = devices(topology_name, num_slices)
+  # A compile-only executable cannot be read back from the persistent cache: do not write it.
+  jax.config.update("jax_enable_compilation_cache", False)
+  capacity = HBM_BYTES.get(target[0].device_kind)
+  if capacity is None:
+    raise UserError(f"--topology={topology_name}: no HBM size known for {target[0].device_kind}")
+  try:
+    mesh = partitioning.make_mesh(run.trainer.device_mesh, target, run.trainer.dcn_mesh)
+  except UserError as e:
+    raise UserError(f"{e}: {topology_name} x {num_slices} slice(s) has {len(target)} chips") \
+        from None
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  if run.trainer.batch_size == "auto":
+    run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
+                                                                preference=preference))
+  trainer = run.trainer
+  partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
+  logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
+               num_slices, len(target), trainer.batch_size)
+  steps = _steps(run, partitioner, preference)
+  tokens = trainer.batch_size * run.model.seq_len
+  result = {
+      "topology": topology_name,
+      "num_slices": num_slices,
+      "chips": len(target),
+      "device_kind": target[0].device_kind,
+      "mesh": dict(mesh.shape),
+      "batch_size": trainer.batch_size,
+      "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
+      "objective": "dpo" if preference else "next-token",
+      "hbm_per_chip_bytes": capacity,
+      "tokens_per_step": tokens,
+      "model_flops_per_step": tokens * steps.flops_per_token(run.model),
+  }
+  planned = {**result, **_memory_and_costs(run, partitioner, steps, capacity, compiler_costs)}
+  if not planned["fits"]:
+    # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
+    planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
+                                                                      preference=preference)
+  return planned
+
+
+def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
+                      steps: step.ShardedSteps, capacity: int,
+                      compiler_costs: bool) -> dict[str, Any]:
+  """The compiled step's memory per chip, whether it fits a chip of `capacity` bytes, and its
+  costs."""
+  try:
+    compiled = _compile(run, partitioner, steps)
+  except jax.errors.JaxRuntimeError as e:
+    temporaries = batch_search.out_of_memory_bytes(e)
+    if temporaries is None:
+      raise UserError(f"the TPU compiler rejected the step for {partitioner.mesh.size} "
+                      f"{partitioner.mesh.devices.flat[0].device_kind} chips: "
+                      f"{_compiler_error(e)}") from None
+    # The compiler refuses a step that does not fit: no program, so no counts, and the memory
+    # from its message and the state's layout.
+    arguments = partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings)
+    return {"bytes_per_chip": arguments + temporaries,
+            "argument_bytes_per_chip": arguments, "temp_bytes_per_chip": temporaries,
+            "fits": False, "compiler_flops_per_step": None, "compiler_bound_seconds": None,
+            "collective_bytes_per_step": {}}
+  memory = compiled.memory_analysis()
+  needed = batch_search.needed_bytes(memory)
+  costs = (step_costs(run, partitioner, compiled, steps.preference)
+           if compiler_costs or not run.model.compute.scan_layers else None)
+  return {
+      "bytes_per_chip": needed,
+      "argument_bytes_per_chip": memory.argument_size_in_bytes,
+      "temp_bytes_per_chip": memory.temp_size_in_bytes,
+      "fits": needed <= capacity,
+      "compiler_flops_per_step": costs.flops if costs else None,
+      "compiler_bound_seconds": costs.optimal_seconds if costs and costs.optimal_seconds > 0
+                                else None,
+      "collective_bytes_per_step": collective_bytes(compiled.as_text()),
+  }
+
+
+def advice(run: settings.RunConfig, result: dict[str, Any]) -> str:
+  """What to try for a step that does not fit: the setting likely to save the most memory per
+  chip; where not even the smallest batch fits, every remedy but a smaller batch."""
+  temps, arguments = result["temp_bytes_per_chip"], result["argument_bytes_per_chip"]
+  data_parallel = dict(result["mesh"]).get("data", 1)
+  savings = {"a smaller trainer.batch_size (or more gradient_accumulation_steps)": temps / 2}
+  if run.sharding.parameter_axis is None and data_parallel > 1:
+    savings["ZeRO-3: sharding.parameter_axis=data"] = arguments * (1 - 1 / data_parallel)
+  if run.model.compute.remat == "none":
+    savings["model.compute.remat=full"] = temps * 0.7
+  smallest = result.get("smallest_step_bytes_per_chip", 0)
+  if smallest <= result["hbm_per_chip_bytes"]:
+    return "try " + max(savings, key=savings.get)
+  del savings["a smaller trainer.batch_size (or more gradient_accumulation_steps)"]
+  remedies = [*sorted(savings, key=savings.get, reverse=True),
+              "more chips (a larger --topology or --num_slices)"]
+  return (f"no batch fits: even the smallest (one sequence per data-parallel device, no "
+          f"accumulation) needs {smallest / GIB:.2f} GiB per chip; try " + ", or ".join(remedies))
+
+
+def describe(result: dict[str, Any]) -> str:
+  """The plan as lines for a terminal."""
+  gib = lambda n: f"{n / GIB:.2f} GiB"
+  margin = result["hbm_per_chip_bytes"] - result["bytes_per_chip"]
+  bound = result["compiler_bound_seconds"]
+  lines = [
+      f"{result['topology']} x {result['num_slices']} slice(s): {result['chips']} chips "
+      f"({result['device_kind']}), mesh {result['mesh']}",
+      f"batch {result['batch_size']} x {result['gradient_accumulation_steps']} microbatch(es), "
+      f"{result['tokens_per_step']:,} tokens per step",
+      f"memory per chip: {gib(result['bytes_per_chip'])} of {gib(result['hbm_per_chip_bytes'])} "
+      f"(temporaries {gib(result['temp_bytes_per_chip'])}): "
+      + (f"fits, {gib(margin)} to spare" if result["fits"] else f"does NOT fit, {gib(-margin)} "
+         "short"),
+      f"model FLOPs per step {result['model_flops_per_step']:.4g}",
+  ]
+  if not result["fits"] and not result["collective_bytes_per_step"]:
+    lines.append("the compiler refused the step for want of memory: no counts")
+    return "\n".join(lines)
+  flops = result["compiler_flops_per_step"]
+  lines += [
+      "collective bytes per chip per step: " + (", ".join(
+          f"{k} {gib(v)}" for k, v in result["collective_bytes_per_step"].items() if v) or "none"),
+      f"the compiler counts {flops:.4g} FLOPs per step" if flops is not None else
+      "the compiler's FLOPs and bound: not counted (--nocompiler_costs)",
+      "compiler's idealized bound: " + (f"{bound:.4g} s (a relative signal between compiles, "
+                                        "not a step time)" if bound else "none given"),
+  ]
+  return "\n".join(lines)
