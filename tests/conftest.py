@@ -148,8 +148,8 @@ def prepare_texts(directory: pathlib.Path, texts: list[str], **options) -> pathl
     (inputs / f"{i:04d}.txt").write_text(text, encoding="utf-8")
   source = sources.SourceSpec(kind="text", inputs=(str(inputs / "*.txt"),))
   options = {"num_shards": 4, "validation_fraction": 0.2, **options}
-  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(source=source, output_dir=directory / "data",
-                                                        **options))
+  return dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
+      source=source, output_dir=directory / "data", **options))
 
 
 def write_dataset(directory: pathlib.Path, train: list[str], validation: list[str],

@@ -149,9 +149,9 @@ def test_accumulation_sends_no_more_across_slices_than_one_microbatch():
   across = []
   for microbatches in (1, 4):
     plan = planner.plan(nano(**{"trainer.device_mesh": {"data": 2, "model": 2},
-                            "trainer.batch_size": 32,
-                            "trainer.gradient_accumulation_steps": microbatches}),
-                    "v5e:2x2", num_slices=2, compiler_costs=False)
+                                "trainer.batch_size": 32,
+                                "trainer.gradient_accumulation_steps": microbatches}),
+                        "v5e:2x2", num_slices=2, compiler_costs=False)
     across.append(plan["collective_bytes_per_step"]["all-reduce across slices"])
   # One reduction either way (4 per step were 3.8x one's); the layouts differ a little.
   assert 0 < across[1] <= 1.05 * across[0], across
@@ -208,9 +208,9 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
   """The batch search against the TPU's HBM; the compiler refuses what does not fit."""
   pytest.importorskip("libtpu")
   budget = 32 << 20
+  fraction = budget / slices.HBM_BYTES["TPU v5 lite"]
   plan = planner.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 256,
-                          "batch_search.memory_fraction": budget / slices.HBM_BYTES["TPU v5 lite"]}),
-                  "v5e:2x2")
+                              "batch_search.memory_fraction": fraction}), "v5e:2x2")
   assert plan["batch_size"] == 256 and plan["gradient_accumulation_steps"] > 1
   assert plan["bytes_per_chip"] <= budget
 
