@@ -570,3 +570,16 @@ def test_malformed_manifests_are_named(tmp_path):
   path.write_text("[]")
   with pytest.raises(UserError, match=f"dataset manifest {path} is not a JSON object"):
     load_manifest(directory)
+
+
+def test_the_stdlib_corpus_is_the_stdlibs_own_modules_sorted(tmp_path, monkeypatch):
+  """Not what pip installed in its site-packages (nor dist-packages), at any depth."""
+  root = tmp_path / "lib" / "python3"
+  for name in ("os.py", "json/__init__.py", "json/decoder.py", "README.txt",
+               "site-packages/numpy/core.py", "site-packages/top.py", "dist-packages/apt.py",
+               "encodings/site-packages/inner.py"):
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text("x = 1\n")
+  monkeypatch.setattr(sources, "stdlib_root", lambda: root)
+  assert sources.resolve_files(sources.SourceSpec(kind="stdlib"), str(tmp_path / "out")) == [
+      str(root / name) for name in ("json/__init__.py", "json/decoder.py", "os.py")]
