@@ -87,6 +87,10 @@ def data_cache(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 def tiny_config(data_cache):
+  return make_tiny_config(data_cache)
+
+
+def make_tiny_config(data_cache: pathlib.Path):
   """gpt2_nano shrunk further so a step takes milliseconds on 8 fake devices."""
   config = load_config_file("gpt2_nano")
   config.model.seq_len = 64

@@ -17,7 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, prepare_texts, random_documents, read_metrics, train_losses
+from conftest import (REPO, as_at_checkpoint, make_tiny_config, prepare_texts,
+                      random_documents, read_metrics, train_losses)
 from levanter_flax.checkpoint import preemption
 from levanter_flax.monitoring import history
 from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer
@@ -191,6 +192,25 @@ def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, 
   assert checkpoint_files(tmp_path) == checkpoints
 
 
+def straight_config(data_cache: pathlib.Path):
+  """tiny_config at a constant learning rate, so that a run resumed or extended from any of its
+  checkpoints is the straight one; a checkpoint after every step."""
+  config = make_tiny_config(data_cache)
+  config.optimizer.min_learning_rate_ratio = 1.0
+  config.checkpoint.every_steps = 1
+  config.checkpoint.keep = 10
+  return config
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_cache, tmp_path_factory) -> pathlib.Path:
+  """straight_config's 10 steps, uninterrupted: what the resumes below are compared with, and,
+  cut back to one of its checkpoints (as_at_checkpoint), the stopped runs they take up."""
+  workdir = tmp_path_factory.mktemp("straight") / "run"
+  train_and_evaluate(to_run_config(straight_config(data_cache)), workdir)
+  return workdir
+
+
 # A failed orbax restore leaves its read coroutines unawaited; Python reports each one.
 ignore_abandoned_reads = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -203,21 +223,17 @@ def corrupt(checkpoint: pathlib.Path) -> None:
 
 @pytest.mark.slow
 @ignore_abandoned_reads
-def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tiny_config, tmp_path):
-  tiny_config.optimizer.min_learning_rate_ratio = 1.0  # Constant LR: a resumed run is the straight one.
-  tiny_config.checkpoint.every_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
-  run = tmp_path / "run"
-  tiny_config.trainer.num_train_steps = 6
-  train_and_evaluate(to_run_config(tiny_config), run)
+def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(straight_run, data_cache,
+                                                                   tmp_path):
+  run = as_at_checkpoint(straight_run, tmp_path / "run", 6)
   checkpoints = run / "checkpoints"
   corrupt(checkpoints / "6")
   (checkpoints / "8.orbax-checkpoint-tmp-1234").mkdir()  # A save killed half-way.
-  tiny_config.trainer.num_train_steps = 10
-  train_and_evaluate(to_run_config(tiny_config), run)
+  train_and_evaluate(to_run_config(straight_config(data_cache)), run)
   assert (checkpoints / "6.unreadable").is_dir()
-  expected, got = train_losses(tmp_path / "straight"), train_losses(run)
-  for step in range(5, 11):
+  assert [m["run/started_at_step"] for m in read_metrics(run) if "run/started_at_step" in m] == [0, 5]
+  expected, got = train_losses(straight_run), train_losses(run)
+  for step in range(6, 11):
     assert got[step] == pytest.approx(expected[step], rel=1e-6), step
 
 
@@ -271,16 +287,12 @@ def test_a_temporary_checkpoint_is_known_as_one_after_a_restart(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("items", ["params", "state"])
-def test_a_new_run_starts_from_another_runs_checkpoint(tiny_config, tmp_path, items):
-  tiny_config.optimizer.min_learning_rate_ratio = 1.0
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "a")  # 10 steps.
-  tiny_config.trainer.num_train_steps = 5
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "b")
-  tiny_config.checkpoint.load_path = str(tmp_path / "b" / "checkpoints" / "5")
-  tiny_config.checkpoint.load_items = items
-  tiny_config.trainer.num_train_steps = 10
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "c")
-  a, c = train_losses(tmp_path / "a"), train_losses(tmp_path / "c")
+def test_a_new_run_starts_from_another_runs_checkpoint(straight_run, data_cache, tmp_path, items):
+  config = straight_config(data_cache)
+  config.checkpoint.load_path = str(straight_run / "checkpoints" / "5")
+  config.checkpoint.load_items = items
+  train_and_evaluate(to_run_config(config), tmp_path / "c")
+  a, c = train_losses(straight_run), train_losses(tmp_path / "c")
   if items == "state":  # Step, optimizer and data position too: run a's last five steps.
     assert sorted(c) == [6, 7, 8, 9, 10]
     for step in c:
@@ -297,16 +309,12 @@ def test_a_missing_checkpoint_to_load_is_named(tiny_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_on_another_mesh_reshards_the_checkpoint(tiny_config, tmp_path):
-  tiny_config.optimizer.min_learning_rate_ratio = 1.0
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "straight")
-  tiny_config.trainer.num_train_steps = 5
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
-  tiny_config.trainer.num_train_steps = 10
-  tiny_config.trainer.device_mesh = mesh(data=4, model=2)
-  tiny_config.sharding.parameter_axis = "data"
-  train_and_evaluate(to_run_config(tiny_config), tmp_path / "run")
-  expected, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "run")
+def test_resume_on_another_mesh_reshards_the_checkpoint(straight_run, data_cache, tmp_path):
+  config = straight_config(data_cache)
+  config.trainer.device_mesh = mesh(data=4, model=2)
+  config.sharding.parameter_axis = "data"
+  train_and_evaluate(to_run_config(config), as_at_checkpoint(straight_run, tmp_path / "run", 5))
+  expected, got = train_losses(straight_run), train_losses(tmp_path / "run")
   for step in range(6, 11):
     assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
