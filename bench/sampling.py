@@ -15,7 +15,8 @@ import numpy as np
 from levanter_flax import models
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
-from levanter_flax.sample import SamplingConfig, generate
+from levanter_flax.generate.decoding import SamplingConfig
+from levanter_flax.generate.prompts import generate
 
 
 def recomputed(model, params, prompts: np.ndarray, new_tokens: int, seq_len: int) -> np.ndarray:

@@ -13,92 +13,14 @@ The model is the run's (its tokenizer checked against its datasets, as sample.py
 the directory's config.json, safetensors and tokenizer.json; its batches run data-parallel
 over every device. Prints lm-eval's results table; --output writes its results as JSON.
 """
-import json
-
-import jax
 from absl import app, flags
 from etils import epath
 
-from levanter_flax.parallel import backend, partitioning
-from levanter_flax.generate import trained
 from levanter_flax.core import cli, paths
-from levanter_flax.hf import snapshot
-from levanter_flax import models
 from levanter_flax.core.errors import UserError, exit_with_error
-
-
-def lm_eval_harness():
-  """harness.py, which needs lm-eval (an extra): its absence is one line."""
-  try:
-    from levanter_flax.eval import harness  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise UserError(f"lm-eval-harness is not installed ({e}): pip install -e \".[eval]\"") from None
-  return harness
-
-
-def model_directory(workdir: str, hf_dir: str) -> epath.Path:
-  """The run's workdir or the HF checkpoint directory (exactly one of the two given), checked
-  as far as it can be without reading the weights: known bad before the tasks load."""
-  if bool(workdir) == bool(hf_dir):
-    raise UserError("give --workdir (a training run) or --init_from_hf (a Hugging Face "
-                    "checkpoint directory), not both or neither")
-  if workdir:
-    directory = paths.resolve(workdir, "--workdir")
-    trained.run_checkpoints(directory)
-    return directory
-  directory = paths.resolve(hf_dir, "--init_from_hf")
-  for name, holds in (("config.json", "the model's shape"),
-                      ("tokenizer.json", "the tokenizer to encode the tasks with")):
-    if not (directory / name).exists():
-      raise UserError(f"--init_from_hf {directory} holds no {name} ({holds})")
-  return directory
-
-
-def model_and_tokenizer(directory: epath.Path, is_run: bool):
-  """(model config, host params, tokenizer) of a run's newest usable checkpoint or of an HF
-  checkpoint directory (model_directory's)."""
-  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
-  if is_run:
-    model_cfg, params, saved = trained.run_params(directory)
-    return model_cfg, params, trained.run_tokenizer(directory, saved)
-  model_cfg, params = snapshot.load(directory)
-  return model_cfg, params, tokenizers.load_tokenizer(str(directory / "tokenizer.json"))
-
-
-def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_size: int,
-             limit: int | float | None, num_fewshot: int | None, max_gen_toks: int) -> dict:
-  """lm-eval's results for `names`, the batches data-parallel over every device."""
-  harness = lm_eval_harness()
-  if jax.process_count() > 1:
-    raise UserError("levanter_flax.evaluate runs on one process; run it on one host")
-  mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
-  partitioner = partitioning.Partitioner(
-      mesh, partitioning.ShardingConfig(rules=models.family(model_cfg).partition_rules))
-  with partitioner.activation_context():
-    lm = harness.LevanterLM(model_cfg, params, tokenizer,
-                            param_shardings=partitioner.param_shardings(params),
-                            batch_sharding=partitioner.batch_sharding(), batch_size=batch_size,
-                            max_gen_toks=max_gen_toks)
-    return harness.evaluate(lm, names, manager, limit=limit, num_fewshot=num_fewshot)
-
-
-def write_results(results: dict, output: epath.Path) -> None:
-  from lm_eval.utils import handle_non_serializable  # pylint: disable=g-import-not-at-top
-  text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-  try:
-    paths.write_atomically(output, text)
-  except OSError as e:
-    raise UserError(f"cannot write --output {output}: {e.strerror or e}") from None
-
-
-def document_limit(limit: float | None) -> int | float | None:
-  """--limit as lm-eval takes it: a count of documents per task, or below 1 a fraction of them."""
-  if limit is None or limit < 1:
-    return limit
-  if limit != int(limit):
-    raise UserError(f"--limit must be a number of documents (a whole number) or a fraction "
-                    f"below 1 of them; got {limit}")
-  return int(limit)
+from levanter_flax.eval.tasks import (document_limit, evaluate, lm_eval_harness, model_and_tokenizer,
+                                      model_directory, write_results)
+from levanter_flax.parallel import backend
 
 
 def main(argv: list[str]) -> None:

@@ -152,7 +152,7 @@ def test_the_weights_are_transformers_assistant_mask_at_the_edges(tmp_path, eos_
   with or without its marks, and sample --chat stops at the token that ends each reply."""
   transformers = pytest.importorskip("transformers")
   from levanter_flax.data import chat
-  from levanter_flax.sample import chat_prompts
+  from levanter_flax.generate.prompts import chat_prompts
   tokenizer_file = make_tokenizer(tmp_path / "tokenizer", CHATML_MARKED, eos_token)
   records = [conversation("quote it", "it is <|im_end|>, then more", "and?", "<|im_end|>x"),
              MULTI_TURN]

@@ -13,7 +13,8 @@ import transformers
 from safetensors.numpy import load_file
 
 from conftest import load_config_file, prepare_texts, random_documents, write_dataset
-from levanter_flax import export_hf, models
+from levanter_flax import models
+from levanter_flax.generate.export import parse_size, tokenizer_files
 from levanter_flax.hf import snapshot
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
@@ -167,7 +168,7 @@ def test_a_tokenizer_config_beside_the_tokenizer_is_copied(bpe_run, tmp_path):
   (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(own))
   saved = json.loads((workdir / "config.json").read_text())
   saved["data.tokenizer"] = str(tmp_path / "tokenizer" / "tokenizer.json")
-  files, ids = export_hf.tokenizer_files(workdir, saved, 32)
+  files, ids = tokenizer_files(workdir, saved, 32)
   assert json.loads(files["tokenizer_config.json"]) == own
   a = hf_tokenizer_ids(tokenizer, "a")[0]
   assert ids == {"eos_token_id": [0, a], "bos_token_id": None, "pad_token_id": 0}
@@ -176,7 +177,7 @@ def test_a_tokenizer_config_beside_the_tokenizer_is_copied(bpe_run, tmp_path):
 def test_a_byte_tokenizer_run_exports_without_tokenizer_files(tmp_path, caplog):
   data = write_dataset(tmp_path / "data", ["some text"], ["more text"])
   saved = {"data.tokenizer": "byte", "data.dataset": str(data), "data.mixture": []}
-  assert export_hf.tokenizer_files(tmp_path, saved, 32) == ({}, {"eos_token_id": 256})
+  assert tokenizer_files(tmp_path, saved, 32) == ({}, {"eos_token_id": 256})
   assert ("The run's byte tokenizer (data.tokenizer=byte) is no tokenizer.json: no tokenizer "
           "files written") in caplog.text
 
@@ -192,6 +193,6 @@ def test_a_bad_flag_is_one_line_naming_it(tmp_path, flag, message):
 @pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2**31),
                                         ("1kib", 1024), ("5Gb", 625_000_000), ("1234", 1234)])
 def test_shard_sizes_read_as_transformers_reads_them(text, size):
-  assert export_hf.parse_size(text, "--max_shard_size") == size
+  assert parse_size(text, "--max_shard_size") == size
   from transformers.utils.hub import convert_file_size_to_int
   assert convert_file_size_to_int(int(text) if text.isdigit() else text) == size

@@ -16,7 +16,7 @@ from jax.profiler import ProfileData
 
 from conftest import REPO, read_metrics
 from levanter_flax.monitoring import watch
-from levanter_flax import report
+from levanter_flax.monitoring import report
 from levanter_flax.monitoring import history
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader

@@ -21,7 +21,8 @@ from levanter_flax.models.olmo2 import Olmo2Config
 from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.data.tokenizers import ByteTokenizer
-from levanter_flax.sample import SamplingConfig, choose, encode, generate
+from levanter_flax.generate.decoding import SamplingConfig, choose
+from levanter_flax.generate.prompts import encode, generate
 from levanter_flax.training.loop import train_and_evaluate
 
 MODELS = {

@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import REPO, xla_flags
-from levanter_flax import export_hf, models
+from levanter_flax import models
+from levanter_flax.generate.export import tokenizer_files
 from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.core.errors import UserError
 from levanter_flax.generate.trained import chat_template
-from levanter_flax.sample import SamplingConfig, chat_prompts, encode, generate
+from levanter_flax.generate.decoding import SamplingConfig
+from levanter_flax.generate.prompts import chat_prompts, encode, generate
 from levanter_flax.training.loop import train_and_evaluate
 from test_chat import CHATML, conversation, make_tokenizer, prepare_records
 from test_sample import MODELS, PROMPTS
@@ -140,5 +142,5 @@ def test_an_export_carries_the_template_its_chat_data_was_rendered_with(chat_run
   template.write_text("{{ '<|im_start|>system\nbe brief<|im_end|>\n' }}" + CHATML)
   dataset = prepare_records(tmp_path, "chat", CHATS[:4], tokenizer_file,
                             chat_template=str(template))
-  files, _ = export_hf.tokenizer_files(tmp_path, saved_config(tokenizer_file, dataset), 64)
+  files, _ = tokenizer_files(tmp_path, saved_config(tokenizer_file, dataset), 64)
   assert json.loads(files["tokenizer_config.json"])["chat_template"] == template.read_text()
