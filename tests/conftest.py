@@ -73,6 +73,14 @@ def shipped_configs() -> list[str]:
                          if path.stem not in variants and path.stem not in earlier])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forkserver_environment():
+  """The environment a forked command starts from: the session's, before any test patches it
+  (test modules that set a variable at import have done so by now)."""
+  import forkserver
+  forkserver.record_session_environment()
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> pathlib.Path:
   """A cache dir with the built-in corpus tokenized once for the whole session."""

@@ -1,11 +1,11 @@
 """Automatic batch size: the largest microbatch under the budget, by compiled memory analysis."""
 import dataclasses
 import math
-import subprocess
 import sys
 
 import pytest
 
+import forkserver
 from conftest import REPO
 from levanter_flax.training import batch_search, step
 from levanter_flax.config import to_run_config
@@ -109,7 +109,7 @@ def test_budget_errors_are_named(run_and_partitioner):
 
 @pytest.mark.slow
 def test_command_line_prints_candidates_and_the_choice():
-  result = subprocess.run(
+  result = forkserver.run(
       [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}", *TINY[:3],
        "--config.trainer.batch_size=auto", "--config.batch_search.memory_budget_bytes=30000000",
        "--config.batch_search.target_batch_size=64"],
@@ -117,7 +117,7 @@ def test_command_line_prints_candidates_and_the_choice():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "batch search: microbatch 1 per device (8 global) needs" in result.stderr
   assert result.stdout.strip().startswith("batch_size=64 gradient_accumulation_steps=")
-  assert_one_line_error(subprocess.run(
+  assert_one_line_error(forkserver.run(
       [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}",
        "--config.trainer.batch_size=auto"], cwd=REPO, capture_output=True, text=True, timeout=300),
       "needs config.batch_search.memory_budget_bytes")

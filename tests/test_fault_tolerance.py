@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import forkserver
 from conftest import (REPO, as_at_checkpoint, make_tiny_config, prepare_texts,
                       random_documents, read_metrics, train_losses)
 from levanter_flax.checkpoint import preemption
@@ -68,7 +69,7 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=100000", "--config.checkpoint.every_steps=1000",
           f"--config.data.cache_dir={data_cache}"]
-  process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+  process = forkserver.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 240
   while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists()
@@ -87,7 +88,7 @@ def test_signal_finishes_the_step_checkpoints_and_exits_zero(data_cache, tmp_pat
   if signum != signal.SIGTERM:
     return  # The same handler: resuming is shown once.
   # The same command, with an end in sight, continues from there.
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.main", *args,
                            f"--config.trainer.num_train_steps={stopped_at + 2}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -336,7 +337,7 @@ def test_a_failed_save_is_named_and_the_earlier_checkpoints_stay(data_cache, tmp
   # EFBIG errors, as ENOSPC would be.
   previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
   try:
-    process = subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+    process = forkserver.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                restore_signals=False)
   finally:
@@ -384,7 +385,7 @@ def test_every_process_stops_after_the_same_step_when_one_is_signalled():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     address = f"127.0.0.1:{s.getsockname()[1]}"
-  processes = [subprocess.Popen([sys.executable, "-c", AGREEMENT_WORKER, address, str(i)], cwd=REPO,
+  processes = [forkserver.Popen([sys.executable, "-c", AGREEMENT_WORKER, address, str(i)], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for i in range(2)]
   results = [p.communicate(timeout=120) for p in processes]
@@ -395,7 +396,7 @@ def test_every_process_stops_after_the_same_step_when_one_is_signalled():
 
 
 def start_main(*args) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+  return forkserver.Popen([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -414,7 +415,7 @@ def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache
           f"--config.data.cache_dir={data_cache}"]
   first = start_main(*args)
   wait_for_steps(tmp_path, 3, first)
-  second = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+  second = forkserver.run([sys.executable, "-m", "levanter_flax.main", *args,
                            "--config.trainer.seed=1"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
   assert second.returncode == 1
@@ -428,7 +429,7 @@ def test_a_second_run_in_a_workdir_is_refused_until_the_first_is_gone(data_cache
   first.kill()  # Its lock dies with it: the next run resumes.
   first.wait()
   stopped_at = max(train_losses(tmp_path))
-  resumed = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args,
+  resumed = forkserver.run([sys.executable, "-m", "levanter_flax.main", *args,
                             f"--config.trainer.num_train_steps={stopped_at + 2}"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -440,7 +441,7 @@ def test_rerunning_a_finished_run_says_so(data_cache, tmp_path):
   args = [f"--config={NANO}", f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
           "--config.trainer.num_train_steps=3", f"--config.data.cache_dir={data_cache}"]
   for _ in range(2):
-    result = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+    result = forkserver.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
   assert "Already finished: the newest checkpoint is step 3, and config.trainer.num_train_steps " \
@@ -497,7 +498,7 @@ def test_a_full_disk_at_start_is_one_line(data_cache, tmp_path):
   (Not 0 bytes: TensorFlow's import itself needs a tiny temporary file.)
   """
   limited = ["sh", "-c", 'trap "" XFSZ; ulimit -f 1; exec "$0" "$@"', sys.executable]
-  result = subprocess.run([*limited, "-m", "levanter_flax.main", f"--config={NANO}",
+  result = forkserver.run([*limited, "-m", "levanter_flax.main", f"--config={NANO}",
                            f"--workdir={tmp_path}", *TINY, "--config.trainer.batch_size=8",
                            "--config.trainer.num_train_steps=2",
                            f"--config.data.cache_dir={data_cache}"], cwd=REPO,

@@ -4,11 +4,11 @@ a chat reply sampled, and an export that transformers serves alone."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+import forkserver
 from conftest import REPO, read_metrics, xla_flags
 from test_chat import conversation, make_tokenizer, write_jsonl
 
@@ -31,7 +31,7 @@ def tiny_qwen2(directory, tokenizer_dir) -> None:
 
 
 def run(*argv):
-  result = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True,
+  result = forkserver.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout

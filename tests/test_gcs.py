@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+import forkserver
 from conftest import REPO, random_documents
 from gcs_emulator import LocalGCS
 from test_main import NANO, TINY, assert_one_line_error
@@ -59,7 +60,7 @@ def upload(name: str, data: bytes) -> None:
 
 
 def run(module: str, *args, timeout=300) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+  return forkserver.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
                         text=True, timeout=timeout)
 
 
@@ -88,7 +89,7 @@ def gcs_dataset(gcs, tmp_path_factory):
     (local / f"{i:04d}.txt").write_text(text, encoding="utf-8")
     upload(f"corpus/{i:04d}.txt", text.encode("utf-8"))
   flags = ["--source=text", "--num_shards=4", "--validation_fraction=0.2", "--num_workers=1"]
-  killed = subprocess.run([sys.executable, "-c", _PREPARE_ONE_SHARD, "--input=gs://bkt/corpus/*.txt",
+  killed = forkserver.run([sys.executable, "-c", _PREPARE_ONE_SHARD, "--input=gs://bkt/corpus/*.txt",
                            "--output_dir=gs://bkt/data", *flags], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
@@ -144,7 +145,7 @@ def gcs_run(gcs_dataset, tmp_path_factory):
               "--config.monitoring.profiler_num_steps=1",
               "--config.trainer.jax_compilation_cache_dir=gs://bkt/jax-cache",
               "--config.trainer.jax_persistent_cache_min_compile_time_secs=0"]
-  killed = subprocess.run([sys.executable, "-c", _TRAIN_THEN_DIE, "--workdir=gs://bkt/run", *args,
+  killed = forkserver.run([sys.executable, "-c", _TRAIN_THEN_DIE, "--workdir=gs://bkt/run", *args,
                            *profiled],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
@@ -275,7 +276,7 @@ def test_missing_credentials_are_one_line(gcs, tmp_path):
   env = {k: v for k, v in os.environ.items()
          if k not in ("STORAGE_EMULATOR_HOST", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                       "GOOGLE_APPLICATION_CREDENTIALS")}
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.main", f"--config={NANO}",
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.main", f"--config={NANO}",
                            "--workdir=gs://bkt/run2"], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**env, "HOME": str(tmp_path)})
   assert_one_line_error(result, "--workdir gs://bkt/run2: no Google Cloud credentials")
@@ -305,7 +306,7 @@ def test_a_lock_on_gcs_refuses_a_second_holder_and_frees_a_dead_ones(gcs):
 
 def kill_a_holder(kill: str) -> int:
   """The exit status of a process that takes the lock of gs://bkt/locked, then runs `kill`."""
-  return subprocess.run([sys.executable, "-c", (
+  return forkserver.run([sys.executable, "-c", (
       "import os; from etils import epath; from levanter_flax.core import locks\n"
       "lock = locks.DirectoryLock(epath.Path('gs://bkt/locked'), 'workdir')\n"
       f"assert lock.try_acquire(); {kill}")], cwd=REPO, timeout=120,
@@ -357,7 +358,7 @@ def test_a_run_whose_gcs_lock_is_taken_stops_before_its_next_write(gcs, data_cac
            "--config.data.reader_groups=1", f"--config.data.cache_dir={data_cache}"]
   log = tmp_path / "stderr.txt"
   with open(log, "w", encoding="utf-8") as stderr:
-    trainer = subprocess.Popen([sys.executable, "-m", "paused_main", *flags], cwd=REPO,
+    trainer = forkserver.Popen([sys.executable, "-m", "paused_main", *flags], cwd=REPO,
                                env={**os.environ, **paused(tmp_path)}, stderr=stderr)
   try:
     wait_for(tmp_path / "paused_0", trainer, log)

@@ -4,7 +4,6 @@ local JSON lines. All offline."""
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 # Before datasets is imported: nothing may reach the network.
@@ -15,6 +14,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
+import forkserver  # pylint: disable=g-import-not-at-top
 from conftest import REPO, load_config_file, read_metrics, xla_flags  # pylint: disable=g-import-not-at-top
 from test_chat import make_tokenizer  # pylint: disable=g-import-not-at-top
 from test_hf import assert_one_error_line  # pylint: disable=g-import-not-at-top
@@ -372,7 +372,7 @@ def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run,
 
 
 def evaluate_cli(*flags):
-  return subprocess.run([sys.executable, "-m", "levanter_flax.evaluate", *flags], cwd=REPO,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.evaluate", *flags], cwd=REPO,
                         capture_output=True, text=True, timeout=300,
                         env={**os.environ, "XLA_FLAGS": xla_flags(2)})
 

@@ -3,7 +3,6 @@ import dataclasses
 import json
 import re
 import stat
-import subprocess
 import sys
 
 import jax
@@ -13,6 +12,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
+import forkserver
 from conftest import REPO, load_config_file, train_losses
 from levanter_flax.hf import snapshot
 from levanter_flax import models
@@ -506,7 +506,7 @@ def test_init_from_hf_takes_the_model_from_config_json_before_anything_is_built(
 
 def test_a_contradicted_flag_stops_the_command_in_one_line_before_its_workdir(tmp_path):
   directory = _saved(hf_model("llama"), tmp_path / "hf")
-  result = subprocess.run(
+  result = forkserver.run(
       [sys.executable, "-m", "levanter_flax.main", "--config=llama_nano",
        f"--workdir={tmp_path / 'run'}", f"--config.trainer.init_from_hf={directory}",
        "--config.model.seq_len=8", "--config.model.num_kv_heads=4"],
@@ -518,7 +518,7 @@ def test_a_contradicted_flag_stops_the_command_in_one_line_before_its_workdir(tm
 
 
 def export(workdir, output_dir, *flags):
-  return subprocess.run([sys.executable, "-m", "levanter_flax.export_hf", f"--workdir={workdir}",
+  return forkserver.run([sys.executable, "-m", "levanter_flax.export_hf", f"--workdir={workdir}",
                          f"--output_dir={output_dir}", *flags],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
 

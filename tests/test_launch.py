@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import forkserver
 from conftest import REPO, train_losses
 from levanter_flax.core.errors import UserError
 from levanter_flax.launch import Experiment, product, sweep, zipit
@@ -129,7 +130,7 @@ def get_experiment():
 
 
 def launch(experiment_file, root, *flags):
-  return subprocess.run([sys.executable, "-m", "levanter_flax.launch", experiment_file,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.launch", experiment_file,
                          f"--root={root}", *flags], cwd=REPO, capture_output=True, text=True,
                         timeout=600)
 
@@ -201,7 +202,7 @@ def test_a_failing_unit_is_reported_while_the_other_finishes(data_cache, tmp_pat
 
 def start_until_it_trains(experiment_file, root, workdir_glob: str, after_step: int):
   """A launch, its unit's pid and workdir once the unit has logged a step after `after_step`."""
-  launcher = subprocess.Popen([sys.executable, "-m", "levanter_flax.launch", experiment_file,
+  launcher = forkserver.Popen([sys.executable, "-m", "levanter_flax.launch", experiment_file,
                                f"--root={root}"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 240
@@ -258,7 +259,7 @@ def test_the_xm_executor_says_how_to_install_xmanager(tmp_path):
   without_xmanager = ("import runpy, sys; sys.modules['xmanager'] = None; "
                       f"sys.argv = ['launch', {experiment!r}, '--root={tmp_path / 'runs'}', "
                       "'--executor=xm']; runpy.run_module('levanter_flax.launch', run_name='__main__')")
-  result = subprocess.run([sys.executable, "-c", without_xmanager], cwd=REPO, capture_output=True,
+  result = forkserver.run([sys.executable, "-c", without_xmanager], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (

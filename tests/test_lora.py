@@ -3,7 +3,6 @@ import dataclasses
 import json
 import re
 import signal
-import subprocess
 import sys
 
 import jax
@@ -15,6 +14,7 @@ import safetensors
 import torch
 import transformers
 
+import forkserver
 from conftest import REPO, train_losses
 from levanter_flax.core import flops
 from levanter_flax.hf import snapshot
@@ -223,7 +223,7 @@ def test_a_target_regex_that_matches_nothing_is_named(tiny_gpt2, tmp_path):
 
 
 def test_llama_1b_lora_rank_8_optimizer_state_is_at_most_2_percent_of_full_fine_tuning():
-  result = subprocess.run([sys.executable, "memory.py", "--lora_rank=8"], cwd=REPO / "bench",
+  result = forkserver.run([sys.executable, "memory.py", "--lora_rank=8"], cwd=REPO / "bench",
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   percent = float(re.search(r"LoRA rank 8 .* full .*: ([\d.]+)%", result.stdout).group(1))

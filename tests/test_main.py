@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import forkserver
 from conftest import REPO, read_metrics
 
 NANO = str(REPO / "configs" / "gpt2_nano.py")
@@ -17,7 +18,7 @@ TINY = ["--config.model.seq_len=64", "--config.model.num_layers=1", "--config.mo
 
 
 def run_main(*args, cwd=REPO):
-  return subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=cwd,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -173,7 +174,7 @@ def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache
   """Without the switch, test_bad_data_settings_are_one_line shows the same line alone."""
   args = [f"--config={NANO}", f"--workdir={tmp_path}", f"--config.data.cache_dir={data_cache}",
           "--config.data.dataset=/nowhere/data"]
-  loud = subprocess.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
+  loud = forkserver.run([sys.executable, "-m", "levanter_flax.main", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300,
                         env={**os.environ, "LEVANTER_FLAX_DEBUG": "1"})
   assert loud.returncode == 1

@@ -5,7 +5,6 @@ import json
 import logging
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -14,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.profiler import ProfileData
 
+import forkserver
 from conftest import REPO, read_metrics
 from levanter_flax.monitoring import watch
 from levanter_flax.monitoring import report
@@ -133,7 +133,7 @@ def test_report_plots_runs_together_and_its_table_matches_the_metrics(tiny_confi
 
 
 def test_report_names_a_directory_without_metrics(tmp_path):
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.report", str(tmp_path)], cwd=REPO,
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.report", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import forkserver
 from conftest import REPO, as_at_checkpoint, read_metrics, train_losses, xla_flags
 from test_main import NANO, TINY
 
@@ -28,7 +29,7 @@ def start(workdir, devices: int, *flags, module="levanter_flax.main", env=(),
           **distributed) -> subprocess.Popen:
   env = {**os.environ, "XLA_FLAGS": xla_flags(devices), **dict(env)}
   extra = [f"--config.trainer.distributed.{k}={v}" for k, v in distributed.items()]
-  return subprocess.Popen([sys.executable, "-m", module, f"--config={NANO}",
+  return forkserver.Popen([sys.executable, "-m", module, f"--config={NANO}",
                            f"--workdir={workdir}", *TINY, *STEPS, *flags, *extra], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+import forkserver
 from conftest import REPO, parent_pid, prepare_texts, random_documents
 from levanter_flax.data import dataset_writer, shards, sources, tfrecord
 from levanter_flax.data.manifest import MANIFEST, load_manifest
@@ -273,7 +274,7 @@ def test_bad_sources_are_named(tmp_path):
 
 
 def run_prepare(*args):
-  return subprocess.run([sys.executable, "-m", "levanter_flax.prepare", *args], cwd=REPO,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.prepare", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -419,7 +420,7 @@ def test_concurrent_prepares_take_turns(tmp_path):
     (tmp_path / "input" / f"{i:04d}.txt").write_text(text, encoding="utf-8")
   output = tmp_path / "data"
   command = [sys.executable, "-c", _SLOW_PREPARE, str(tmp_path / "input" / "*.txt"), str(output)]
-  run = lambda: subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
+  run = lambda: forkserver.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
   first = run()
   processes = [first]
@@ -453,7 +454,7 @@ def test_command_line_refuses_a_directory_another_prepare_is_writing(tmp_path):
   (tmp_path / "a.txt").write_text("one document")
   output = tmp_path / "data"
   output.mkdir()
-  holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(output)], cwd=REPO,
+  holder = forkserver.Popen([sys.executable, "-c", _HOLD_LOCK, str(output)], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == "locked\n"
@@ -504,7 +505,7 @@ def test_a_killed_prepare_or_worker_takes_the_others_with_it(tmp_path, victim):
   # write on to the end of its shard, and only then fail to report it.
   (tmp_path / "a.txt").write_text("\n".join(f"document {i}" for i in range(1_000_000)))
   output = tmp_path / "out"
-  parent = subprocess.Popen(
+  parent = forkserver.Popen(
       [sys.executable, "-m", "levanter_flax.prepare", "--source=text", f"--input={tmp_path}/a.txt",
        "--separator=\\n", f"--output_dir={output}", "--num_shards=8", "--num_workers=2"],
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

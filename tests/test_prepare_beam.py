@@ -5,7 +5,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import threading
 
@@ -13,6 +12,7 @@ import pytest
 import zstandard
 from etils import epath
 
+import forkserver
 from conftest import REPO, parent_pid, random_documents
 from levanter_flax.data import beam_engine, dataset_writer, sources
 from levanter_flax.data.manifest import MANIFEST, load_manifest
@@ -180,7 +180,7 @@ def test_without_beam_installed_the_engine_says_what_to_install(tmp_path, monkey
 def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   source = mixed_jsonl(tmp_path / "input")
   (tmp_path / "input" / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
-  result = subprocess.run(
+  result = forkserver.run(
       [sys.executable, "-m", "levanter_flax.prepare", "--source=jsonl",
        f"--input={source.inputs[0]}", f"--output_dir={tmp_path / 'out'}", "--engine=beam",
        "--num_workers=2", "--num_shards=4"], cwd=REPO, capture_output=True, text=True, timeout=300)

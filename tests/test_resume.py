@@ -7,11 +7,11 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
 
+import forkserver
 from conftest import REPO, read_metrics, write_dataset
 from levanter_flax.training import batch_search
 from levanter_flax.config import changes, flat_dict, to_run_config
@@ -116,7 +116,7 @@ def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
 
 def run_killed_after_checkpoint(workdir, step, *flags):
   """main, killed with SIGKILL right after the checkpoint of `step` (None: not killed)."""
-  return subprocess.run(
+  return forkserver.run(
       [sys.executable, str(REPO / "tests" / "killed_after_checkpoint_main.py"), f"--config={NANO}",
        f"--workdir={workdir}", *TINY, *flags], cwd=REPO, capture_output=True, text=True,
       timeout=300, env={**os.environ, "KILL_AFTER_CHECKPOINT": str(step)})

@@ -1,6 +1,5 @@
 """Sampling on a KV cache: greedy equals the full forward's argmax, filters, prompts, the CLI."""
 import os
-import subprocess
 import sys
 
 import jax
@@ -8,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import forkserver
 from conftest import REPO, xla_flags
 from levanter_flax import models
 from levanter_flax.generate.trained import run_params
@@ -118,20 +118,20 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   one_device = {**os.environ, "XLA_FLAGS": xla_flags(1)}
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
                            "--prompt=def ", "--prompt=import os", "--prompt=", "--max_new_tokens=6",
                            "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=one_device)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--- 'def '\ndef " in result.stdout and "--- 'import os'\nimport os" in result.stdout
   assert "--- ''\n" in result.stdout  # After the EOS alone: a new document.
-  missing = subprocess.run([sys.executable, "-m", "levanter_flax.sample",
+  missing = forkserver.run([sys.executable, "-m", "levanter_flax.sample",
                             f"--workdir={tmp_path / 'nothing'}", "--prompt=x"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
   assert missing.returncode == 1
   assert missing.stderr.strip().splitlines()[-1] == (
       f"levanter_flax: error: {tmp_path / 'nothing'} has no config.json: not a levanter_flax workdir")
-  too_many = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  too_many = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
                              "--prompt=x", "--top_k=100000"], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
   assert too_many.returncode == 1 and "Traceback" not in too_many.stderr, too_many.stderr[-3000:]
@@ -147,7 +147,7 @@ def test_prompts_follow_an_eos_as_every_training_document_did():
 
 def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
   """As a shell passes --prompt=$'\\xff': bytes, which Python holds as a lone surrogate."""
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
                            b"--prompt=ab\xff"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

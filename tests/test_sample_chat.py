@@ -1,13 +1,13 @@
 """sample --chat: prompts rendered as transformers renders them, replies cut at the end of turn."""
 import json
 import os
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import forkserver
 from conftest import REPO, xla_flags
 from levanter_flax import models
 from levanter_flax.generate.export import tokenizer_files
@@ -123,7 +123,7 @@ def test_the_command_line_chats_with_a_run(chat_run_data, tiny_config, tmp_path)
   tiny_config.trainer.num_train_steps = 1
   tiny_config.trainer.eval_every_steps = 100
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
-  result = subprocess.run(
+  result = forkserver.run(
       [sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}", "--chat",
        "--system=be brief", "--prompt=hello", "--prompt=how are you", "--max_new_tokens=8",
        "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,

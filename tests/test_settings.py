@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import forkserver
 from conftest import REPO, as_at_checkpoint, train_losses
 from levanter_flax import config as config_module, models
 from levanter_flax.core.errors import UserError
@@ -140,7 +141,7 @@ def test_old_names_in_a_config_file_work_with_a_warning(tmp_path, capsys):
 
 
 def _print_config(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "levanter_flax.main", *args, "--print_config"],
+  return forkserver.run([sys.executable, "-m", "levanter_flax.main", *args, "--print_config"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

@@ -3,7 +3,6 @@ and that the statistics survive a kill -9."""
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import jax
@@ -12,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import forkserver
 from conftest import REPO, read_metrics
 from levanter_flax.optim import spikes
 from levanter_flax.training import step
@@ -163,7 +163,7 @@ ROLLBACK = ["--config.trainer.num_train_steps=14", "--config.trainer.log_every_s
 
 def run_spiked(workdir, data_cache, kill_after=None, spike_windows=None, *flags, **env):
   spike_windows = spike_windows or ",".join(str(8 * s) for s in SPIKED_STEPS)
-  return subprocess.run(
+  return forkserver.run(
       [sys.executable, str(REPO / "tests" / "spiked_main.py"), f"--config={NANO}",
        f"--workdir={workdir}", *TINY, *ROLLBACK, f"--config.data.cache_dir={data_cache}", *flags],
       cwd=REPO, capture_output=True, text=True, timeout=300,
