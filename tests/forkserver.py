@@ -11,6 +11,9 @@ environment, argv, `sys.path[0]` and `__main__`; its exit code and signals reach
 `wait`, `poll`, `send_signal`, `kill` and `returncode`. A child is forked only where that holds:
 anything else (an option before -m, a preexec_fn, an environment that differs in a variable read
 at import, `-m` of a module the server has imported, ...) runs as `subprocess` would run it.
+One difference remains: a child finds the state the preloaded imports leave, as every command
+does, but so does a `-c` snippet that imports less (orbax's import gives the root logger a
+handler, so such a snippet's `logging.basicConfig` needs `force=True`).
 
 Each pytest worker starts its own server on first use. The server never initializes a jax backend
 (forking one is unsafe), so XLA_FLAGS, read when a backend starts, may differ per child.
@@ -33,6 +36,9 @@ PRELOAD = ("levanter_flax.api", "levanter_flax.data.loader", "levanter_flax.gene
 # it likes. Any other variable must be as the server had it, or the child is started, not forked.
 READ_AFTER_IMPORT = frozenset({
     "XLA_FLAGS", "LEVANTER_FLAX_DEBUG", "PYTEST_CURRENT_TEST", "HOME", "NETRC",
+    # Set in the tests' process by what it imports and runs (plan/slices.py, jax's Mosaic GPU),
+    # read by libtpu and Mosaic when they start, which the CPU children never do.
+    "ALLOW_MULTIPLE_LIBTPU_LOAD", "MOSAIC_GPU_CUDA_ROOT",
     # Google Cloud clients read these when they connect (tests/gcs_emulator.py sets them).
     "STORAGE_EMULATOR_HOST", "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT",
     "GOOGLE_APPLICATION_CREDENTIALS", "CURL_CA_BUNDLE", "NO_GCE_CHECK",

@@ -385,11 +385,12 @@ def test_mostly_empty_shards_are_warned_of(tmp_path, caplog):
          f"fewer may fill every one" in caplog.text
 
 
-# A prepare that writes slowly (0.1 s a document) and says when it starts writing shards.
+# A prepare that writes slowly (0.1 s a document) and says when it starts writing shards. (force:
+# forked, it finds the root handler orbax's import adds.)
 _SLOW_PREPARE = """
 import logging, pathlib, sys, time
 from levanter_flax.data import dataset_writer, sources, tfrecord
-logging.basicConfig(level=logging.INFO)
+logging.basicConfig(level=logging.INFO, force=True)
 write, run_shards = tfrecord.ShardWriter.write, dataset_writer._run_shards
 tfrecord.ShardWriter.write = lambda self, *args: (time.sleep(0.1), write(self, *args))
 dataset_writer._run_shards = lambda *args: (print("writing", flush=True), run_shards(*args))[1]
