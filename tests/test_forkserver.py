@@ -62,6 +62,31 @@ def test_an_uncaught_exception_exits_1_with_its_traceback():
   assert result.stderr.rstrip().endswith("ValueError: the culprit")
 
 
+# How a program can end, each to be ended by a forked child as by a started one.
+ENDINGS = {
+    "sys.exit(message)": "import sys; print('out'); sys.exit('the culprit')",
+    "threads and atexit": (
+        "import atexit, sys, threading, time\n"
+        "atexit.register(lambda: print('atexit, after the thread', flush=False))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\n"
+        "print('unflushed', end='', file=sys.stderr)\n"
+        "sys.exit(4)"),
+    "KeyboardInterrupt": "print('before'); raise KeyboardInterrupt",
+    "exit(None) after output": "import sys; sys.stdout.write('x' * 100000); sys.exit(None)",
+}
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_a_forked_child_ends_as_a_started_one(ending):
+  runs = [module.run([sys.executable, "-c", f"{IS_FORKED}\n{ENDINGS[ending]}"], cwd=REPO,
+                     capture_output=True, text=True, timeout=120)
+          for module in (subprocess, forkserver)]
+  started, forked = runs
+  assert forked.stdout.startswith("True\n") and started.stdout.startswith("False\n")
+  assert (forked.returncode, forked.stdout[5:], forked.stderr) == (
+      started.returncode, started.stdout[6:], started.stderr)
+
+
 def test_signals_wait_and_poll_reach_the_forked_child():
   child = forkserver.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
                             "time.sleep(300)"], stdout=subprocess.PIPE, text=True,
