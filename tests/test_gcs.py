@@ -418,6 +418,7 @@ def test_a_lock_renewal_that_fails_for_a_moment_keeps_the_gcs_lock(gcs, monkeypa
 def test_a_job_of_two_processes_whose_gcs_lock_is_taken_stops_on_both(gcs, data_cache, tmp_path):
   """Process 0 finds the lock lost before its next metrics write and skips it; both stop together
   at the next checkpoint, writing nothing, each with one line."""
+  from levanter_flax.core import locks
   from test_multihost import start_two
   processes = start_two("gs://bkt/taken2", f"--config.data.cache_dir={data_cache}",
                         "--config.trainer.num_train_steps=6",
@@ -431,6 +432,9 @@ def test_a_job_of_two_processes_whose_gcs_lock_is_taken_stops_on_both(gcs, data_
       time.sleep(0.1)
     written = blobs("taken2/")
     upload("taken2/.lock", json.dumps(OTHER_HOLDER).encode())
+    # A run takes a lock over only once its lease has expired, long after the holder last read
+    # it as its own; this takeover, forced, must come later than the holder trusts that read.
+    time.sleep(locks._ONE_LOG_STEP_SECONDS)  # pylint: disable=protected-access
     (tmp_path / "go").touch()
     outputs = [p.communicate(timeout=120) for p in processes]
     results = [subprocess.CompletedProcess([], p.returncode, *o) for p, o in zip(processes, outputs)]
