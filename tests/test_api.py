@@ -12,6 +12,7 @@ import pytest
 import levanter_flax as lf
 from levanter_flax.core.errors import UserError
 
+import forkserver
 from conftest import REPO, xla_flags
 
 
@@ -52,7 +53,7 @@ def test_the_readme_example_runs_as_written(data_cache, tmp_path):
   (home / ".cache").mkdir(parents=True)
   (home / ".cache" / "levanter_flax").symlink_to(data_cache)
   env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO), "XLA_FLAGS": xla_flags(1)}
-  done = subprocess.run([sys.executable, "-c", _readme_example()], capture_output=True, text=True,
+  done = forkserver.run([sys.executable, "-c", _readme_example()], capture_output=True, text=True,
                         cwd=tmp_path, env=env, check=False, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert re.findall(r"^step (\d+): loss \d+\.\d+$", done.stdout, re.MULTILINE) == ["10", "20"]
