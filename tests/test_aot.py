@@ -204,9 +204,11 @@ def test_a_mesh_the_torus_cannot_hold_axis_by_axis_is_still_built():
 
 
 @pytest.mark.slow
-def test_auto_batch_accumulates_to_its_target_within_the_target_chip():
-  """The batch search against the TPU's HBM; the compiler refuses what does not fit."""
+def test_auto_batch_accumulates_to_its_target_within_the_target_chip(monkeypatch):
+  """The batch search against the TPU's HBM; the compiler refuses what does not fit. The plan
+  reads the chosen step's program from the search, not compiling it again."""
   pytest.importorskip("libtpu")
+  monkeypatch.setattr(planner, "_compile", lambda *args: pytest.fail("compiled again"))
   budget = 32 << 20
   fraction = budget / slices.HBM_BYTES["TPU v5 lite"]
   plan = planner.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 256,

@@ -94,10 +94,22 @@ def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config =
   return np.array(losses), state
 
 
+_ONE_DEVICE_LOSSES = {}
+
+
+def one_device_losses(model=MODEL) -> np.ndarray:
+  """NUM_STEPS steps of `model` on one device: the reference of every layout, trained once per
+  model for all the tests of this module that compare with it."""
+  key = repr(model)
+  if key not in _ONE_DEVICE_LOSSES:
+    _ONE_DEVICE_LOSSES[key], _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1],
+                                       model=model)
+  return _ONE_DEVICE_LOSSES[key]
+
+
 @pytest.fixture(scope="module")
 def single_device_losses():
-  losses, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1])
-  return losses
+  return one_device_losses()
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -126,14 +138,11 @@ FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
 @pytest.mark.parametrize("name", sorted(models.FAMILIES))
 def test_every_family_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
   family = models.FAMILIES[name]
-  fields = {f.name for f in dataclasses.fields(family.config)}
-  model = family.config(**{k: v for k, v in TINY_SIZES.items() if k in fields},
-                        **FAMILY_SIZES.get(name, {}))
-  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  model = tiny(name)
   config = sharding_config(rules=family.partition_rules, tensor_axis="model", parameter_axis="data",
                            strict=True)
   eight, state = train((("data", 4), ("model", 2)), config, model=model)
-  np.testing.assert_allclose(eight, one, rtol=1e-5)
+  np.testing.assert_allclose(eight, one_device_losses(model), rtol=1e-5)
   assert any("model" in spec_of(x) for x in jax.tree.leaves(state.params))
 
 
@@ -423,12 +432,10 @@ def test_context_parallelism_trains_as_on_one_device(name):
   the batch's sequences, halved by length; attention gathers keys and values over it."""
   family = models.FAMILIES[name]
   model = tiny(name)
-  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model,
-                 num_steps=10)
   config = sharding_config(rules=family.partition_rules,
                            logical_axis_rules=(("length", "sequence"),))
-  eight, _ = train((("data", 4), ("sequence", 2)), config, model=model, num_steps=10)
-  np.testing.assert_allclose(eight, one, rtol=1e-5)
+  eight, _ = train((("data", 4), ("sequence", 2)), config, model=model)
+  np.testing.assert_allclose(eight, one_device_losses(model), rtol=1e-5)
 
 
 def test_a_new_logical_name_in_the_table_serves_the_rules_from_the_config_alone():

@@ -110,9 +110,10 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
     raise UserError(f"{e}: {topology_name} x {num_slices} slice(s) has {len(target)} chips") \
         from None
   partitioner = partitioning.Partitioner(mesh, run.sharding)
+  searched = {}  # The search's compiled steps: the chosen one is not compiled again.
   if run.trainer.batch_size == "auto":
     run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
-                                                                preference=preference))
+                                                                searched, preference=preference))
   trainer = run.trainer
   partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
   logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
@@ -132,7 +133,11 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * steps.flops_per_token(run.model),
   }
-  planned = {**result, **_memory_and_costs(run, partitioner, steps, capacity, compiler_costs)}
+  accumulation = trainer.gradient_accumulation_steps
+  chosen = searched.get((trainer.batch_size // (partitioner.data_parallel_size * accumulation),
+                         accumulation))
+  planned = {**result, **_memory_and_costs(run, partitioner, steps, capacity, compiler_costs,
+                                           chosen)}
   if not planned["fits"]:
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
@@ -141,12 +146,12 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
 
 
 def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-                      steps: step.ShardedSteps, capacity: int,
-                      compiler_costs: bool) -> dict[str, Any]:
+                      steps: step.ShardedSteps, capacity: int, compiler_costs: bool,
+                      compiled=None) -> dict[str, Any]:
   """The compiled step's memory per chip, whether it fits a chip of `capacity` bytes, and its
-  costs."""
+  costs; `compiled`: the step, where the batch search has compiled it already."""
   try:
-    compiled = _compile(run, partitioner, steps)
+    compiled = compiled or _compile(run, partitioner, steps)
   except jax.errors.JaxRuntimeError as e:
     temporaries = batch_search.out_of_memory_bytes(e)
     if temporaries is None:

@@ -46,12 +46,14 @@ def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int =
 
 
 def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner, per_device: int,
-               accumulation: int = 1, **data) -> int:
+               accumulation: int = 1, executables: Optional[dict] = None, **data) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
   Built by step.build, as loop.py builds it, so that the accumulator and the whole batch
   (per_device x data-parallel size x accumulation sequences) are counted. `data`: what the
-  run's datasets make of the step (step.build's loss_weights, preference).
+  run's datasets make of the step (step.build's loss_weights, preference). `executables`: where
+  given, gets the compiled step under (per_device, accumulation), for a caller that needs the
+  chosen one's program (plan/planner.py) and need not compile it again.
   """
   trainer = dataclasses.replace(run.trainer, gradient_accumulation_steps=accumulation)
   # The document mask costs the same whichever token is EOS.
@@ -61,13 +63,16 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   with partitioner.activation_context():
     lowered = steps.train_step.lower(*inputs)
   try:
-    return needed_bytes(lowered.compile().memory_analysis())
+    compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     temporaries = out_of_memory_bytes(e)
     if temporaries is None:
       raise
     # The compiler names only what it needs beyond the arguments: the state is resident too.
     return partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
+  if executables is not None:
+    executables[per_device, accumulation] = compiled
+  return needed_bytes(compiled.memory_analysis())
 
 
 def needed_bytes(memory) -> int:
@@ -140,16 +145,19 @@ def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
 
 
 def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-            capacity: int = 0, **data) -> "settings.TrainerConfig":
+            capacity: int = 0, executables: Optional[dict] = None, **data
+            ) -> "settings.TrainerConfig":
   """The trainer config with batch_size and gradient_accumulation_steps chosen to fit the
-  partitioner's devices (of `capacity` bytes each, where they cannot say). `data`: step_bytes'."""
+  partitioner's devices (of `capacity` bytes each, where they cannot say). `executables` and
+  `data`: step_bytes'."""
   trainer, search = run.trainer, run.batch_search
   budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
   data_parallel = partitioner.data_parallel_size
   needs = {}
 
   def fits(per_device: int, accumulation: int) -> bool:
-    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation, **data)
+    needs[per_device] = step_bytes(run, partitioner, per_device, accumulation, executables,
+                                   **data)
     logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device "
                  "with gradient_accumulation_steps=%d (%d sequences per step); budget %s",
                  per_device, per_device * data_parallel, f"{needs[per_device]:,}", accumulation,
