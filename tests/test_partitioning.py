@@ -151,7 +151,7 @@ def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
   """Scanned, each layer's kind (local, global) is the scan's input, traced: the lax.cond between
   the two masks under ZeRO-3 and the tensor split."""
   model = tiny("gemma3", compute=ComputeConfig(scan_layers=True))
-  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  one = one_device_losses(model)
   config = sharding_config(rules=models.FAMILIES["gemma3"].partition_rules, tensor_axis="model",
                            parameter_axis="data", strict=True)
   eight, _ = train((("data", 4), ("model", 2)), config, model=model)
@@ -164,7 +164,7 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
   """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
   family = models.FAMILIES["mixtral"]
   model = tiny("mixtral", compute=ComputeConfig(scan_layers=scan_layers), router_aux_loss_coef=0.02)
-  one, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=model)
+  one = one_device_losses(model)
   config = sharding_config(rules=family.partition_rules, expert_axis="expert", strict=True)
   eight, state = train((("data", 2), ("expert", 4)), config, model=model)
   np.testing.assert_allclose(eight, one, rtol=1e-5)
@@ -232,7 +232,7 @@ def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
 @pytest.mark.slow
 def test_scanned_layers_keep_the_rules_and_the_losses():
   scanned = with_compute(MODEL, scan_layers=True)
-  single, _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1], model=scanned)
+  single = one_device_losses(scanned)
   losses, state = train(*LAYOUTS["data2_model4_zero3"], model=scanned)
   np.testing.assert_allclose(losses, single, rtol=1e-5)
   params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}

@@ -151,7 +151,8 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
   """The compiled step's memory per chip, whether it fits a chip of `capacity` bytes, and its
   costs; `compiled`: the step, where the batch search has compiled it already."""
   try:
-    compiled = compiled or _compile(run, partitioner, steps)
+    if compiled is None:
+      compiled = _compile(run, partitioner, steps)
   except jax.errors.JaxRuntimeError as e:
     temporaries = batch_search.out_of_memory_bytes(e)
     if temporaries is None:
