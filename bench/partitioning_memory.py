@@ -28,6 +28,7 @@ from levanter_flax import models  # pylint: disable=g-import-not-at-top
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config  # pylint: disable=g-import-not-at-top
+from levanter_flax.models.moe import MoeConfig  # pylint: disable=g-import-not-at-top
 
 
 def _sharding(parameter_axis=None, tensor_parallel=False) -> partitioning.ShardingConfig:
@@ -104,7 +105,8 @@ def main():
                num_heads=args.num_heads, hidden_dim=args.hidden_dim)
   if args.experts:
     model_cfg = models.FAMILIES["mixtral"].config(
-        num_kv_heads=args.num_heads, intermediate_dim=2 * args.hidden_dim, num_experts=args.experts,
+        num_kv_heads=args.num_heads, intermediate_dim=2 * args.hidden_dim,
+        moe=MoeConfig(num_experts=args.experts),
         **sizes)
   else:
     model_cfg = GPT2Config(**sizes)

@@ -17,6 +17,7 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config
 from levanter_flax.parallel.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
 from levanter_flax.models.common import ComputeConfig, with_compute
+from levanter_flax.models.moe import MoeConfig
 from test_main import NANO, assert_one_line_error, run_main
 
 MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
@@ -27,8 +28,8 @@ BATCH_SIZE, NUM_STEPS = 8, 5
 
 
 def sharding_config(rules=(), parameter_axis=None, tensor_axis=None, strict=False,
-                    expert_axis=None, logical_axis_rules=()):
-  return ShardingConfig(rules=rules, activation_axis="data", parameter_axis=parameter_axis,
+                    expert_axis=None, logical_axis_rules=(), activation_axis="data"):
+  return ShardingConfig(rules=rules, activation_axis=activation_axis, parameter_axis=parameter_axis,
                         optimizer_axis=None, tensor_axis=tensor_axis, strict=strict,
                         expert_axis=expert_axis, logical_axis_rules=logical_axis_rules)
 
@@ -97,13 +98,13 @@ def train(device_mesh, config: ShardingConfig, devices=None, model: GPT2Config =
 _ONE_DEVICE_LOSSES = {}
 
 
-def one_device_losses(model=MODEL) -> np.ndarray:
-  """NUM_STEPS steps of `model` on one device: the reference of every layout, trained once per
+def one_device_losses(model=MODEL, num_steps: int = NUM_STEPS) -> np.ndarray:
+  """num_steps steps of `model` on one device: the reference of every layout, trained once per
   model for all the tests of this module that compare with it."""
-  key = repr(model)
+  key = repr(model), num_steps
   if key not in _ONE_DEVICE_LOSSES:
     _ONE_DEVICE_LOSSES[key], _ = train((("data", 1),), sharding_config(), devices=jax.devices()[:1],
-                                       model=model)
+                                       model=model, num_steps=num_steps)
   return _ONE_DEVICE_LOSSES[key]
 
 
@@ -158,22 +159,44 @@ def test_a_scanned_gemma3_trains_on_a_2d_mesh_with_zero3_as_on_one_device():
   np.testing.assert_allclose(eight, one, rtol=1e-5)
 
 
+MOE_RULES = models.FAMILIES["mixtral"].partition_rules
+MOE_LAYOUTS = {
+    # mixtral_8x7b.py's axes with an expert axis of one device: ZeRO-3 alone.
+    "data8_expert1_zero3": ((("data", 8), ("expert", 1)), sharding_config(
+        rules=MOE_RULES, expert_axis="expert", tensor_axis="expert", parameter_axis="data")),
+    # The batch over "data" only: each device of the expert axis takes a quarter of its
+    # tokens, sends them to their experts, and the outputs are gathered back.
+    "data2_expert4_zero3": ((("data", 2), ("expert", 4)), sharding_config(
+        rules=MOE_RULES, expert_axis="expert", parameter_axis="data", strict=True)),
+    # The batch over the expert axis too: each device sends its own tokens.
+    "expert8_zero3": ((("expert", 8),), sharding_config(
+        rules=MOE_RULES, expert_axis="expert", parameter_axis="expert", strict=True,
+        activation_axis="expert")),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_experts_split_over_an_expert_axis_train_as_on_one_device(scan_layers):
-  """Expert parallelism: each device of the expert axis holds 2 of the 8 experts."""
-  family = models.FAMILIES["mixtral"]
-  model = tiny("mixtral", compute=ComputeConfig(scan_layers=scan_layers), router_aux_loss_coef=0.02)
-  one = one_device_losses(model)
-  config = sharding_config(rules=family.partition_rules, expert_axis="expert", strict=True)
-  eight, state = train((("data", 2), ("expert", 4)), config, model=model)
-  np.testing.assert_allclose(eight, one, rtol=1e-5)
+@pytest.mark.parametrize("layout,scan_layers,grouped_matmul", [
+    ("data2_expert4_zero3", False, "ragged_dot"), ("expert8_zero3", False, "ragged_dot"),
+    ("expert8_zero3", True, "ragged_dot"), ("data8_expert1_zero3", True, "ragged_dot"),
+    ("data2_expert4_zero3", False, "gmm")])
+def test_experts_split_over_an_expert_axis_train_as_on_one_device(layout, scan_layers,
+                                                                  grouped_matmul):
+  """Expert parallelism by token dispatch (ragged all-to-all), with ZeRO-3: 10 steps as on one
+  device, each device holding its 2 or 1 of the 8 experts. Megablox gmm (interpreted here) runs
+  in an unchecked shard_map, whose gradients must come out the same."""
+  moe_cfg = MoeConfig(router_aux_loss_coef=0.02, router_z_loss_coef=0.001)
+  model = tiny("mixtral", compute=ComputeConfig(scan_layers=scan_layers), moe=moe_cfg)
+  reference = one_device_losses(model, num_steps=10)
+  model = dataclasses.replace(model, moe=dataclasses.replace(moe_cfg, grouped_matmul=grouped_matmul))
+  losses, state = train(*MOE_LAYOUTS[layout], model=model, num_steps=10)
+  np.testing.assert_allclose(losses, reference, rtol=1e-5)
   params = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
   layer = "layers" if scan_layers else "layers_0"
   for name in ("gate_proj", "up_proj", "down_proj"):
     expert = params[f"{layer}/mlp/experts/{name}"]
-    assert spec_of(expert)[-3] == "expert"
-    assert expert.addressable_shards[0].data.shape[-3] == 2
+    assert "expert1" in layout or spec_of(expert)[-3] == "expert"
+    assert expert.addressable_shards[0].data.shape[-3] == 8 // dict(MOE_LAYOUTS[layout][0])["expert"]
 
 
 def tiny(name: str, **fields):
@@ -193,24 +216,27 @@ def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["data8", "data8_zero3", "data2_expert4"])
+@pytest.mark.parametrize("layout", ["data8", "data8_zero3", "data2_expert4", "data2_expert4_batch"])
 def test_the_expert_layer_keeps_each_devices_tokens_on_that_device(layout):
-  """Routing and dispatch are per sequence and the expert weights are gathered, not the rows,
-  so what the step gathers does not grow with the batch. Before: a global sort by expert
-  gathered every token's router probabilities and expert ids to every device, lax.top_k's
-  partitioner did too, and under ZeRO-3 XLA gathered each expert's rows to keep its weights
-  split."""
-  family = models.FAMILIES["mixtral"]
-  device_mesh, config = {
-      "data8": ((("data", 8),), sharding_config()),
-      "data8_zero3": ((("data", 8),), sharding_config(rules=family.partition_rules,
-                                                      parameter_axis="data")),
+  """Routing is data-parallel, the experts gathered out of ZeRO-3, not the rows, and tokens
+  reach other devices' experts by all-to-all: what the step gathers does not grow with the
+  batch. Where the batch is not split over the expert axis (data2_expert4), what grows is each
+  device's own tokens gathered back over it: the layer's outputs, and in the backward pass the
+  gradients of its input and of the routing weights."""
+  device_mesh, config, batch_axes = {
+      "data8": ((("data", 8),), sharding_config(), 8),
+      "data8_zero3": ((("data", 8),), sharding_config(rules=MOE_RULES, parameter_axis="data"), 8),
       "data2_expert4": ((("data", 2), ("expert", 4)),
-                        sharding_config(rules=family.partition_rules, expert_axis="expert")),
+                        sharding_config(rules=MOE_RULES, expert_axis="expert"), 2),
+      "data2_expert4_batch": ((("data", 2), ("expert", 4)), sharding_config(
+          rules=MOE_RULES, expert_axis="expert", activation_axis=("data", "expert")), 8),
   }[layout]
   partitioner = Partitioner(make_mesh(device_mesh), config)
   model = tiny("mixtral")
-  assert gathered_elements(partitioner, model, 16) == gathered_elements(partitioner, model, 32)
+  growth = gathered_elements(partitioner, model, 32) - gathered_elements(partitioner, model, 16)
+  own_tokens = 0 if batch_axes == 8 else 16 // batch_axes * model.seq_len
+  per_token = 2 * model.hidden_dim + model.moe.num_experts_per_token
+  assert growth == own_tokens * per_token * model.num_layers
 
 
 @pytest.mark.parametrize("tensor_axis", [None, "model", "expert"])
@@ -218,11 +244,11 @@ def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
   """The layer constrains each expert stack by its logical axes; mapped onto the mesh they must
   give the parameter's own layout, or every layer would move whole stacks between devices.
   (mixtral_8x7b.py maps "mlp" onto the expert axis too: the stack's first dimension has it.)"""
-  from levanter_flax.models import mixtral
+  from levanter_flax.models import mixtral, moe
   config = sharding_config(rules=mixtral.PARTITION_RULES, expert_axis="expert",
                            tensor_axis=tensor_axis)
   partitioner = Partitioner(make_mesh((("data", 1), ("expert", 4), ("model", 2))), config)
-  for name, axes in mixtral.EXPERT_AXES.items():
+  for name, axes in moe.EXPERT_AXES.items():
     in_layer = flax.linen.logical_to_mesh_axes(axes, tuple(partitioner.logical_axes.items()))
     spec = partitioner.rule_spec(f"layers_0/mlp/experts/{name}", (8, 64, 96))
     assert tuple(in_layer) == spec, (name, tensor_axis)

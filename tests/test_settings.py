@@ -79,7 +79,7 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   assert set(settings.keys_of_kind(STATE, "gpt2")) == common | {"model.seq_len"}
   llama_state = common | {"model.num_kv_heads", "model.intermediate_dim", "model.qkv_bias"}
   assert set(settings.keys_of_kind(STATE, "llama")) == llama_state
-  assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.num_experts"}
+  assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.moe.num_experts"}
   assert set(settings.keys_of_kind(STATE, "qwen3")) == llama_state | {"model.head_dim"}
   assert set(settings.keys_of_kind(STATE, "olmo2")) == llama_state
   assert set(settings.keys_of_kind(STATE, "gemma3")) == llama_state | {"model.head_dim"}

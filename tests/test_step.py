@@ -16,6 +16,7 @@ from levanter_flax.parallel import partitioning
 from levanter_flax.training import step
 from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.models.moe import MoeConfig
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 
@@ -180,7 +181,7 @@ FLOPS_CONFIGS = {
     # XLA's CPU backend multiplies each row by every expert's weights (a masked grouped matmul),
     # so it would count num_experts times the work: one expert here, where that is the work;
     # test_mfu_counts_only_the_routed_experts covers routing.
-    "mixtral": tiny("mixtral", num_experts=1, num_experts_per_token=1, **FLOPS_SIZES),
+    "mixtral": tiny("mixtral", moe=MoeConfig(num_experts=1, num_experts_per_token=1), **FLOPS_SIZES),
     "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
     "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),
 }
@@ -222,12 +223,12 @@ def test_dpo_flops_count_the_reference_forward_as_xla_does():
 
 
 def test_mfu_counts_only_the_routed_experts():
-  dense = tiny("mixtral", num_experts=8, num_experts_per_token=8)
+  dense = tiny("mixtral", moe=MoeConfig(num_experts=8, num_experts_per_token=8))
   params = jax.eval_shape(lambda: models.init_params(dense, jax.random.key(0)))
   experts = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
                 if "experts" in jax.tree_util.keystr(path))
   assert experts == 3 * 8 * 3 * 64 * 96  # Layers x experts x (gate, up, down) x hidden x mlp.
-  top2 = dataclasses.replace(dense, num_experts_per_token=2)
+  top2 = dataclasses.replace(dense, moe=MoeConfig(num_experts=8, num_experts_per_token=2))
   skipped = models.flops_per_token(dense, params) - models.flops_per_token(top2, params)
   assert skipped == pytest.approx(6 * experts * 6 / 8)
 

@@ -87,11 +87,9 @@ def model_config(architecture: str, **values) -> ml_collections.ConfigDict:
   if architecture not in models.FAMILIES:
     raise UserError(f"unknown model architecture {architecture!r}; known: "
                     f"{', '.join(models.FAMILIES)}")
-  compute = dict(values.pop("compute", {}))
-  for key in [k for k in values if f"model.{k}" in ALIASES]:  # Before model.compute existed.
-    modern_key(f"model.{key}", f"model_config({key}=...)")
-    compute[key] = values.pop(key)
-  values["compute"] = compute
+  for key in [k for k in values if f"model.{k}" in ALIASES]:  # Now in a nested section.
+    _, section, name = modern_key(f"model.{key}", f"model_config({key}=...)").split(".")
+    values[section] = {**values.get(section, {}), name: values.pop(key)}
   return _section_config(models.FAMILIES[architecture].config,
                          dict(values, architecture=architecture), f"model_config({architecture!r})")
 
@@ -296,6 +294,8 @@ ALIASES = {
     **{f"model.{k}": f"model.compute.{k}" for k in (
         "remat", "dtype", "param_dtype", "attention_impl", "scan_layers",
         "cross_entropy_block_size")},
+    **{f"model.{k}": f"model.moe.{k}" for k in (
+        "num_experts", "num_experts_per_token", "router_aux_loss_coef")},
     "trainer.checkpoint_every_steps": "checkpoint.every_steps",
     "trainer.keep_checkpoints": "checkpoint.keep",
     "trainer.checkpoint_every_minutes": "checkpoint.every_minutes",

@@ -15,8 +15,9 @@ from levanter_flax.config import choose_variant, mesh, model_like, sibling_confi
 
 def nano():
   config = sibling_config(__file__, "llama.py", "nano")
-  config.model = model_like(config.model, "mixtral", intermediate_dim=96, num_experts=8,
-                            num_experts_per_token=2, router_aux_loss_coef=0.02)
+  config.model = model_like(config.model, "mixtral", intermediate_dim=96,
+                            moe=dict(num_experts=8, num_experts_per_token=2,
+                                     router_aux_loss_coef=0.02))
   # The experts are split over "expert" (1 on one device: --config.trainer.device_mesh.expert=4
   # on 8 devices gives 2 per device).
   config.trainer.device_mesh = mesh(data=-1, expert=1)
@@ -27,8 +28,8 @@ def nano():
 
 def mixtral_8x7b():
   config = sibling_config(__file__, "mistral.py", "7b")
-  config.model = model_like(config.model, "mixtral", seq_len=4096, num_experts=8,
-                            num_experts_per_token=2)
+  config.model = model_like(config.model, "mixtral", seq_len=4096,
+                            moe=dict(num_experts=8, num_experts_per_token=2))
   # Each device of an 8-wide expert group holds one expert, and the attention is split 8 ways
   # over the same devices: the batch goes over "data".
   config.trainer.device_mesh = mesh(data=-1, expert=8)

@@ -163,7 +163,7 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
                                                      static_argnums=static)
   if cfg.compute.scan_layers:
-    scanned = dict(variable_axes={"params": 0, "cache": 0, "losses": 0},
+    scanned = dict(variable_axes={"params": 0, "cache": 0, "losses": 0, "router": 0},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
                    length=cfg.num_layers)
     if per_layer is None:

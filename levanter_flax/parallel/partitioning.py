@@ -282,6 +282,10 @@ class Partitioner:
   def _axis_size(self, entry: AxisNames) -> int:
     return math.prod(self.mesh.shape[a] for a in _axes_of(entry))
 
+  def logical_axis_size(self, name: str) -> int:
+    """How many ways the mesh splits logical axis `name` (1: not at all)."""
+    return self._axis_size(self.logical_axes.get(name))
+
   def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
     """The first matching rule's spec, on the mesh. A spec shorter than the array names its
     trailing dimensions; the leading ones (the layer axis of scanned blocks) are not split."""

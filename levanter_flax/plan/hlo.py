@@ -1,10 +1,12 @@
 """Collective bytes per step, read from a compiled program's HLO text: each collective's result
-counted as often as its computation runs (a scanned layer stack's loop body, once per layer)."""
+counted as often as its computation runs (a scanned layer stack's loop body, once per layer).
+A ragged all-to-all counts what it sends, its operand, not the output buffer it may fill."""
 import math
 import re
 from typing import Optional
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
 
 
 _SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f16|bf16|f32|f64|f8e4m3fn|"
@@ -12,7 +14,8 @@ _SHAPE = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f16|bf16|f32|f
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "s16": 16,
          "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
          "f64": 64}
-_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(%?([^\s,)]*)")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*?)\s[\w.-]+\(")
 # What a multi-slice program sends over the data-center network: host transfers that the
 # megascale runtime carries, one per collective's share that leaves the slice.
 _DCN_SEND = re.compile(r"=\s*\((.*?)\)\s+send\(.*_xla_megascale_transfer_type=\"?([A-Z_]+)")
@@ -54,6 +57,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   found: dict[str, tuple[str, int, int]] = {}  # channel (or line) -> (key, bytes, runs).
   computations, entry = _computations(hlo_text)
   for name, runs in _runs(computations, entry).items():
+    types = dict(m.groups() for m in map(_DEFINITION.match, computations[name]) if m)
     for index, line in enumerate(computations[name]):
       op, send = _OP.search(line), _DCN_SEND.search(line)
       if op:
@@ -62,6 +66,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         # An async start's result is (operands, outputs, ...); all-reduce-start's, the outputs.
         if op.group(3) and key != "all-reduce" and len(elements) > 1:
           result = elements[1]
+        if key == "ragged-all-to-all":
+          result = types.get(op.group(4), result)
       elif send:  # (payload, u32[], token[]).
         key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
         result = _tuple_elements(f"({send.group(1)})")[0]

@@ -15,7 +15,7 @@ from levanter_flax.objectives import dpo
 from levanter_flax import models
 from levanter_flax.optim import optimizers, spikes
 from levanter_flax.parallel import partitioning
-from levanter_flax.models import common, lora
+from levanter_flax.models import common, lora, moe
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
   from levanter_flax.config import settings
@@ -151,8 +151,8 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
               preference: Preference | None = None) -> tuple[jax.Array, Metrics]:
   """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
   loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
-  over the layers that sow it. The training loss adds each part times the model config's
-  `<name>_coef` (router_aux_loss_coef) to the cross-entropy.
+  over the layers that sow it, and the router's metrics (moe.py: "router/..."). The training
+  loss adds each auxiliary loss times its weight (moe.loss_coefficients) to the cross-entropy.
 
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
   attention within it, positions from 0. rngs: the model's ("dropout": LoRA's in training).
@@ -168,12 +168,13 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   and the parts add the dpo/ metrics, means over the rows too.
   """
   losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
-  auxiliary = _sown_losses(sown)
+  auxiliary = {**_sown_losses(sown), **_router_metrics(sown)}
+  coefficients = moe.loss_coefficients(model.config)
   if preference is not None:
     pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
     parts = {name: value.mean() for name, value in pairs.items()}
-    total = parts["loss"] + sum(getattr(model.config, f"{name}_coef") * value
-                                for name, value in auxiliary.items())
+    total = parts["loss"] + sum(coefficients[name] * value for name, value in auxiliary.items()
+                                if name in coefficients)
     return total, {**parts, **auxiliary}
   if loss_weights is None:
     loss = losses.mean()
@@ -182,8 +183,8 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
       weight_total = total_weight(loss_weights)
     loss = (losses * loss_weights[:, 1:]).sum() / weight_total
     auxiliary = {name: value * auxiliary_share for name, value in auxiliary.items()}
-  total = loss + sum(getattr(model.config, f"{name}_coef") * value
-                     for name, value in auxiliary.items())
+  total = loss + sum(coefficients[name] * value for name, value in auxiliary.items()
+                     if name in coefficients)
   return total, {"loss": loss, **auxiliary}
 
 
@@ -203,7 +204,7 @@ def _token_losses(model: nn.Module, params, tokens: jax.Array,
   block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
-                            mutable=["losses"], rngs=rngs)
+                            mutable=["losses", "router"], rngs=rngs)
   if block_size:
     hidden, sown = apply(return_hidden=True)
     return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
@@ -220,6 +221,30 @@ def _sown_losses(sown) -> Metrics:
     name = next(key.key for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
     values[name].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
   return {name: jnp.concatenate(parts).mean() for name, parts in values.items()}
+
+
+def _router_metrics(sown) -> Metrics:
+  """A mixture's router metrics: router/layer_<i>/load_max_over_mean for each layer, and
+  router/entropy and router/dropped_fraction averaged over layers."""
+  router = sown.get("router", {})
+  if not router:
+    return {}
+  per_layer = collections.defaultdict(list)
+  for path, value in sorted(jax.tree_util.tree_leaves_with_path(router),
+                            key=lambda leaf: _layer_index(leaf[0])):
+    per_layer[path[-2].key].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
+  per_layer = {name: jnp.concatenate(parts) for name, parts in per_layer.items()}
+  return {**{f"router/layer_{i}/load_max_over_mean": load
+             for i, load in enumerate(per_layer["load_max_over_mean"])},
+          "router/entropy": per_layer["entropy"].mean(),
+          "router/dropped_fraction": per_layer["dropped_fraction"].mean()}
+
+
+def _layer_index(path) -> int:
+  """An unrolled layer's index from its name (layers_12), 0 for a scanned stack."""
+  name = next((key.key for key in path if isinstance(key, jax.tree_util.DictKey)
+               and key.key.rsplit("_", 1)[-1].isdigit()), "_0")
+  return int(name.rsplit("_", 1)[-1])
 
 
 def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
@@ -468,6 +493,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
   """
+  if hasattr(run.model, "moe"):
+    moe.check_expert_axis(run.model.moe, partitioner.logical_axis_size("experts"))
   platform = partitioner.mesh.devices.flat[0].platform
   attention = common.attention_implementation(run.model, platform)
   common.check_attention_platform(attention, platform)
