@@ -12,8 +12,9 @@ from levanter_flax import models
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
+from levanter_flax.parallel.partitioning import Partitioner, make_mesh
 from test_main import assert_one_line_error, run_main
-from test_partitioning import tiny
+from test_partitioning import sharding_config, tiny
 
 EXPERTS = 4
 
@@ -130,3 +131,26 @@ def test_an_expert_count_the_expert_axis_does_not_divide_is_one_line(data_cache,
                     "--config.trainer.device_mesh.expert=4", "--config.model.moe.num_experts=6",
                     f"--config.data.cache_dir={data_cache}", "--config.data.reader_groups=1")
   assert_one_line_error(result, "config.model.moe.num_experts (6)", "expert axis's size (4")
+
+
+@pytest.mark.parametrize("capacity_factor", ["dropless", 1.0])
+def test_expert_parallel_capacity_drops_per_device_as_each_devices_tokens_alone(capacity_factor):
+  """Over expert=8, one sequence a device, with a skewed router: each device keeps (or drops)
+  what the layer on one device keeps of that sequence alone, the exchange's buffers bounded by
+  capacity; the dropped count is the devices' sum."""
+  cfg = tiny("mixtral", moe=MoeConfig(capacity_factor=capacity_factor))
+  x = jax.random.normal(jax.random.key(1), (8, cfg.seq_len, cfg.hidden_dim))
+  block = moe.MoeBlock(cfg)
+  params = block.init(jax.random.key(0), x[:1])["params"]
+  params["gate"]["kernel"] = params["gate"]["kernel"].at[:, 0].add(0.05 * jnp.sign(x[0, 0]))
+  apply = jax.jit(lambda p, x: block.apply({"params": p}, x, mutable=["router"]))
+  alone = [apply(params, x[i:i + 1]) for i in range(8)]
+  partitioner = Partitioner(make_mesh((("expert", 8),)), sharding_config(
+      rules=models.FAMILIES["mixtral"].partition_rules, expert_axis="expert",
+      activation_axis="expert"))
+  with partitioner.activation_context():
+    outputs, sown = apply(params, x)
+  np.testing.assert_allclose(outputs, np.concatenate([o for o, _ in alone]), atol=1e-6)
+  dropped = sum(float(s["router"]["dropped_fraction"][0]) for _, s in alone) / 8
+  assert float(sown["router"]["dropped_fraction"][0]) == pytest.approx(dropped)
+  assert (dropped > 0) == (capacity_factor != "dropless")
