@@ -61,10 +61,12 @@ def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slic
       "  %c = (f32[192]{0}, f32[6]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%p), "
       "channel_id=3",
       "  %d = bf16[64]{0} reduce-scatter(%z), channel_id=4, dimensions={0}",
-      # What it sends, its operand (%rows: 16 x 8 bf16), not the 64-row buffer it fills.
+      # The smaller of its operand (%rows: 16 x 8 bf16) and its buffer (64 rows); and back.
       "  %rows = bf16[16,8]{1,0:T(8,128)(2,1)} copy-done(%rows-start)",
       "  %r = bf16[64,8]{1,0} ragged-all-to-all(%rows, %buffer, %o, %s, /*index=5*/%p, %q), "
       "channel_id=6",
+      "  %back = bf16[16,8]{1,0} ragged-all-to-all(%r, %rows, %o, %s, /*index=5*/%p, %q), "
+      "channel_id=8",
       "  %send = (f32[192,32]{0,1:T(8,128)}, u32[], token[]) send(%p, %t), channel_id=5, "
       "is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type=\"ALL_REDUCE\"}",
       "  %k = f32[4]{0} custom-call(%q), custom_call_target=\"tpu_custom_call\", backend_config={",
@@ -75,7 +77,7 @@ def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slic
       "}"])
   assert hlo.collective_bytes(text) == {
       "all-reduce": 60, "all-gather": (12 + 8) * 2 + 3 * 128, "collective-permute": 24,
-      "reduce-scatter": 128, "all-to-all": 0, "ragged-all-to-all": 16 * 8 * 2,
+      "reduce-scatter": 128, "all-to-all": 0, "ragged-all-to-all": 2 * 16 * 8 * 2,
       "all-reduce across slices": 192 * 32 * 4}
 
 

@@ -154,3 +154,4 @@ def test_expert_parallel_capacity_drops_per_device_as_each_devices_tokens_alone(
   dropped = sum(float(s["router"]["dropped_fraction"][0]) for _, s in alone) / 8
   assert float(sown["router"]["dropped_fraction"][0]) == pytest.approx(dropped)
   assert (dropped > 0) == (capacity_factor != "dropless")
+

@@ -4,8 +4,10 @@
 nano: a tiny byte-level Mixtral, each expert a quarter of llama.py:nano's MLP: llama.py:nano's
     run, with expert parallelism when there are devices for it:
     python -m levanter_flax.main --config=configs/mixtral.py:nano
-8x7b: Mixtral 8x7B's shape (8 experts of Mistral 7B's MLP: 47B parameters, 13B active) with
-    expert parallelism and ZeRO-3: mistral.py:7b's fine-tuning run with the family swapped
+8x7b: Mixtral 8x7B's shape (8 experts of Mistral 7B's MLP: 47B parameters, 13B active) at
+    4096 tokens, one sequence a chip on v5p-128: the batch over every device, each pair of
+    devices splitting the experts (4 each, tokens sent to them by all-to-all) and ZeRO-3 over
+    all of them: mistral.py:7b's fine-tuning run with the family swapped
     (--config.trainer.init_from_hf=/models/Mixtral-8x7B-v0.1).
 
 configs/mixtral_<variant>.py name the same configs.
@@ -30,11 +32,14 @@ def mixtral_8x7b():
   config = sibling_config(__file__, "mistral.py", "7b")
   config.model = model_like(config.model, "mixtral", seq_len=4096,
                             moe=dict(num_experts=8, num_experts_per_token=2))
-  # Each device of an 8-wide expert group holds one expert, and the attention is split 8 ways
-  # over the same devices: the batch goes over "data".
-  config.trainer.device_mesh = mesh(data=-1, expert=8)
-  config.sharding.tensor_axis = "expert"
+  # Expert parallelism 2 ways: the experts' gathers (ZeRO-3) halve, while each device's
+  # dropless inbox holds 2x its tokens' copies; 4 or 8 ways need more memory (Performance Guide).
+  config.trainer.device_mesh = mesh(data=-1, expert=2)
+  config.sharding.activation_axis = "data,expert"
+  config.sharding.tensor_axis = ""
   config.sharding.expert_axis = "expert"
+  config.sharding.parameter_axis = "data,expert"  # ZeRO-3 over every device.
+  config.sharding.optimizer_axis = "data,expert"
   return config
 
 

@@ -8,19 +8,23 @@ Routing is data-parallel, as any layer: the router (`mlp/gate`, no bias) scores 
 which goes to its num_experts_per_token best experts, weighted by their probabilities
 (renormalised over those chosen with normalize_top_k, as Mixtral always does).
 
-The experts run inside `jax.shard_map` over the mesh in context, on each device's own tokens:
-1. Its tokens flattened to [T, hidden], their T x k copies sorted by expert (`_sort_copies`).
-   With a capacity factor, an expert keeps at most ceil(factor x T x k / experts) of a
-   device's copies and the rest are dropped: they add nothing, and are counted.
+The experts run inside `jax.shard_map` over the mesh in context, on each device's own tokens
+(`_layout` says which axes split what):
+1. Its tokens flattened to [T, hidden], their T x k copies sorted by expert
+   (`_copies_through_experts`). With a capacity factor, an expert keeps at most
+   ceil(factor x T x k / experts) of a device's copies and the rest are dropped: they add
+   nothing, and are counted.
 2. With experts split over an expert axis, each device sends each copy to its expert's device
    and gets the results back: `jax.lax.ragged_all_to_all`, whose bytes grow with
-   tokens x k x hidden, whatever the expert count (`_exchange`). Where the tokens are not
-   split over the expert axis (the batch on "data" only), each device of the axis takes its
-   share of them first and the results are gathered back after.
+   tokens x k x hidden, whatever the expert count (`_exchange`). Tokens that the expert axis
+   does not split (the batch on "data" only) are split over it on the way in, and gathered
+   back on the way out.
 3. Each device multiplies its experts' contiguous groups in one grouped matmul
-   (`jax.lax.ragged_dot`, no batch dimension): the work of the routed copies only. With the
-   expert MLP's width split over a tensor axis, the partial outputs are summed over it.
-4. The copies go back in order and are summed with their weights.
+   (`jax.lax.ragged_dot`, no batch dimension; or Pallas megablox `gmm`). Under ZeRO-3 the
+   weights come in split along their width too and are gathered there, in the compute dtype,
+   so that their gradients leave reduce-scattered. With the width split over a tensor axis,
+   the partial outputs are summed over it.
+4. Each copy's output, weighted, is added to its token's row.
 
 Dropless by default: every token reaches its experts whatever the load, so training computes
 the function transformers (and inference) do. XLA:CPU has no ragged all-to-all; there the
@@ -201,10 +205,8 @@ class Experts(nn.Module):
     init = nn.initializers.normal(cfg.initializer_range)
     wide = (cfg.moe.num_experts, cfg.hidden_dim, cfg.intermediate_dim)
     shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
-    # Each weight as its rule lays it out, less any ZeRO-3 split, which is gathered here, in
-    # the compute dtype.
-    stacks = [constrain(self.param(name, init, shape, cfg.compute.param_dtype
-                                   ).astype(cfg.compute.dtype), *EXPERT_AXES[name])
+    # In the compute dtype: any ZeRO-3 split is gathered in it (routed_experts).
+    stacks = [self.param(name, init, shape, cfg.compute.param_dtype).astype(cfg.compute.dtype)
               for name, shape in shapes.items()]
     return routed_experts(cfg.moe, x, experts, weights, *stacks)
 
@@ -216,6 +218,7 @@ class _Layout:
   token_axes: tuple[str, ...] = ()
   expert_axes: tuple[str, ...] = ()
   width_axes: tuple[str, ...] = ()
+  zero3_axes: tuple[str, ...] = ()  # Also split the width of the weights as they come in.
   sizes: tuple[tuple[str, int], ...] = ()
 
   def size(self, axes: tuple[str, ...]) -> int:
@@ -238,38 +241,51 @@ def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: ja
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not nn.get_logical_axis_rules():
     return _on_device(cfg, _Layout(), x, experts, weights, gate, up, down)
-  sizes = dict(mesh.shape)
-  # Axes of one device split nothing; a dimension its axes do not divide (init's batch of one)
-  # stays whole on each device.
-  split = lambda entry: tuple(a for a in _axes(entry) if sizes[a] > 1) or None
-  token_spec = [entry if dim % math.prod(sizes[a] for a in _axes(entry)) == 0 else None
-                for entry, dim in zip(map(split, nn.logical_to_mesh_axes(
-                    ("batch", "length", "embed"))), x.shape)]
-  stack_specs = [tuple(map(split, nn.logical_to_mesh_axes(EXPERT_AXES[name])))
-                 for name in ("gate_proj", "up_proj", "down_proj")]
-  expert_axes = _axes(stack_specs[0][0])
-  # Tokens not split over the expert axis are, on the way in: each device of it sends its
-  # share, and the outputs are gathered back on the way out. The batch takes the split if it
-  # divides, else the sequence; else each device takes its share inside (_on_device).
-  unsplit = tuple(a for a in expert_axes if a not in _axes(token_spec[0]) + _axes(token_spec[1]))
-  for dim in (0, 1):
-    if unsplit and x.shape[dim] % math.prod(sizes[a] for a in _axes(token_spec[dim]) + unsplit) == 0:
-      token_spec[dim], unsplit = _axes(token_spec[dim]) + unsplit, ()
-  layout = _Layout(token_axes=_axes(token_spec[0]) + _axes(token_spec[1]),
-                   expert_axes=expert_axes, width_axes=_axes(stack_specs[0][2]),
-                   sizes=tuple(sizes.items()))
-  if set(layout.width_axes) & set(layout.token_axes):
-    raise UserError(f"the experts' width (logical axis mlp: mesh axes {layout.width_axes}) and "
-                    f"the tokens (mesh axes {layout.token_axes}) share a mesh axis; give "
-                    f"sharding.tensor_axis an axis that does not split the batch")
+  layout, token_spec, stack_specs = _layout(dict(mesh.shape), x.shape, gate.shape[2])
   routing_spec = P(*token_spec[:2], None)
   # Megablox declares its outputs without the mesh axes they vary over, which only an
   # unchecked shard_map accepts.
   on_device = jax.shard_map(
       lambda *args: _on_device(cfg, layout, *args), out_specs=(P(*token_spec), P()),
       check_vma=cfg.grouped_matmul != "gmm",
-      in_specs=(P(*token_spec), routing_spec, routing_spec, *map(P, *zip(*stack_specs))))
+      in_specs=(P(*token_spec), routing_spec, routing_spec, *stack_specs))
   return on_device(x, experts, weights, gate, up, down)
+
+
+def _layout(sizes: dict[str, int], shape: tuple[int, ...], width: int):
+  """(_Layout, the tokens' spec, each expert stack's spec) inside the shard_map, from the
+  logical axis rules in context. Axes of one device split nothing."""
+  split = lambda entry: tuple(a for a in _axes(entry) if sizes[a] > 1)
+  size = lambda axes: math.prod(sizes[a] for a in axes)
+  # A dimension its axes do not divide (init's batch of one) stays whole on each device.
+  token_spec = [axes if dim % size(axes) == 0 else () for axes, dim in zip(
+      map(split, nn.logical_to_mesh_axes(("batch", "length", "embed"))), shape)]
+  expert_axes, embed_axes, width_axes = map(split,
+                                            nn.logical_to_mesh_axes(EXPERT_AXES["gate_proj"]))
+  # Tokens the expert axis does not split are split over it on the way in: the batch if it
+  # divides, else the sequence; else each device takes its share inside (_on_device).
+  unsplit = tuple(a for a in expert_axes if a not in token_spec[0] + token_spec[1])
+  for dim in (0, 1):
+    if unsplit and shape[dim] % size(token_spec[dim] + unsplit) == 0:
+      token_spec[dim], unsplit = token_spec[dim] + unsplit, ()
+  token_axes = token_spec[0] + token_spec[1]
+  if set(width_axes) & set(token_axes):
+    raise UserError(f"the experts' width (logical axis mlp: mesh axes {width_axes}) and the "
+                    f"tokens (mesh axes {token_axes}) share a mesh axis; give "
+                    f"sharding.tensor_axis an axis that does not split the batch")
+  # ZeRO-3's axes, over which the layer gathers the weights along their width: only those
+  # that split the tokens, where each device's gradient differs and the gather's transpose
+  # sums them.
+  zero3_axes = tuple(a for a in split(nn.logical_to_mesh_axes(("zero3",))[0])
+                     if a in token_axes and a not in expert_axes + width_axes)
+  if width % size(width_axes + zero3_axes):
+    zero3_axes = ()
+  placed = {"experts": expert_axes, "embed": embed_axes, "mlp": width_axes + zero3_axes}
+  stack_specs = [P(*(placed[axis] or None for axis in EXPERT_AXES[name]))
+                 for name in ("gate_proj", "up_proj", "down_proj")]
+  layout = _Layout(token_axes=token_axes, expert_axes=expert_axes, width_axes=width_axes,
+                   zero3_axes=zero3_axes, sizes=tuple(sizes.items()))
+  return layout, [axes or None for axes in token_spec], stack_specs
 
 
 def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, down):
@@ -288,6 +304,10 @@ def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, d
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_share)
     x, weights = take(pad(x, 0)), take(pad(weights, 0))
     experts = take(pad(experts, cfg.num_experts))  # Padding goes to no expert.
+  if layout.zero3_axes:
+    gather = lambda w, name: jax.lax.all_gather(w, layout.zero3_axes, tiled=True,
+                                                axis=EXPERT_AXES[name].index("mlp"))
+    gate, up, down = gather(gate, "gate_proj"), gather(up, "up_proj"), gather(down, "down_proj")
   outputs, dropped = _copies_through_experts(cfg, layout, x, experts, weights, gate, up, down)
   if shares > 1:
     outputs = jax.lax.all_gather(outputs, share_axes, tiled=True, to="invarying")[:total]
@@ -309,8 +329,9 @@ def _copies_through_experts(cfg: MoeConfig, layout: _Layout, x, experts, weights
     outputs = _exchange(cfg, layout, rows, counts, gate, up, down, _inbox_rows(cfg, layout, rows))
   else:
     outputs = _grouped_mlp(cfg, layout, rows, counts, gate, up, down)
-  outputs = outputs[jnp.argsort(order)].reshape(*experts.shape, -1)
-  return jnp.einsum("tkd,tk->td", outputs, weights), dropped
+  # Each sorted copy, weighted, added to its token's row: no unsorted copy of the outputs.
+  weighted = outputs * weights.reshape(-1)[order][:, None]
+  return jnp.zeros_like(x).at[order // k].add(weighted), dropped
 
 
 def _kept_copies(cfg: MoeConfig, copies: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -349,12 +370,14 @@ def _grouped_mlp(cfg: MoeConfig, layout: _Layout, rows, group_sizes, gate, up, d
     matmul = lambda a, w: megablox.gmm(a, w, group_sizes, a.dtype, (GMM_ROW_TILE, 128, 128),
                                        None, None, False, interpret)
     padded = jnp.where(grouped, jnp.pad(rows, ((0, grouped.size - rows.shape[0]), (0, 0))), 0)
-    outputs = jnp.where(grouped, matmul(nn.silu(matmul(padded, gate)) * matmul(padded, up), down),
-                        0)[:rows.shape[0]]
+    outputs = jnp.where(grouped, _swiglu(matmul, padded, gate, up, down), 0)[:rows.shape[0]]
   else:
-    matmul = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
-    outputs = matmul(nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
+    outputs = _swiglu(lambda a, w: jax.lax.ragged_dot(a, w, group_sizes), rows, gate, up, down)
   return jax.lax.psum(outputs, layout.width_axes) if layout.width_axes else outputs
+
+
+def _swiglu(matmul, rows, gate, up, down):
+  return matmul(nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
 
 
 def _exclusive_cumsum(a: jax.Array, axis: int = 0) -> jax.Array:
@@ -380,7 +403,7 @@ def _exchange(cfg: MoeConfig, layout: _Layout, rows, counts, gate, up, down, inb
   expert = jnp.where(segment < mine.size, segment % local_experts, local_experts)
   regroup = jnp.argsort(expert, stable=True)
   outputs = _grouped_mlp(cfg, layout, inbox[regroup], mine.sum(0), gate, up, down)
-  outputs = outputs[jnp.argsort(regroup)]
+  outputs = jnp.zeros_like(outputs).at[regroup].set(outputs)  # Back in the inbox's order.
   return _ragged_all_to_all(outputs, jnp.zeros_like(rows), inbox_offsets, received,
                             _exclusive_cumsum(pair, axis=1)[:, me], sent, axes)
 

@@ -118,11 +118,12 @@ def role_presets(config: ShardingConfig) -> dict[str, AxisNames]:
 
   "experts" first: flax gives a mesh axis to the logical axes in this order, and an expert
   stack's first dimension has the expert axis when "mlp" maps there too (_spec_on_mesh).
+  "zero3" is where ZeRO-3 splits the parameters, for a layer that gathers its own (moe.py).
   """
   tensor = config.tensor_axis
   return {"experts": config.expert_axis, "batch": config.activation_axis, "length": None,
           "embed": None, "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor,
-          "layers": None}
+          "layers": None, "zero3": config.parameter_axis}
 
 
 def split_cpu(num_devices: int) -> None:

@@ -1,6 +1,8 @@
 """Collective bytes per step, read from a compiled program's HLO text: each collective's result
 counted as often as its computation runs (a scanned layer stack's loop body, once per layer).
-A ragged all-to-all counts what it sends, its operand, not the output buffer it may fill."""
+A ragged all-to-all counts the smaller of its operand and its output buffer: a device sends no
+more than the one and receives no more than the other, and over the devices the two are
+equal, whatever part of the padded buffers the routing fills."""
 import math
 import re
 from typing import Optional
@@ -67,7 +69,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         if op.group(3) and key != "all-reduce" and len(elements) > 1:
           result = elements[1]
         if key == "ragged-all-to-all":
-          result = types.get(op.group(4), result)
+          result = min(result, types.get(op.group(4), result), key=_array_bytes)
       elif send:  # (payload, u32[], token[]).
         key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
         result = _tuple_elements(f"({send.group(1)})")[0]
