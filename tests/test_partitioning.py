@@ -420,12 +420,13 @@ def test_an_untied_gpt2_head_is_split_by_vocabulary_like_the_embedding():
 
 def test_the_default_table_is_what_the_role_keys_gave():
   """Before sharding.logical_axis_rules the role keys were the table; by default they still are,
-  in the same order (flax hands out mesh axes in it), for parameters and activations."""
+  in the same order (flax hands out mesh axes in it), for parameters and activations; "zero3"
+  (last, named by no rule) tells a layer that gathers its own weights where ZeRO-3 put them."""
   partitioner = Partitioner(make_mesh((("data", 4), ("model", 2))),
                             to_run_config(default_config()).sharding)
   table = (("experts", None), ("batch", "data"), ("length", None), ("embed", None),
            ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model"),
-           ("layers", None))
+           ("layers", None), ("zero3", None))
   assert tuple(partitioner.logical_axes.items()) == table
   with partitioner.activation_context():
     assert tuple(flax.linen.get_logical_axis_rules()) == table
