@@ -92,7 +92,8 @@ class MoeConfig:
       "(train/router/dropped_fraction)", FREE, convert=_capacity_factor)
   grouped_matmul: str = setting(
       "auto", "The experts' grouped matmul: ragged_dot (jax.lax.ragged_dot, any device), gmm "
-      "(Pallas megablox, TPU; interpreted elsewhere, slowly), or auto: ragged_dot")
+      "(Pallas megablox, TPU; interpreted elsewhere, slowly), or auto: gmm on a TPU, else "
+      "ragged_dot")
   router_aux_loss_coef: float = setting(0.001, "The load-balancing loss's weight in the "
                                         "training loss (HF's router_aux_loss_coef)")
   router_z_loss_coef: float = setting(0.0, "The router z-loss's weight (ST-MoE: the mean of "
@@ -121,6 +122,15 @@ def moe_section(**defaults) -> Any:
   """The `moe` field of a family with experts, with the family's own defaults."""
   return setting(MoeConfig(**defaults), "The mixture of experts: routing and dispatch",
                  kw_only=True)
+
+
+def grouped_matmul(cfg: MoeConfig) -> str:
+  """cfg.grouped_matmul for the platform in context. On TPU, megablox skips the tiles past the
+  groups (a dropless inbox's padding), and the compiler plans mixtral.py:8x7b in less memory
+  with it (Performance Guide)."""
+  if cfg.grouped_matmul != "auto":
+    return cfg.grouped_matmul
+  return "gmm" if platform_in_context() == "tpu" else "ragged_dot"
 
 
 def loss_coefficients(cfg) -> dict[str, float]:
@@ -247,7 +257,7 @@ def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: ja
   # unchecked shard_map accepts.
   on_device = jax.shard_map(
       lambda *args: _on_device(cfg, layout, *args), out_specs=(P(*token_spec), P()),
-      check_vma=cfg.grouped_matmul != "gmm",
+      check_vma=grouped_matmul(cfg) != "gmm",
       in_specs=(P(*token_spec), routing_spec, routing_spec, *stack_specs))
   return on_device(x, experts, weights, gate, up, down)
 
@@ -361,7 +371,7 @@ def _inbox_rows(cfg: MoeConfig, layout: _Layout, rows: jax.Array) -> int:
 def _grouped_mlp(cfg: MoeConfig, layout: _Layout, rows, group_sizes, gate, up, down):
   """SwiGLU per expert on rows grouped by expert (group_sizes rows each; any rows after them
   give zeros), summed over the axes that split the width."""
-  if cfg.grouped_matmul == "gmm":
+  if grouped_matmul(cfg) == "gmm":
     # gmm leaves the rows after the groups unwritten, forward and back: they are zeroed going
     # in (which zeroes their gradient) and coming out.
     grouped = (jnp.arange(rows.shape[0] - rows.shape[0] % -GMM_ROW_TILE)
