@@ -59,7 +59,6 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   found: dict[str, tuple[str, int, int]] = {}  # channel (or line) -> (key, bytes, runs).
   computations, entry = _computations(hlo_text)
   for name, runs in _runs(computations, entry).items():
-    types = dict(m.groups() for m in map(_DEFINITION.match, computations[name]) if m)
     for index, line in enumerate(computations[name]):
       op, send = _OP.search(line), _DCN_SEND.search(line)
       if op:
@@ -69,7 +68,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         if op.group(3) and key != "all-reduce" and len(elements) > 1:
           result = elements[1]
         if key == "ragged-all-to-all":
-          result = min(result, types.get(op.group(4), result), key=_array_bytes)
+          result = min(result, _defined_type(computations[name], op.group(4)) or result,
+                       key=_array_bytes)
       elif send:  # (payload, u32[], token[]).
         key = f"{_DCN_KINDS.get(send.group(2), send.group(2).lower())} across slices"
         result = _tuple_elements(f"({send.group(1)})")[0]
@@ -83,6 +83,15 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   for key, size, runs in found.values():
     totals[key] = totals.get(key, 0) + size * runs
   return totals
+
+
+def _defined_type(lines: list[str], value: str) -> Optional[str]:
+  """The HLO type of the instruction that defines %value among a computation's lines."""
+  for line in lines:
+    definition = _DEFINITION.match(line)
+    if definition and definition.group(1) == value:
+      return definition.group(2)
+  return None
 
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")

@@ -173,9 +173,7 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   if preference is not None:
     pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
     parts = {name: value.mean() for name, value in pairs.items()}
-    total = parts["loss"] + sum(coefficients[name] * value for name, value in auxiliary.items()
-                                if name in coefficients)
-    return total, {**parts, **auxiliary}
+    return parts["loss"] + _weighted(auxiliary, coefficients), {**parts, **auxiliary}
   if loss_weights is None:
     loss = losses.mean()
   else:
@@ -183,9 +181,13 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
       weight_total = total_weight(loss_weights)
     loss = (losses * loss_weights[:, 1:]).sum() / weight_total
     auxiliary = {name: value * auxiliary_share for name, value in auxiliary.items()}
-  total = loss + sum(coefficients[name] * value for name, value in auxiliary.items()
-                     if name in coefficients)
-  return total, {"loss": loss, **auxiliary}
+  return loss + _weighted(auxiliary, coefficients), {"loss": loss, **auxiliary}
+
+
+def _weighted(auxiliary: Metrics, coefficients: dict[str, float]) -> jax.Array:
+  """The sum of the auxiliary losses times their weights; metrics without one add nothing."""
+  return sum(coefficients[name] * value for name, value in auxiliary.items()
+             if name in coefficients)
 
 
 def _pair_metrics(losses: jax.Array, tokens: jax.Array, codes: jax.Array, eos_id: int | None,
