@@ -18,7 +18,7 @@ EARLIER = ["gpt2:nano", "gpt2:small", "gpt2:small_fast", "gpt2:medium", "llama:n
            "mixtral:8x7b"]
 # Each file of variants' choice when --config names none, as its docstring says.
 DEFAULT_VARIANTS = {"gpt2": "small", "llama": "1b", "qwen2": "0_5b", "mistral": "7b",
-                    "mixtral": "8x7b", "qwen3": "0_6b", "olmo2": "1b", "gemma3": "1b"}
+                    "mixtral": "8x7b", "qwen3": "0_6b", "qwen3_moe": "30b_a3b", "olmo2": "1b", "gemma3": "1b"}
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -81,6 +81,14 @@ def _mixtral(**changes):
       "num_experts_per_tok": 2, **changes})
 
 
+def _qwen3_moe(**changes):  # Qwen3's heads of 12, and experts narrower than the width.
+  return transformers.Qwen3MoeConfig(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 24,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 12,
+      "max_position_embeddings": 16, "rope_theta": 500.0, "rms_norm_eps": 1e-6,
+      "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, **changes})
+
+
 # Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -115,6 +123,10 @@ HF_CONFIGS = {
     "mistral_no_window": lambda: _mistral(sliding_window=None),
     "mixtral": _mixtral,
     "mixtral_top1_of_3": lambda: _mixtral(num_local_experts=3, num_experts_per_tok=1),
+    "qwen3_moe": _qwen3_moe,
+    # transformers' default: the chosen experts' probabilities as they are.
+    "qwen3_moe_unnormalized_top3_of_6": lambda: _qwen3_moe(num_experts=6, num_experts_per_tok=3,
+                                                           norm_topk_prob=False),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 # Every config unrolled, and each family's plain one scanned: the layers stack the same way
@@ -311,6 +323,12 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
     ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
      r"Qwen3 config layer_types=\['full_attention', 'sliding_attention'\] is not supported"),
     ("qwen3", {"attention_bias": True}, r"Qwen3 config attention_bias=True is not supported"),
+    ("qwen3_moe", {"mlp_only_layers": [1]},
+     r"Qwen3-MoE config mlp_only_layers=\[1\] is not supported \(only \[\]\)"),
+    ("qwen3_moe", {"decoder_sparse_step": 2},
+     r"Qwen3-MoE config decoder_sparse_step=2 is not supported \(only 1\)"),
+    ("qwen3_moe", {"use_sliding_window": True}, r"Qwen3-MoE config use_sliding_window=True"),
+    ("qwen3_moe", {"norm_topk_prob": "yes"}, r"norm_topk_prob must be true or false, got 'yes'"),
     ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),
     ("olmo2", {"head_dim": 12}, r"head_dim 12 x 4 heads != hidden_size 32: not supported"),
     ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},

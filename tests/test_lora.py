@@ -5,6 +5,7 @@ import re
 import signal
 import sys
 
+import flax
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -15,7 +16,7 @@ import torch
 import transformers
 
 import forkserver
-from conftest import REPO, train_losses
+from conftest import REPO, load_config_file, train_losses
 from levanter_flax.core import flops
 from levanter_flax.hf import snapshot
 from levanter_flax import models
@@ -159,6 +160,78 @@ def test_adapters_shard_like_their_kernels_axes():
   assert spec("layers_0/self_attn/q_proj/lora_b", (8, 64)) == ("data", "model")
   assert spec("layers_0/mlp/down_proj/lora_a", (128, 8)) == ("model", "data")
   assert spec("layers_0/mlp/down_proj/lora_b", (8, 64)) == (None, "data")
+  # An expert stack's adapters: split by expert as the stack, then like its input or output.
+  partitioner = partitioning.Partitioner(mesh, partitioning.ShardingConfig(
+      rules=models.FAMILIES["qwen3_moe"].partition_rules, expert_axis="data", tensor_axis="model",
+      strict=True))
+  assert spec("layers/mlp/experts/gate_proj_lora_a", (2, 4, 64, 8)) == (None, "data", None, None)
+  assert spec("layers/mlp/experts/gate_proj_lora_b", (2, 4, 8, 64)) == (
+      None, "data", None, "model")
+  assert spec("layers/mlp/experts/down_proj_lora_a", (2, 4, 64, 8)) == (
+      None, "data", "model", None)
+
+
+def _merged_in_numpy(params: dict, scale: float) -> dict:
+  """The plain model's params that compute what a LoRA model's do: each adapted kernel
+  W + A B * scale, and each expert stack likewise expert by expert."""
+  flat = {k: np.asarray(v, np.float64) for k, v in
+          flax.traverse_util.flatten_dict(jax.device_get(params), sep="/").items()}
+  plain = {k: v for k, v in flat.items() if not lora.is_adapter(k)}
+  for key in flat:
+    for a, b, weight in (("/lora_a", "/lora_b", "/kernel"), ("_lora_a", "_lora_b", "")):
+      if key.endswith(a):
+        stem = key[:-len(a)]
+        plain[stem + weight] = plain[stem + weight] + scale * np.einsum(
+            "...ir,...ro->...io", flat[key], flat[stem + b])
+  return flax.traverse_util.unflatten_dict(plain, sep="/")
+
+
+@pytest.mark.slow
+def test_expert_adapters_train_on_a_frozen_hf_base_and_export_merged(data_cache, tmp_path):
+  """Qwen3-MoE's expert stacks take an adapter per expert by default (peft's target_parameters);
+  the base stays the HF checkpoint's, the model computes the plain one on W + A B * alpha / rank,
+  and the merged export gives transformers' logits. A PEFT adapter export and input dropout are
+  refused in one line."""
+  torch.manual_seed(0)
+  hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+      vocab_size=384, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+  with torch.no_grad():  # Decisive routing: a near tie could go either way in float32.
+    for layer in hf.model.layers:
+      layer.mlp.gate.weight.normal_(0, 0.5)
+  hf.save_pretrained(tmp_path / "hf")
+  config = load_config_file("qwen3_moe:nano")
+  config.trainer.init_from_hf = str(tmp_path / "hf")
+  config.model.compute.scan_layers = True
+  config.model.lora.rank, config.model.lora.alpha = 4, 16.0
+  config.trainer.batch_size, config.trainer.num_train_steps = 8, 3
+  config.trainer.eval_tokens, config.data.cache_dir = 512, str(data_cache)
+  config.optimizer.learning_rate, config.optimizer.warmup_steps = 1e-2, 1
+  train_and_evaluate(to_run_config(config), tmp_path / "run")
+
+  model_cfg, params, _ = run_params(tmp_path / "run")
+  base, adapters = lora.split(params)
+  _, loaded = snapshot.load(tmp_path / "hf", scan_layers=True)
+  for ours, theirs in zip(jax.tree.leaves(base), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(np.asarray(ours), theirs)
+  moved = {weight for weight, (_, b) in lora.adapters_of(adapters).items() if np.abs(b).max() > 0}
+  assert {f"layers/mlp/experts/{name}" for name in ("gate_proj", "up_proj", "down_proj")} <= moved
+  ours = _our_logits(model_cfg, params)
+  plain = _our_logits(lora.without_lora(model_cfg), _merged_in_numpy(params, 16.0 / 4))
+  assert np.abs(ours - plain).max() <= 1e-5
+
+  assert_one_error_line(export(tmp_path / "run", tmp_path / "adapter", "--adapter"),
+                        "--adapter: this run trains adapters on expert stacks")
+  result = export(tmp_path / "run", tmp_path / "merged", "--merge_lora")
+  assert result.returncode == 0, result.stderr[-3000:]
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+  assert np.abs(_torch_logits(merged) - ours).max() <= 1e-4
+
+  config.model.lora.dropout = 0.1
+  with pytest.raises(UserError, match=r"config.model.lora.dropout must be 0 when "
+                                      r"config.model.lora.targets takes expert stacks"):
+    train_and_evaluate(to_run_config(config), tmp_path / "dropout")
 
 
 @pytest.mark.slow

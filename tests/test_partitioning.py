@@ -255,6 +255,25 @@ def test_inside_the_expert_layer_each_stack_keeps_its_rule_layout(tensor_axis):
     assert spec[0] == "expert"
 
 
+@pytest.mark.parametrize("hidden, width", [(64, 96), (96, 64)])
+def test_zero3_splits_each_expert_stack_in_the_layer_as_the_partitioner_stores_it(hidden, width):
+  """Mixtral's experts are wider than the model (ZeRO-3 splits their width), Qwen3-MoE's
+  narrower (it splits the model's width). The layer's shard_map must take each stack as it is
+  stored, or each step would move every stack between devices (all-to-alls)."""
+  from levanter_flax.models import moe
+  config = sharding_config(rules=MOE_RULES, expert_axis="expert",
+                           activation_axis=("data", "expert"),
+                           parameter_axis=("data", "expert"))
+  partitioner = Partitioner(make_mesh((("data", 2), ("expert", 4))), config)
+  sizes = {"experts": 8, "embed": hidden, "mlp": width}
+  with partitioner.activation_context():
+    _, _, specs = moe._layout(dict(partitioner.mesh.shape), (8, 16, hidden), sizes)
+  for name, spec in zip(("gate_proj", "up_proj", "down_proj"), specs):
+    shape = tuple(sizes[axis] for axis in moe.EXPERT_AXES[name])
+    stored = partitioner.param_spec(f"layers_0/mlp/experts/{name}", shape)
+    assert tuple(spec) == tuple(stored) and "data" in str(stored), (name, spec, stored)
+
+
 @pytest.mark.slow
 def test_scanned_layers_keep_the_rules_and_the_losses():
   scanned = with_compute(MODEL, scan_layers=True)

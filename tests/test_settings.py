@@ -81,6 +81,8 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   assert set(settings.keys_of_kind(STATE, "llama")) == llama_state
   assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.moe.num_experts"}
   assert set(settings.keys_of_kind(STATE, "qwen3")) == llama_state | {"model.head_dim"}
+  assert set(settings.keys_of_kind(STATE, "qwen3_moe")) == llama_state | {
+      "model.head_dim", "model.moe.num_experts"}
   assert set(settings.keys_of_kind(STATE, "olmo2")) == llama_state
   assert set(settings.keys_of_kind(STATE, "gemma3")) == llama_state | {"model.head_dim"}
   assert {"model.sliding_window", "model.sliding_window_pattern", "model.layer_types",
@@ -106,6 +108,21 @@ def test_a_hugging_face_checkpoint_must_agree_on_state_and_model_settings_only()
   assert snapshot.differences(free, ours) == []
   assert snapshot.differences(dataclasses.replace(ours, rope_theta=1e6), ours) == [
       "model.rope_theta 1000000.0 (checkpoint) != 10000.0 (config)"]
+  # A mixture's routing is the checkpoint's too, its dispatch and losses the run's.
+  from levanter_flax.models.qwen3_moe import Qwen3MoeConfig
+  from levanter_flax.models.moe import MoeConfig
+  mixture = Qwen3MoeConfig(**{f.name: getattr(ours, f.name) for f in dataclasses.fields(ours)
+                              if f.name not in ("architecture", "moe")})
+  assert {"moe.num_experts", "moe.num_experts_per_token", "moe.normalize_top_k"} <= set(
+      snapshot.decided_by_checkpoint(mixture)) and "lora.rank" not in str(
+      snapshot.decided_by_checkpoint(mixture))
+  run_own = dataclasses.replace(mixture, moe=MoeConfig(
+      num_experts=128, num_experts_per_token=8, capacity_factor=1.5, router_aux_loss_coef=0.5))
+  assert snapshot.differences(run_own, mixture) == []
+  assert snapshot.differences(dataclasses.replace(mixture, moe=MoeConfig(
+      num_experts=4, num_experts_per_token=2)), mixture) == [
+          "model.moe.num_experts 4 (checkpoint) != 128 (config)",
+          "model.moe.num_experts_per_token 2 (checkpoint) != 8 (config)"]
 
 
 def test_what_the_start_chooses_is_kept_from_config_json():

@@ -181,7 +181,8 @@ FLOPS_CONFIGS = {
     # XLA's CPU backend multiplies each row by every expert's weights (a masked grouped matmul),
     # so it would count num_experts times the work: one expert here, where that is the work;
     # test_mfu_counts_only_the_routed_experts covers routing.
-    "mixtral": tiny("mixtral", moe=MoeConfig(num_experts=1, num_experts_per_token=1), **FLOPS_SIZES),
+    **{family: tiny(family, moe=MoeConfig(num_experts=1, num_experts_per_token=1), **FLOPS_SIZES)
+       for family in ("mixtral", "qwen3_moe")},
     "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
     "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),
 }

@@ -7,7 +7,7 @@ Config files import the helpers they build on from here (`from levanter_flax.con
 default_config, mesh`), so this package re-exports loading's public names.
 """
 from levanter_flax.config.loading import (
-    mesh, default_config, model_config, llama_model_config, SHIPPED_CONFIGS, shipped_names,
+    mesh, expert_parallel, default_config, model_config, llama_model_config, SHIPPED_CONFIGS, shipped_names,
     find_config_file, load_preset, load_config_file, define_config_flag, call_from_file,
     REPLACED_KEYS, replacement, ALIASES, modern_key, modern_argv, parse_flags,
     run_config_of_flags, to_run_config, flat_dict, model_from_saved, describe_config,
@@ -15,7 +15,7 @@ from levanter_flax.config.loading import (
     model_like, sibling_config, choose_variant, variant_file, run_name)
 
 __all__ = [
-    "mesh", "default_config", "model_config", "llama_model_config", "SHIPPED_CONFIGS",
+    "mesh", "expert_parallel", "default_config", "model_config", "llama_model_config", "SHIPPED_CONFIGS",
     "shipped_names", "find_config_file", "load_preset", "load_config_file",
     "define_config_flag", "call_from_file", "REPLACED_KEYS", "replacement", "ALIASES",
     "modern_key", "modern_argv", "parse_flags", "run_config_of_flags", "to_run_config",

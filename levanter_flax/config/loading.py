@@ -36,6 +36,18 @@ def mesh(**axes: int) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(axes, sort_keys=False)
 
 
+def expert_parallel(config: ml_collections.ConfigDict, expert: int) -> None:
+  """A mixture of experts' pod layout on `config`: the batch over every device, each `expert`
+  devices splitting the experts (tokens sent to them by all-to-all), and ZeRO-3 over all of
+  them; no tensor axis (the Performance Guide's expert parallelism)."""
+  config.trainer.device_mesh = mesh(data=-1, expert=expert)
+  config.sharding.activation_axis = "data,expert"
+  config.sharding.tensor_axis = ""
+  config.sharding.expert_axis = "expert"
+  config.sharding.parameter_axis = "data,expert"
+  config.sharding.optimizer_axis = "data,expert"
+
+
 def _as_config(declared: schema.Declared, value: Any) -> Any:
   """A setting's value as a config file writes it: a mapping as an ordered ConfigDict, a
   setting of several types ("auto" or an int) as a FieldReference that takes either."""
@@ -464,13 +476,13 @@ def _model_of_checkpoint(run: RunConfig, set_on_command_line: Collection[str]) -
                     f"--config={checkpoint.architecture}")
   decided = snapshot.decided_by_checkpoint(checkpoint)
   for name in decided:
-    ours, theirs = getattr(run.model, name), getattr(checkpoint, name)
+    ours, theirs = snapshot.setting_of(run.model, name), snapshot.setting_of(checkpoint, name)
     if f"model.{name}" in set_on_command_line and ours != theirs:
       raise UserError(f"--config.model.{name}={ours!r} disagrees with {file} "
                       f"(config.trainer.init_from_hf), which has {theirs!r}: drop the flag; "
                       f"the checkpoint decides config.model.{name}")
-  return dataclasses.replace(run, model=dataclasses.replace(
-      run.model, **{name: getattr(checkpoint, name) for name in decided}))
+  return dataclasses.replace(run, model=snapshot.with_settings(
+      run.model, {name: snapshot.setting_of(checkpoint, name) for name in decided}))
 
 
 def _check_across_sections(run: RunConfig) -> None:

@@ -12,7 +12,8 @@ nano: a tiny byte-level Mixtral, each expert a quarter of llama.py:nano's MLP: l
 
 configs/mixtral_<variant>.py name the same configs.
 """
-from levanter_flax.config import choose_variant, mesh, model_like, sibling_config
+from levanter_flax.config import (choose_variant, expert_parallel, mesh, model_like,
+                                  sibling_config)
 
 
 def nano():
@@ -34,12 +35,7 @@ def mixtral_8x7b():
                             moe=dict(num_experts=8, num_experts_per_token=2))
   # Expert parallelism 2 ways: the experts' gathers (ZeRO-3) halve, while each device's
   # dropless inbox holds 2x its tokens' copies; 4 or 8 ways need more memory (Performance Guide).
-  config.trainer.device_mesh = mesh(data=-1, expert=2)
-  config.sharding.activation_axis = "data,expert"
-  config.sharding.tensor_axis = ""
-  config.sharding.expert_axis = "expert"
-  config.sharding.parameter_axis = "data,expert"  # ZeRO-3 over every device.
-  config.sharding.optimizer_axis = "data,expert"
+  expert_parallel(config, expert=2)
   return config
 
 

@@ -145,8 +145,11 @@ def write_adapter(model_cfg, params, saved: dict, output_dir: epath.Path, dtype:
     params = models.unstack_layers(model_cfg, params)
   names = models.family(model_cfg).hf.tensor_names(model_cfg)
   tensors, modules = {}, set()
-  for module, (a, b) in lora.adapters_of(params).items():
-    path = names[f"{module}/kernel"][0].removesuffix(".weight")
+  for weight, (a, b) in lora.adapters_of(params).items():
+    if not weight.endswith("/kernel"):
+      raise UserError(f"--adapter: this run trains adapters on expert stacks ({weight}), which "
+                      f"have no PEFT adapter form here; pass --merge_lora for the merged model")
+    path = names[weight][0].removesuffix(".weight")
     for name, matrix in (("lora_A", a), ("lora_B", b)):  # peft's are Linear weights: [out, in].
       tensors[f"base_model.model.{path}.{name}.weight"] = np.ascontiguousarray(
           np.asarray(matrix).astype(snapshot.numpy_dtype(dtype)).T)

@@ -258,20 +258,54 @@ def _get(tree: dict, path: str):
   return tree
 
 
+# The model's sections that are the run's whatever the checkpoint: how it computes (the weights
+# are laid out and cast for it) and its LoRA adapters.
+RUN_SECTIONS = ("compute", "lora")
+
+
 def decided_by_checkpoint(cfg: Any) -> list[str]:
-  """The model settings of cfg's family that an HF checkpoint decides: those that shape the
-  weights or change what they compute (schema.STATE or MODEL). The rest are the run's: the
-  compute section (the weights are laid out and cast for it), LoRA, and seq_len where no
+  """The model settings of cfg's family that an HF checkpoint decides, dotted below
+  config.model (num_layers, moe.num_experts): those that shape the weights or change what they
+  compute (schema.STATE or MODEL). The rest are the run's: RUN_SECTIONS, and seq_len where no
   weight depends on it (RoPE; GPT-2's position table makes it a shape)."""
-  return [f.name for f in dataclasses.fields(cfg)
-          if f.metadata.get("kind") in (schema.STATE, schema.MODEL)]
+  decided = []
+  for field in dataclasses.fields(cfg):
+    if schema.is_section(field):
+      if field.name not in RUN_SECTIONS:
+        decided += [f"{field.name}.{name}"
+                    for name in decided_by_checkpoint(getattr(cfg, field.name))]
+    elif field.metadata.get("kind") in (schema.STATE, schema.MODEL):
+      decided.append(field.name)
+  return decided
+
+
+def setting_of(cfg: Any, name: str) -> Any:
+  """The value of a dotted setting name (decided_by_checkpoint's) in a model config; None where
+  the family has no such setting."""
+  for part in name.split("."):
+    cfg = getattr(cfg, part, None)
+  return cfg
+
+
+def with_settings(cfg: Any, values: dict[str, Any]) -> Any:
+  """cfg with dotted settings (decided_by_checkpoint's) replaced, nested sections alike."""
+  nested: dict[str, dict[str, Any]] = {}
+  top = {}
+  for name, value in values.items():
+    section, _, rest = name.partition(".")
+    if rest:
+      nested.setdefault(section, {})[rest] = value
+    else:
+      top[name] = value
+  top |= {section: with_settings(getattr(cfg, section), inner) for section, inner in nested.items()}
+  return dataclasses.replace(cfg, **top)
 
 
 def differences(hf_cfg: Any, run_cfg: Any) -> list[str]:
   """'model.num_layers 12 (checkpoint) != 24 (config)' for each setting the checkpoint decides
   (decided_by_checkpoint) in either config."""
-  fields = list(dict.fromkeys(name for cfg in (hf_cfg, run_cfg)
-                              for name in decided_by_checkpoint(cfg)))
-  return [f"model.{f} {getattr(hf_cfg, f, None)} (checkpoint) != "
-          f"{getattr(run_cfg, f, None)} (config)" for f in fields
-          if getattr(hf_cfg, f, None) != getattr(run_cfg, f, None)]
+  names = list(dict.fromkeys(name for cfg in (hf_cfg, run_cfg)
+                             for name in decided_by_checkpoint(cfg)))
+  return [f"model.{name} {setting_of(hf_cfg, name)} (checkpoint) != "
+          f"{setting_of(run_cfg, name)} (config)" for name in names
+          if setting_of(hf_cfg, name) != setting_of(run_cfg, name)]

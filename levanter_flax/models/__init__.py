@@ -10,12 +10,12 @@ import numpy as np
 
 from levanter_flax.core import flops
 from levanter_flax.models import (common, gemma3, gpt2, llama, mistral, mixtral, olmo2, qwen2,
-                                  qwen3)
+                                  qwen3, qwen3_moe)
 from levanter_flax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, mixtral.FAMILY,
-                        qwen3.FAMILY, olmo2.FAMILY, gemma3.FAMILY)}
+                        qwen3.FAMILY, qwen3_moe.FAMILY, olmo2.FAMILY, gemma3.FAMILY)}
 
 
 def family(cfg) -> ModelFamily:

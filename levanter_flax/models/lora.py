@@ -4,8 +4,10 @@ A targeted projection computes y = x W + b + dropout(x) A B * (alpha / rank), A 
 drawn as peft draws its lora_A (kaiming-uniform, a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and
 B [rank, out] zero, so a fresh adapter changes nothing. The adapters are the kernel's siblings,
 `<projection>/lora_a` and `<projection>/lora_b`; partitioning.py shards A like the kernel's
-input axis and B like its output axis. The families' projections are all `Dense`; Mixtral's
-expert weights are not, and cannot be targeted.
+input axis and B like its output axis. A mixture's expert stacks ([experts, in, out], no Dense)
+get one adapter per expert, `<stack>_lora_a` [experts, in, rank] and `<stack>_lora_b`
+[experts, rank, out], added to the stack as W + A B * (alpha / rank) before the grouped matmul,
+as peft's target_parameters does: so their input can have no dropout.
 
 The step trains the adapters alone: `split` cuts a model's params into the frozen base and the
 adapters, `merged` joins them again for the forward pass. The base model alone (a reference
@@ -27,9 +29,11 @@ from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 
 ADAPTERS = ("lora_a", "lora_b")
 # The attention and MLP projections of every family: GPT-2's c_attn, c_proj (attention's and
-# the MLP's) and c_fc; the Llama kind's q/k/v/o_proj and gate/up/down_proj.
+# the MLP's) and c_fc; the Llama kind's q/k/v/o_proj and gate/up/down_proj, and a mixture's
+# expert stacks (not its router, mlp/gate).
 DEFAULT_TARGETS = (r"/(attn/(c_attn|c_proj)|mlp/(c_fc|c_proj)|self_attn/(q_proj|k_proj|v_proj|"
-                   r"o_proj)|mlp/(gate_proj|up_proj|down_proj))/kernel$")
+                   r"o_proj)|mlp/(gate_proj|up_proj|down_proj))/kernel$"
+                   r"|/mlp/experts/(gate_proj|up_proj|down_proj)$")
 # An unrolled block's name, h_3, as the scanned model names every block: h.
 _LAYER_INDEX = re.compile(r"^([^/]+)_\d+/")
 
@@ -52,11 +56,12 @@ class LoraConfig:
   alpha: float = setting(8.0, "LoRA: the adapters' output is scaled by alpha / rank (peft's "
                          "lora_alpha)", MODEL)
   dropout: float = setting(0.0, "LoRA: dropout on the adapters' input, in training only "
-                           "(peft's lora_dropout)", FREE)
+                           "(peft's lora_dropout); not with expert stacks targeted", FREE)
   targets: str = setting(
       DEFAULT_TARGETS, "LoRA: a regex searched in each projection kernel's name as the scanned "
-      "model names it (layers/self_attn/q_proj/kernel: every layer alike); the default takes the "
-      "attention and MLP projections of every family", STATE, convert=_targets)
+      "model names it (layers/self_attn/q_proj/kernel: every layer alike; an expert stack: "
+      "layers/mlp/experts/gate_proj); the default takes the attention and MLP projections, "
+      "experts included, of every family", STATE, convert=_targets)
 
   def __post_init__(self):
     if self.rank < 0:
@@ -104,8 +109,30 @@ class Dense(nn.Dense):
     return y + (x @ a @ b) * jnp.asarray(self.lora.scale, y.dtype)
 
 
+def with_stack_adapters(module: nn.Module, lora: LoraConfig, name: str,
+                        stack: jax.Array) -> jax.Array:
+  """An expert stack [experts, in, out], the param `name` of `module`, plus its experts'
+  adapters' A B * alpha / rank when config.model.lora targets it: peft's target_parameters
+  (ParamWrapper), which keeps no dropout for the same reason."""
+  if not targeted(lora, "/".join(module.scope.path + (name,))):
+    return stack
+  if lora.dropout:
+    raise UserError(f"config.model.lora.dropout must be 0 when config.model.lora.targets takes "
+                    f"expert stacks ({name}): their adapters are added to each expert's weights, "
+                    f"whose input dropout cannot reach (as peft's target_parameters); got "
+                    f"{lora.dropout}")
+  experts, fan_in, fan_out = stack.shape
+  # peft's kaiming-uniform per expert: each [in, rank] drawn as a Dense adapter's.
+  a = module.param(f"{name}_lora_a", nn.initializers.variance_scaling(
+      1 / 3, "fan_in", "uniform", batch_axis=(0,)), (experts, fan_in, lora.rank), stack.dtype)
+  b = module.param(f"{name}_lora_b", nn.initializers.zeros, (experts, lora.rank, fan_out),
+                   stack.dtype)
+  return stack + jnp.einsum("eir,ero->eio", a, b) * jnp.asarray(lora.scale, stack.dtype)
+
+
 def is_adapter(path: str) -> bool:
-  return path.rsplit("/", 1)[-1] in ADAPTERS
+  name = path.rsplit("/", 1)[-1]
+  return any(name == adapter or name.endswith("_" + adapter) for adapter in ADAPTERS)
 
 
 def _paths(tree: dict, prefix: str = ""):
@@ -147,7 +174,8 @@ def check_targets(cfg, params: dict) -> None:
   with some of the names it could have matched."""
   if not cfg.lora.rank or any(is_adapter(p) for p, _ in _paths(params)):
     return
-  kernels = [_LAYER_INDEX.sub(r"\1/", p) for p, _ in _paths(params) if p.endswith("/kernel")]
+  kernels = [_LAYER_INDEX.sub(r"\1/", p) for p, _ in _paths(params)
+             if p.endswith("/kernel") or "/experts/" in p]
   names = list(dict.fromkeys(kernels))[:6]
   raise UserError(f"config.model.lora.targets {cfg.lora.targets!r} matches no projection of "
                   f"this {cfg.architecture} model; its projection kernels are named e.g. "
@@ -159,10 +187,9 @@ def merge_into_base(cfg, params: dict) -> tuple[Any, dict]:
   float32: the plain model that computes what the LoRA model does (a scanned stack alike)."""
   base, adapters = split(params)
   flat = dict(_paths(base))
-  for module, (a, b) in adapters_of(adapters).items():
-    kernel = np.asarray(flat[f"{module}/kernel"], np.float32)
+  for weight, (a, b) in adapters_of(adapters).items():  # An expert stack's: a matmul per expert.
     low_rank = np.matmul(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    flat[f"{module}/kernel"] = kernel + low_rank * np.float32(cfg.lora.scale)
+    flat[weight] = np.asarray(flat[weight], np.float32) + low_rank * np.float32(cfg.lora.scale)
   return without_lora(cfg), _tree(flat.items())
 
 
@@ -171,7 +198,12 @@ def without_lora(cfg) -> Any:
 
 
 def adapters_of(params: dict) -> dict[str, tuple[Any, Any]]:
-  """module path (the kernel's name less /kernel) -> (A, B)."""
+  """The adapted weight's path (a kernel's, or an expert stack's) -> (its A, its B)."""
   flat = dict(_paths(params))
-  return {p[:-len("/lora_a")]: (flat[p], flat[p[:-len("/lora_a")] + "/lora_b"])
-          for p in flat if p.endswith("/lora_a")}
+  adapted = {}
+  for path in flat:
+    for separator, weight_of in (("/", lambda stem: f"{stem}/kernel"), ("_", lambda stem: stem)):
+      if path.endswith(separator + "lora_a"):
+        stem = path[:-len(separator + "lora_a")]
+        adapted[weight_of(stem)] = (flat[path], flat[f"{stem}{separator}lora_b"])
+  return adapted

@@ -7,8 +7,6 @@ grouped matmul and the router's losses and metrics.
 """
 import dataclasses
 
-import jax
-
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import overridden
 from levanter_flax.models import hf_keys, llama, mistral, moe
@@ -40,13 +38,6 @@ class MixtralForCausalLM(llama.LlamaForCausalLM):
   decoder_layer = DecoderLayer
 
 
-def inactive_params(cfg: MixtralConfig, params: dict) -> float:
-  """The experts a token is not routed to: (1 - k / num_experts) of the expert weights."""
-  expert_params = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
-                      if "experts" in jax.tree_util.keystr(path))
-  return expert_params * (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts)
-
-
 # Hugging Face's MixtralForCausalLM, as save_pretrained writes it (transformers 4 and 5): each
 # expert's w1 (gate), w3 (up) and w2 (down) Linear apart, under block_sparse_moe.
 
@@ -72,19 +63,14 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
 
 def hf_tensor_names(cfg: MixtralConfig) -> dict:
   """Llama's names, with each MLP's three matrices as the stacks of their experts'."""
-  names = {ours: theirs for ours, theirs in llama.hf_tensor_names(cfg).items()
+  return ({ours: theirs for ours, theirs in llama.hf_tensor_names(cfg).items()
            if "/mlp/" not in ours}
-  for i in range(cfg.num_layers):
-    prefix = f"model.layers.{i}.block_sparse_moe"
-    names[f"layers_{i}/mlp/gate/kernel"] = (f"{prefix}.gate.weight", True)
-    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-      names[f"layers_{i}/mlp/experts/{ours}"] = (
-          tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(cfg.moe.num_experts)), True)
-  return names
+          | moe.hf_tensor_names(cfg, "block_sparse_moe",
+                                {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}))
 
 
 FAMILY = ModelFamily(
     name="mixtral", config=MixtralConfig, module=MixtralForCausalLM,
     partition_rules=PARTITION_RULES, layer_stack="layers", lookup_tables=llama.lookup_tables,
     hf=HFLayout("MixtralForCausalLM", config_from_hf, config_to_hf, hf_tensor_names),
-    inactive_params=inactive_params)
+    inactive_params=moe.inactive_params)

@@ -148,6 +148,27 @@ def check_expert_axis(cfg: MoeConfig, expert_axis_size: int) -> None:
                     f"trainer.device_mesh)")
 
 
+def inactive_params(cfg, params: dict) -> float:
+  """The expert weights a token is not routed to: (1 - k / num_experts) of the stacks."""
+  expert_params = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
+                      if any(getattr(key, "key", None) == "experts" for key in path))
+  return expert_params * (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts)
+
+
+def hf_tensor_names(cfg, block: str, projections: dict[str, str]) -> dict[str, tuple]:
+  """Each layer's router and expert stacks -> (HF tensor names, transposed?), the experts'
+  Linear layers saved apart (transformers 4 and 5 alike): `block` the HF feed-forward module
+  (Mixtral's block_sparse_moe), `projections` our stacks' names -> theirs."""
+  names = {}
+  for i in range(cfg.num_layers):
+    prefix = f"model.layers.{i}.{block}"
+    names[f"layers_{i}/mlp/gate/kernel"] = (f"{prefix}.gate.weight", True)
+    for ours, theirs in projections.items():
+      names[f"layers_{i}/mlp/experts/{ours}"] = (
+          tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(cfg.moe.num_experts)), True)
+  return names
+
+
 def route(cfg: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(experts [..., k] int32, their weights [..., k] float32, probabilities [..., experts])."""
   probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -215,8 +236,10 @@ class Experts(nn.Module):
     init = nn.initializers.normal(cfg.initializer_range)
     wide = (cfg.moe.num_experts, cfg.hidden_dim, cfg.intermediate_dim)
     shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
-    # In the compute dtype: any ZeRO-3 split is gathered in it (routed_experts).
-    stacks = [self.param(name, init, shape, cfg.compute.param_dtype).astype(cfg.compute.dtype)
+    # With LoRA adapters added, then in the compute dtype: any ZeRO-3 split is gathered in it
+    # (routed_experts).
+    stacks = [lora.with_stack_adapters(self, cfg.lora, name, self.param(
+        name, init, shape, cfg.compute.param_dtype)).astype(cfg.compute.dtype)
               for name, shape in shapes.items()]
     return routed_experts(cfg.moe, x, experts, weights, *stacks)
 
@@ -228,7 +251,9 @@ class _Layout:
   token_axes: tuple[str, ...] = ()
   expert_axes: tuple[str, ...] = ()
   width_axes: tuple[str, ...] = ()
-  zero3_axes: tuple[str, ...] = ()  # Also split the width of the weights as they come in.
+  # Each stack's (gate, up, down) ZeRO-3 axes, which split it as it comes in, and the
+  # dimension they split.
+  zero3: tuple[tuple[tuple[str, ...], int], ...] = (((), 0),) * 3
   sizes: tuple[tuple[str, int], ...] = ()
 
   def size(self, axes: tuple[str, ...]) -> int:
@@ -251,7 +276,8 @@ def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: ja
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not nn.get_logical_axis_rules():
     return _on_device(cfg, _Layout(), x, experts, weights, gate, up, down)
-  layout, token_spec, stack_specs = _layout(dict(mesh.shape), x.shape, gate.shape[2])
+  layout, token_spec, stack_specs = _layout(dict(mesh.shape), x.shape,
+                                            dict(zip(EXPERT_AXES["gate_proj"], gate.shape)))
   routing_spec = P(*token_spec[:2], None)
   # Megablox declares its outputs without the mesh axes they vary over, which only an
   # unchecked shard_map accepts.
@@ -262,9 +288,10 @@ def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: ja
   return on_device(x, experts, weights, gate, up, down)
 
 
-def _layout(sizes: dict[str, int], shape: tuple[int, ...], width: int):
+def _layout(sizes: dict[str, int], shape: tuple[int, ...], stack_shape: dict[str, int]):
   """(_Layout, the tokens' spec, each expert stack's spec) inside the shard_map, from the
-  logical axis rules in context. Axes of one device split nothing."""
+  logical axis rules in context; `stack_shape`: each logical axis of the stacks' size. Axes of
+  one device split nothing."""
   split = lambda entry: tuple(a for a in _axes(entry) if sizes[a] > 1)
   size = lambda axes: math.prod(sizes[a] for a in axes)
   # A dimension its axes do not divide (init's batch of one) stays whole on each device.
@@ -283,19 +310,38 @@ def _layout(sizes: dict[str, int], shape: tuple[int, ...], width: int):
     raise UserError(f"the experts' width (logical axis mlp: mesh axes {width_axes}) and the "
                     f"tokens (mesh axes {token_axes}) share a mesh axis; give "
                     f"sharding.tensor_axis an axis that does not split the batch")
-  # ZeRO-3's axes, over which the layer gathers the weights along their width: only those
-  # that split the tokens, where each device's gradient differs and the gather's transpose
-  # sums them.
-  zero3_axes = tuple(a for a in split(nn.logical_to_mesh_axes(("zero3",))[0])
-                     if a in token_axes and a not in expert_axes + width_axes)
-  if width % size(width_axes + zero3_axes):
-    zero3_axes = ()
-  placed = {"experts": expert_axes, "embed": embed_axes, "mlp": width_axes + zero3_axes}
-  stack_specs = [P(*(placed[axis] or None for axis in EXPERT_AXES[name]))
-                 for name in ("gate_proj", "up_proj", "down_proj")]
+  placed = {"experts": expert_axes, "embed": embed_axes, "mlp": width_axes}
+  stack_specs, zero3_dims = [], []
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    spec = [placed[axis] for axis in EXPERT_AXES[name]]
+    dim, zero3_axes = _zero3_placement(sizes, EXPERT_AXES[name],
+                                       tuple(stack_shape[a] for a in EXPERT_AXES[name]))
+    # Gathered in the layer: only axes that split the tokens, where each device's gradient
+    # differs and the gather's transpose sums them. XLA gathers any other before the layer.
+    zero3_axes = tuple(a for a in zero3_axes if a in token_axes)
+    if zero3_axes:
+      spec[dim] = zero3_axes
+    zero3_dims.append((zero3_axes, dim))
+    stack_specs.append(P(*(entry or None for entry in spec)))
   layout = _Layout(token_axes=token_axes, expert_axes=expert_axes, width_axes=width_axes,
-                   zero3_axes=zero3_axes, sizes=tuple(sizes.items()))
+                   zero3=tuple(zero3_dims), sizes=tuple(sizes.items()))
   return layout, [axes or None for axes in token_spec], stack_specs
+
+
+def _zero3_placement(sizes: dict[str, int], logical: tuple[str, ...], shape: tuple[int, ...]
+                     ) -> tuple[int, tuple[str, ...]]:
+  """(the dimension, the mesh axes of one device or more) where ZeRO-3 splits an expert stack
+  of these logical axes and shape: where the partitioner puts it (parallel/partitioning.py), the
+  largest dimension that no rule claims and the axes it does not use divide, the first of
+  equals; else no axes. (A scanned stack's layer dimension is never the largest.)"""
+  claimed = [_axes(entry) for entry in nn.logical_to_mesh_axes(logical)]
+  zero3 = tuple(a for a in _axes(nn.logical_to_mesh_axes(("zero3",))[0])
+                if not any(a in axes for axes in claimed))
+  count = math.prod(sizes[a] for a in zero3)
+  free = [d for d in range(len(shape)) if not claimed[d] and shape[d] % count == 0]
+  if not zero3 or not free:
+    return 0, ()
+  return max(free, key=lambda d: shape[d]), tuple(a for a in zero3 if sizes[a] > 1)
 
 
 def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, down):
@@ -314,10 +360,8 @@ def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, d
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, per_share)
     x, weights = take(pad(x, 0)), take(pad(weights, 0))
     experts = take(pad(experts, cfg.num_experts))  # Padding goes to no expert.
-  if layout.zero3_axes:
-    gather = lambda w, name: jax.lax.all_gather(w, layout.zero3_axes, tiled=True,
-                                                axis=EXPERT_AXES[name].index("mlp"))
-    gate, up, down = gather(gate, "gate_proj"), gather(up, "up_proj"), gather(down, "down_proj")
+  gate, up, down = (jax.lax.all_gather(w, axes, tiled=True, axis=dim) if axes else w
+                    for w, (axes, dim) in zip((gate, up, down), layout.zero3))
   outputs, dropped = _copies_through_experts(cfg, layout, x, experts, weights, gate, up, down)
   if shares > 1:
     outputs = jax.lax.all_gather(outputs, share_axes, tiled=True, to="invarying")[:total]

@@ -37,13 +37,18 @@ class Qwen3Config(llama.LlamaConfig):
 
 
 def config_from_hf(hf: dict) -> Qwen3Config:
-  hf_keys.refuse_unless(hf, "Qwen3", {"use_sliding_window": False, "hidden_act": "silu",
-                                      "attention_bias": False})
+  return Qwen3Config(**qwen3_fields_from_hf(hf, "Qwen3"))
+
+
+def qwen3_fields_from_hf(hf: dict, family: str) -> dict:
+  """Qwen3Config's fields from a config.json of the Qwen3 kind (Qwen3, Qwen3-MoE)."""
+  hf_keys.refuse_unless(hf, family, {"use_sliding_window": False, "hidden_act": "silu",
+                                     "attention_bias": False})
   layer_types = hf.get("layer_types") or []
   if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
-    raise UserError(f"Qwen3 config layer_types={layer_types!r} is not supported (only "
+    raise UserError(f"{family} config layer_types={layer_types!r} is not supported (only "
                     f"full_attention layers)")
-  return Qwen3Config(**llama.llama_fields_from_hf(hf, head_dim=HF_HEAD_DIM))
+  return llama.llama_fields_from_hf(hf, head_dim=HF_HEAD_DIM)
 
 
 def config_to_hf(cfg: Qwen3Config) -> dict:

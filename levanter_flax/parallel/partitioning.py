@@ -212,13 +212,19 @@ _KERNEL = "kernel$"
 def with_adapter_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, tuple], ...]:
   """`rules` with, after each rule of a matrix kernel (a regex ending in kernel$, two axes),
   the rules of its LoRA adapters (models/lora.py): A [in, rank] split like the kernel's input
-  axis, B [rank, out] like its output axis; the rank has no rule (ZeRO may split it)."""
+  axis, B [rank, out] like its output axis; the rank has no rule (ZeRO may split it). An expert
+  stack's (a regex ending in $, three axes) likewise, each adapter split like the stack's
+  experts too: <stack>_lora_a [experts, in, rank], <stack>_lora_b [experts, rank, out]."""
   derived = []
   for pattern, spec in rules:
     derived.append((pattern, spec))
     if pattern.endswith(_KERNEL) and len(spec) == 2:
       stem = pattern[:-len(_KERNEL)]
       derived += [(stem + "lora_a$", (spec[0], None)), (stem + "lora_b$", (None, spec[1]))]
+    elif pattern.endswith("$") and len(spec) == 3:
+      stem = pattern[:-1]
+      derived += [(stem + "_lora_a$", (spec[0], spec[1], None)),
+                  (stem + "_lora_b$", (spec[0], None, spec[2]))]
   return tuple(derived)
 
 
