@@ -31,7 +31,7 @@ from levanter_flax.core.schema import MODEL, STATE, setting
 # row; embeddings and the head by vocabulary. Every parameter has a rule, so
 # config.sharding.strict can be on.
 PARTITION_RULES = (
-    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"embed_tokens/embedding$", ("vocab", "zero3")),
     (r"self_attn/q_proj/kernel$", ("embed", "heads")),
     (r"self_attn/(k_proj|v_proj)/kernel$", ("embed", "kv_heads")),
     (r"self_attn/o_proj/kernel$", ("heads", "embed")),

@@ -2,7 +2,7 @@
 computed as one grouped matmul over each device's tokens, sent to their experts' devices.
 
 May import core and the models package's common and lora; the families with experts
-(mixtral) build their feed-forward block from `MoeBlock`.
+(mixtral, qwen3_moe) build their feed-forward block from `MoeBlock`.
 
 Routing is data-parallel, as any layer: the router (`mlp/gate`, no bias) scores each token,
 which goes to its num_experts_per_token best experts, weighted by their probabilities
@@ -21,9 +21,10 @@ The experts run inside `jax.shard_map` over the mesh in context, on each device'
    back on the way out.
 3. Each device multiplies its experts' contiguous groups in one grouped matmul
    (`jax.lax.ragged_dot`, no batch dimension; or Pallas megablox `gmm`). Under ZeRO-3 the
-   weights come in split along their width too and are gathered there, in the compute dtype,
-   so that their gradients leave reduce-scattered. With the width split over a tensor axis,
-   the partial outputs are summed over it.
+   weights come in split as the partitioner stores them (their largest free dimension:
+   Mixtral's expert width, Qwen3-MoE's model width) and are gathered there, in the compute
+   dtype, so that their gradients leave reduce-scattered. With the width split over a tensor
+   axis, the partial outputs are summed over it.
 4. Each copy's output, weighted, is added to its token's row.
 
 Dropless by default: every token reaches its experts whatever the load, so training computes
@@ -457,7 +458,8 @@ def _exchange(cfg: MoeConfig, layout: _Layout, rows, counts, gate, up, down, inb
   expert = jnp.where(segment < mine.size, segment % local_experts, local_experts)
   regroup = jnp.argsort(expert, stable=True)
   outputs = _grouped_mlp(cfg, layout, inbox[regroup], mine.sum(0), gate, up, down)
-  outputs = jnp.zeros_like(outputs).at[regroup].set(outputs)  # Back in the inbox's order.
+  # Back in the inbox's order, by a gather: a scatter would start from a zeroed copy.
+  outputs = outputs[jnp.argsort(regroup)]
   return _ragged_all_to_all(outputs, jnp.zeros_like(rows), inbox_offsets, received,
                             _exclusive_cumsum(pair, axis=1)[:, me], sent, axes)
 

@@ -96,9 +96,12 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   a time; labels' shape.
 
   A scan keeps a running max and sum of exponentials per token (an online
-  logsumexp). Its body is checkpointed, so the backward pass recomputes each
-  block's logits too: neither pass ever holds [tokens, vocab] floats, only
-  [tokens, block_size]. Logits are float32, as in the plain loss.
+  logsumexp), and picks each label's logit out of the block that holds it. Its
+  body is checkpointed, so the backward pass recomputes each block's logits
+  too: neither pass ever holds [tokens, vocab] floats, only [tokens,
+  block_size]. Logits are float32, as in the plain loss. No row of the
+  embedding is looked up by label: under ZeRO-3 such a gather from the split
+  table is a whole batch's worth of all-reduced rows.
   """
   shape = labels.shape
   hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -106,11 +109,14 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   vocab_size = embedding.shape[0]
   num_blocks = -(-vocab_size // block_size)
   padded = jnp.pad(embedding, ((0, num_blocks * block_size - vocab_size), (0, 0)))
-  blocks = padded.reshape(num_blocks, block_size, -1).astype(hidden.dtype)
+  # Each block split as the head is for tensor parallelism (vocab), and along its width for
+  # ZeRO-3: each step of the scan gathers one block, never the whole head.
+  blocks = common.constrain(padded.reshape(num_blocks, block_size, -1).astype(hidden.dtype),
+                     None, "vocab", "zero3")
 
   @jax.checkpoint
   def add_block(carry, block):
-    running_max, running_sum = carry
+    running_max, running_sum, label_logits = carry
     index, weights = block
     logits = (hidden @ weights.T).astype(jnp.float32)
     in_vocab = index * block_size + jnp.arange(block_size) < vocab_size
@@ -118,11 +124,14 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
     new_max = jnp.maximum(running_max, logits.max(axis=-1))
     running_sum = (running_sum * jnp.exp(running_max - new_max)
                    + jnp.exp(logits - new_max[:, None]).sum(axis=-1))
-    return (new_max, running_sum), None
-  start = (jnp.full(labels.shape, -jnp.inf, jnp.float32), jnp.zeros(labels.shape, jnp.float32))
-  (running_max, running_sum), _ = jax.lax.scan(add_block, start, (jnp.arange(num_blocks), blocks))
-  label_logits = jnp.einsum("nd,nd->n", hidden, embedding[labels].astype(hidden.dtype))
-  return (running_max + jnp.log(running_sum) - label_logits.astype(jnp.float32)).reshape(shape)
+    column = labels - index * block_size
+    label_logits += jnp.where(column[:, None] == jnp.arange(block_size), logits, 0).sum(axis=-1)
+    return (new_max, running_sum, label_logits), None
+  start = (jnp.full(labels.shape, -jnp.inf, jnp.float32), jnp.zeros(labels.shape, jnp.float32),
+           jnp.zeros(labels.shape, jnp.float32))
+  (running_max, running_sum, label_logits), _ = jax.lax.scan(
+      add_block, start, (jnp.arange(num_blocks), blocks))
+  return (running_max + jnp.log(running_sum) - label_logits).reshape(shape)
 
 
 def next_token_loss(model: nn.Module, params, tokens: jax.Array,
