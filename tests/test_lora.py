@@ -188,7 +188,7 @@ def _merged_in_numpy(params: dict, scale: float) -> dict:
 
 @pytest.mark.slow
 def test_expert_adapters_train_on_a_frozen_hf_base_and_export_merged(data_cache, tmp_path):
-  """Qwen3-MoE's expert stacks take an adapter per expert by default (peft's target_parameters);
+  """Qwen3-MoE's expert stacks take an adapter per expert (peft's target_parameters);
   the base stays the HF checkpoint's, the model computes the plain one on W + A B * alpha / rank,
   and the merged export gives transformers' logits. A PEFT adapter export and input dropout are
   refused in one line."""
@@ -205,6 +205,7 @@ def test_expert_adapters_train_on_a_frozen_hf_base_and_export_merged(data_cache,
   config.trainer.init_from_hf = str(tmp_path / "hf")
   config.model.compute.scan_layers = True
   config.model.lora.rank, config.model.lora.alpha = 4, 16.0
+  config.model.lora.targets = lora.DEFAULT_TARGETS + "|" + lora.EXPERT_TARGETS
   config.trainer.batch_size, config.trainer.num_train_steps = 8, 3
   config.trainer.eval_tokens, config.data.cache_dir = 512, str(data_cache)
   config.optimizer.learning_rate, config.optimizer.warmup_steps = 1e-2, 1

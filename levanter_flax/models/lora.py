@@ -29,11 +29,13 @@ from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 
 ADAPTERS = ("lora_a", "lora_b")
 # The attention and MLP projections of every family: GPT-2's c_attn, c_proj (attention's and
-# the MLP's) and c_fc; the Llama kind's q/k/v/o_proj and gate/up/down_proj, and a mixture's
-# expert stacks (not its router, mlp/gate).
+# the MLP's) and c_fc; the Llama kind's q/k/v/o_proj and gate/up/down_proj. Not a mixture's
+# expert stacks (EXPERT_TARGETS): a saved run's targets are part of its state, and a default
+# that grew would refuse to resume every run saved under the old one.
 DEFAULT_TARGETS = (r"/(attn/(c_attn|c_proj)|mlp/(c_fc|c_proj)|self_attn/(q_proj|k_proj|v_proj|"
-                   r"o_proj)|mlp/(gate_proj|up_proj|down_proj))/kernel$"
-                   r"|/mlp/experts/(gate_proj|up_proj|down_proj)$")
+                   r"o_proj)|mlp/(gate_proj|up_proj|down_proj))/kernel$")
+# What to add for a mixture's expert stacks (not its router, mlp/gate).
+EXPERT_TARGETS = r"/mlp/experts/(gate_proj|up_proj|down_proj)$"
 # An unrolled block's name, h_3, as the scanned model names every block: h.
 _LAYER_INDEX = re.compile(r"^([^/]+)_\d+/")
 
@@ -60,8 +62,9 @@ class LoraConfig:
   targets: str = setting(
       DEFAULT_TARGETS, "LoRA: a regex searched in each projection kernel's name as the scanned "
       "model names it (layers/self_attn/q_proj/kernel: every layer alike; an expert stack: "
-      "layers/mlp/experts/gate_proj); the default takes the attention and MLP projections, "
-      "experts included, of every family", STATE, convert=_targets)
+      "layers/mlp/experts/gate_proj); the default takes the attention and MLP projections of "
+      "every family, not a mixture's experts (append |/mlp/experts/(gate_proj|up_proj|"
+      "down_proj)$ for those)", STATE, convert=_targets)
 
   def __post_init__(self):
     if self.rank < 0:
