@@ -479,7 +479,8 @@ def test_a_run_starts_from_an_hf_checkpoint_and_exports_back(tiny_llama, scan_la
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
   assert np.max(np.abs(hf_logits(exported) - hf_logits(original))) <= 1e-4
-
+  if scan_layers:
+    return  # What follows is the command's, whatever the layout.
   assert_one_error_line(export(tmp_path / "run", tmp_path / "out"),
                         f"--output_dir {tmp_path / 'out'} is not empty; pass --overwrite")
   # A sharded checkpoint was there before: none of its files may survive next to ours.

@@ -123,12 +123,14 @@ def mosaic_calls(hlo: str) -> int:
 def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                          architecture):
   """On this CPU host, 'auto' is splash for the TPU mesh: per layer a forward, a dq and a dkv
-  kernel; XLA's attention has none. QK-norm changes nothing in the kernels."""
+  kernel; XLA's attention has none (Llama's, for every family). QK-norm changes nothing in the
+  kernels."""
   mesh = (("data", 2), ("model", 2))
   assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
                                      attention_impl="auto")) == 3 * 2
-  assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
-                                     attention_impl="xla")) == 0
+  if architecture == "llama":
+    assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
+                                       attention_impl="xla")) == 0
 
 
 @pytest.mark.slow
