@@ -32,6 +32,14 @@ def number(hf: dict, key: str, default: Any = REQUIRED, where: str = "") -> floa
   return _positive(hf, key, default, where, integer=False)
 
 
+def boolean(hf: dict, key: str, default: bool) -> bool:
+  """hf[key], true or false; `default` where it is absent."""
+  value = hf.get(key, default)
+  if not isinstance(value, bool):
+    raise UserError(f"{key} must be true or false, got {value!r}")
+  return value
+
+
 def refuse_unless(hf: dict, family: str, expected: dict[str, Any]) -> None:
   """Each key, when present, must hold the one value we compute (absent means that value)."""
   for key, fine in expected.items():

@@ -314,9 +314,7 @@ def llama_fields_from_hf(hf: dict, head_dim: int | None = None) -> dict[str, Any
       raise UserError(f"head_dim {hf['head_dim']} x {heads} heads != hidden_size {hidden_dim}: "
                       f"not supported")
   seq_len = hf_keys.integer(hf, "max_position_embeddings")
-  tied = hf.get("tie_word_embeddings", False)
-  if not isinstance(tied, bool):
-    raise UserError(f"tie_word_embeddings must be true or false, got {tied!r}")
+  tied = hf_keys.boolean(hf, "tie_word_embeddings", False)
   return dict(vocab_size=hf_keys.integer(hf, "vocab_size"), seq_len=seq_len,
               num_layers=hf_keys.integer(hf, "num_hidden_layers"), num_heads=heads,
               num_kv_heads=hf_keys.integer(hf, "num_key_value_heads", heads),

@@ -63,10 +63,8 @@ def config_to_hf(cfg: MixtralConfig) -> dict:
 
 def hf_tensor_names(cfg: MixtralConfig) -> dict:
   """Llama's names, with each MLP's three matrices as the stacks of their experts'."""
-  return ({ours: theirs for ours, theirs in llama.hf_tensor_names(cfg).items()
-           if "/mlp/" not in ours}
-          | moe.hf_tensor_names(cfg, "block_sparse_moe",
-                                {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}))
+  return moe.hf_tensor_names(cfg, llama.hf_tensor_names(cfg), "block_sparse_moe",
+                             {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
 
 
 FAMILY = ModelFamily(

@@ -156,11 +156,13 @@ def inactive_params(cfg, params: dict) -> float:
   return expert_params * (1 - cfg.moe.num_experts_per_token / cfg.moe.num_experts)
 
 
-def hf_tensor_names(cfg, block: str, projections: dict[str, str]) -> dict[str, tuple]:
-  """Each layer's router and expert stacks -> (HF tensor names, transposed?), the experts'
-  Linear layers saved apart (transformers 4 and 5 alike): `block` the HF feed-forward module
-  (Mixtral's block_sparse_moe), `projections` our stacks' names -> theirs."""
-  names = {}
+def hf_tensor_names(cfg, dense_names: dict[str, tuple], block: str,
+                    projections: dict[str, str]) -> dict[str, tuple]:
+  """A dense family's names (`dense_names`: path -> (HF tensor name, transposed?)) with each
+  layer's MLP as a router and expert stacks, the experts' Linear layers saved apart
+  (transformers 4 and 5 alike): `block` the HF feed-forward module (Mixtral's
+  block_sparse_moe), `projections` our stacks' names -> theirs."""
+  names = {ours: theirs for ours, theirs in dense_names.items() if "/mlp/" not in ours}
   for i in range(cfg.num_layers):
     prefix = f"model.layers.{i}.{block}"
     names[f"layers_{i}/mlp/gate/kernel"] = (f"{prefix}.gate.weight", True)

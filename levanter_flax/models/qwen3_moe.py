@@ -10,7 +10,6 @@ is Qwen3's. The Hugging Face layout is Qwen3MoeForCausalLM's. Dense layers among
 """
 import dataclasses
 
-from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import overridden
 from levanter_flax.models import hf_keys, llama, moe, qwen3
 from levanter_flax.models.family import HFLayout, ModelFamily
@@ -39,9 +38,7 @@ class Qwen3MoeForCausalLM(llama.LlamaForCausalLM):
 
 def config_from_hf(hf: dict) -> Qwen3MoeConfig:
   hf_keys.refuse_unless(hf, "Qwen3-MoE", {"decoder_sparse_step": 1, "mlp_only_layers": []})
-  normalize = hf.get("norm_topk_prob", False)
-  if not isinstance(normalize, bool):
-    raise UserError(f"Qwen3-MoE config norm_topk_prob must be true or false, got {normalize!r}")
+  normalize = hf_keys.boolean(hf, "norm_topk_prob", False)
   fields = qwen3.qwen3_fields_from_hf(hf, "Qwen3-MoE")
   experts_width = {"intermediate_dim": hf_keys.integer(hf, "moe_intermediate_size")}
   return Qwen3MoeConfig(**fields | experts_width, moe=MoeConfig(
@@ -66,9 +63,8 @@ def config_to_hf(cfg: Qwen3MoeConfig) -> dict:
 
 def hf_tensor_names(cfg: Qwen3MoeConfig) -> dict:
   """Qwen3's names, with each MLP's three matrices as the stacks of their experts'."""
-  return ({ours: theirs for ours, theirs in llama.hf_tensor_names(cfg).items()
-           if "/mlp/" not in ours}
-          | moe.hf_tensor_names(cfg, "mlp", {name: name for name in moe.EXPERT_AXES}))
+  return moe.hf_tensor_names(cfg, llama.hf_tensor_names(cfg), "mlp",
+                             {name: name for name in moe.EXPERT_AXES})
 
 
 FAMILY = ModelFamily(
