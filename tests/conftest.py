@@ -33,11 +33,21 @@ import tracemalloc  # pylint: disable=g-import-not-at-top,unused-import
 
 import pytest  # pylint: disable=g-import-not-at-top
 
+from levanter_flax.models.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Families with no layer code of their own: Qwen3-MoE's layers are Qwen3's attention and
 # Mixtral's mixture block. Tests of what each family's layers compute (meshes, scanning, FLOPs,
 # document masking) run those two; HF interop and configs run every family.
 COMPOSED_FAMILIES = frozenset({"qwen3_moe"})
+# A tiny DeepSeek-V3's own settings, beside the sizes tests give every family: latent attention
+# (a key/value head per query head, keys and values of their own widths), one dense layer, then
+# mixtures of 8 experts in 4 groups (2 per token from 2 groups) with a shared expert.
+DEEPSEEK_SIZES = dict(
+    num_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=12, first_dense_layers=1,
+    moe=MoeConfig(num_experts=8, num_experts_per_token=2, scoring="sigmoid", num_groups=4,
+                  top_groups=2, expert_dim=32, num_shared_experts=1, bias_update_rate=0.001))
 
 
 def parent_pid(pid: int) -> int:

@@ -108,7 +108,7 @@ def test_a_config_by_name_and_bad_input_are_named(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # Shipped names do not depend on the working directory.
   assert lf.load_config("gpt2:nano").model.num_layers == 4
   with pytest.raises(UserError, match=r"^config file gpt3 does not exist, and is no shipped "
-                                      r"config's name; shipped: gemma3, gpt2, .*gpt2_nano"):
+                                      r"config's name; shipped: deepseek_v3, gemma3, gpt2, .*gpt2_nano"):
     lf.train("gpt3", tmp_path / "run")
   with pytest.raises(UserError, match="Callback every_steps must be a positive int; got 0"):
     lf.Callback(0, print)

@@ -18,7 +18,8 @@ EARLIER = ["gpt2:nano", "gpt2:small", "gpt2:small_fast", "gpt2:medium", "llama:n
            "mixtral:8x7b"]
 # Each file of variants' choice when --config names none, as its docstring says.
 DEFAULT_VARIANTS = {"gpt2": "small", "llama": "1b", "qwen2": "0_5b", "mistral": "7b",
-                    "mixtral": "8x7b", "qwen3": "0_6b", "qwen3_moe": "30b_a3b", "olmo2": "1b", "gemma3": "1b"}
+                    "mixtral": "8x7b", "qwen3": "0_6b", "qwen3_moe": "30b_a3b", "olmo2": "1b", "gemma3": "1b",
+                    "deepseek_v3": "671b"}
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -374,7 +375,7 @@ def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argument, message", [
     ("gpt3", "config file gpt3 does not exist, and is no shipped config's name; shipped: "
-             "gemma3, gpt2, gpt2_medium, gpt2_nano,"),
+             "deepseek_v3, gemma3, gpt2, gpt2_medium,"),
     ("gpt3:nano", "config file gpt3 does not exist"),
     ("configs/nope.py", "config file configs/nope.py does not exist, and is no shipped"),
     ("../gpt2", "config file ../gpt2 does not exist"),

@@ -89,6 +89,20 @@ def _qwen3_moe(**changes):  # Qwen3's heads of 12, and experts narrower than the
       "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, **changes})
 
 
+def _deepseek_v3(**changes):
+  """A dense layer, then two of 8 experts in 4 groups (2 per token from 2 groups) beside a
+  shared one; queries through a bottleneck, interleaved RoPE, heads whose keys (8 + 4) and
+  values (6) differ in width."""
+  return transformers.DeepseekV3Config(**{
+      "vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24,
+      "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_attention_heads": 4,
+      "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+      "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8, "num_experts_per_tok": 2,
+      "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+      "max_position_embeddings": 16, "rope_theta": 500.0, "num_nextn_predict_layers": 0,
+      **changes})
+
+
 # Head dim 8, theta 500: wavelengths 6.3, 30, 140 and 660 positions. With an original context
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -127,6 +141,11 @@ HF_CONFIGS = {
     # transformers' default: the chosen experts' probabilities as they are.
     "qwen3_moe_unnormalized_top3_of_6": lambda: _qwen3_moe(num_experts=6, num_experts_per_tok=3,
                                                            norm_topk_prob=False),
+    "deepseek_v3": _deepseek_v3,
+    # DeepSeek-V2-Lite's plain q_proj, no dense layer, one group, RoPE on halves, unnormalised.
+    "deepseek_v3_plain": lambda: _deepseek_v3(
+        q_lora_rank=None, first_k_dense_replace=0, n_group=1, topk_group=1, rope_interleave=False,
+        norm_topk_prob=False, n_shared_experts=2),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 # Every config unrolled, and each family's plain one scanned: the layers stack the same way
@@ -141,11 +160,11 @@ def hf_model(name: str, seed: int = 0):
     for key, tensor in model.state_dict().items():
       if "norm" in key or "ln_" in key:
         tensor.add_(0.3 * torch.randn_like(tensor))
-      if "q_proj" in key or "k_proj" in key:  # Peaked attention, so positions (RoPE) matter.
-        tensor.mul_(6.0)
+      if any(p in key for p in ("q_proj", "k_proj", "q_b_proj", "kv_a_proj")):
+        tensor.mul_(6.0)  # Peaked attention, so positions (RoPE) matter.
       if key.endswith("mlp.gate.weight"):  # Decisive routing: a wrong expert would show.
         tensor.mul_(20.0)
-      if key.endswith(".bias"):  # Initialised to zero: a dropped bias would not show.
+      if key.endswith((".bias", "e_score_correction_bias")):  # Zero: a dropped one would not show.
         tensor.add_(0.3 * torch.randn_like(tensor))
   return model.eval()
 
@@ -242,6 +261,22 @@ def test_gemma3s_window_layer_kinds_rope_bases_and_score_scale_matter(change, tm
                        - hf_logits(model))) > 1e-3
 
 
+@pytest.mark.parametrize("change", ["groups", "bias", "scaling", "interleave"])
+def test_deepseeks_groups_bias_scaling_and_rope_layout_matter(change, tmp_path):
+  """Each is read from the checkpoint and changes the logits: none is a no-op at this size."""
+  model = hf_model("deepseek_v3")
+  cfg, params = snapshot.load(_saved(model, tmp_path))
+  if change == "bias":
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: 0 * x if path[-1].key == "e_score_correction_bias" else x, params)
+  else:
+    cfg = dataclasses.replace(cfg, rope_interleave=False) if change == "interleave" else (
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{
+            "groups": {"top_groups": 4}, "scaling": {"routed_scaling_factor": 1.0}}[change])))
+  assert np.max(np.abs(np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
+                       - hf_logits(model))) > 1e-3
+
+
 def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_path):
   """Gemma 3 1B's config.json as published (transformers 4.50): the RoPE bases as rope_theta and
   rope_local_base_freq, the layers as sliding_window_pattern, no rope_parameters or layer_types."""
@@ -329,6 +364,14 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
      r"Qwen3-MoE config decoder_sparse_step=2 is not supported \(only 1\)"),
     ("qwen3_moe", {"use_sliding_window": True}, r"Qwen3-MoE config use_sliding_window=True"),
     ("qwen3_moe", {"norm_topk_prob": "yes"}, r"norm_topk_prob must be true or false, got 'yes'"),
+    ("deepseek_v3", {"num_nextn_predict_layers": 1},
+     r"DeepSeek-V3 config num_nextn_predict_layers=1 is not supported \(only 0\)"),
+    ("deepseek_v3", {"n_group": 3}, r"DeepSeek-V3 config n_group=3 must divide n_routed_experts=8"),
+    ("deepseek_v3", {"topk_method": "greedy"}, r"DeepSeek-V3 config topk_method='greedy'"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 5.0}},
+     r"rope_parameters.rope_type='yarn' is not supported"),
+    ("deepseek_v3", {"topk_group": 5}, r"config.model.moe.top_groups must be between 1 and "
+                                       r"config.model.moe.num_groups \(4\); got 5"),
     ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),
     ("olmo2", {"head_dim": 12}, r"head_dim 12 x 4 heads != hidden_size 32: not supported"),
     ("gemma3", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},

@@ -1,10 +1,12 @@
 """The mixture-of-experts layer (models/moe.py) against NumPy statements of its rules; its
 layouts against one device are in test_partitioning."""
 import dataclasses
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -12,9 +14,13 @@ from levanter_flax import models
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
+from levanter_flax.generate.trained import run_params
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
+from levanter_flax.training import step
+from conftest import train_losses
 from test_main import assert_one_line_error, run_main
 from test_partitioning import sharding_config, tiny
+from test_resume import run_killed_after_checkpoint
 
 EXPERTS = 4
 
@@ -155,3 +161,107 @@ def test_expert_parallel_capacity_drops_per_device_as_each_devices_tokens_alone(
   assert float(sown["router"]["dropped_fraction"][0]) == pytest.approx(dropped)
   assert (dropped > 0) == (capacity_factor != "dropless")
 
+
+
+def numpy_sigmoid_route(cfg: MoeConfig, logits, bias):
+  """DeepSeek-V3's routing as transformers' DeepseekV3TopkRouter states it, token by token:
+  sigmoid scores; each group ranked by the sum of its two best scores plus bias; the k best
+  (score plus bias) of the top_groups groups; weighted by their scores, renormalised, scaled."""
+  experts, weights = [], []
+  for row in np.asarray(logits, np.float64).reshape(-1, logits.shape[-1]):
+    scores = 1 / (1 + np.exp(-row))
+    choice = (scores + bias).reshape(cfg.num_groups, -1)
+    ranked = np.argsort(-np.sort(choice, axis=1)[:, -2:].sum(axis=1), kind="stable")
+    allowed = np.full_like(choice, -np.inf)
+    allowed[ranked[:cfg.top_groups]] = choice[ranked[:cfg.top_groups]]
+    chosen = np.argsort(-allowed.reshape(-1), kind="stable")[:cfg.num_experts_per_token]
+    w = scores[chosen] / (scores[chosen].sum() if cfg.normalize_top_k else 1)
+    experts.append(chosen)
+    weights.append(w * cfg.routed_scaling_factor)
+  return np.array(experts), np.array(weights)
+
+
+@pytest.mark.parametrize("normalize_top_k", [True, False])
+def test_sigmoid_routing_chooses_within_the_top_groups_by_score_plus_bias(normalize_top_k):
+  cfg = MoeConfig(num_experts=16, num_experts_per_token=3, scoring="sigmoid", num_groups=4,
+                  top_groups=2, routed_scaling_factor=2.5, normalize_top_k=normalize_top_k)
+  logits = jax.random.normal(jax.random.key(0), (2, 32, 16))
+  bias = jax.random.normal(jax.random.key(1), (16,)) * 0.5  # Enough to change choices.
+  experts, weights, _ = moe.route(cfg, logits, bias)
+  expected_experts, expected_weights = numpy_sigmoid_route(cfg, logits, np.asarray(bias))
+  np.testing.assert_array_equal(np.asarray(experts).reshape(-1, 3), expected_experts)
+  np.testing.assert_allclose(np.asarray(weights).reshape(-1, 3), expected_weights, rtol=1e-5)
+  unbiased, _, _ = moe.route(cfg, logits, jnp.zeros(16))
+  assert (np.asarray(unbiased) != np.asarray(experts)).any()
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_the_balancing_bias_moves_by_its_rule_outside_the_gradient(num_microbatches):
+  """A train step at a learning rate of 0 changes the biases alone: each by the rate towards
+  the mean load (NumPy's sign of the mean minus the load of a forward pass over the batch),
+  however the batch is accumulated; their gradient is zero."""
+  cfg = tiny("deepseek_v3")
+  model = models.build(cfg)
+  params = models.init_params(cfg, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (4, cfg.seq_len), 0, cfg.vocab_size)
+  _, sown = model.apply({"params": params}, tokens, mutable=["router"])
+  optimizer = optax.sgd(0.0)
+  train_step = jax.jit(step.make_train_step(model, optimizer, lambda _: 0.0, num_microbatches))
+  state = step.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  new = train_step(state, {"tokens": tokens})[0].params
+  rate, biased = cfg.moe.bias_update_rate, 0
+  for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(params),
+                                   jax.tree.leaves(new)):
+    keys = [key.key for key in path]
+    if keys[-1] != moe.BIAS:
+      np.testing.assert_array_equal(after, before, err_msg="/".join(keys))
+      continue
+    load = np.asarray(sown["router"][keys[0]]["mlp"]["expert_load"][0])
+    np.testing.assert_allclose(np.asarray(after) - np.asarray(before),
+                               rate * np.sign(load.mean() - load), atol=1e-7)
+    biased += 1
+  assert biased == cfg.num_layers - cfg.first_dense_layers
+  grads = step.accumulated_loss_and_grads(model, params, tokens, 1)[1]
+  assert all(not np.any(g) for path, g in jax.tree_util.tree_leaves_with_path(grads)
+             if path[-1].key == moe.BIAS)
+
+
+def test_bad_routing_groups_are_refused_naming_the_key():
+  sigmoid = dict(num_experts=8, num_experts_per_token=2, scoring="sigmoid")
+  for fields, message in [
+      (dict(num_groups=3), r"config.model.moe.num_groups \(3\) must divide "
+                           r"config.model.moe.num_experts \(8\)"),
+      (dict(num_groups=4, top_groups=5), "config.model.moe.top_groups must be between 1 and"),
+      (dict(num_groups=4, top_groups=1, num_experts_per_token=3),
+       r"config.model.moe.num_experts_per_token \(3\) exceeds the experts of"),
+      (dict(scoring="softmax", bias_update_rate=0.001),
+       "config.model.moe.bias_update_rate needs config.model.moe.scoring='sigmoid'"),
+      (dict(scoring="top1"), "config.model.moe.scoring must be one of softmax, sigmoid")]:
+    with pytest.raises(UserError, match=message):
+      MoeConfig(**sigmoid | fields)
+
+
+DEEPSEEK_RUN = ["--config=configs/deepseek_v3.py:nano", "--config.model.num_layers=2",
+                "--config.model.seq_len=64", "--config.trainer.batch_size=8",
+                "--config.trainer.num_train_steps=4", "--config.checkpoint.every_steps=2",
+                "--config.trainer.eval_every_steps=100", "--config.trainer.eval_tokens=256",
+                "--config.trainer.log_every_steps=1", "--config.data.reader_groups=1"]
+
+
+@pytest.mark.slow
+def test_a_killed_deepseek_run_resumes_with_its_biases_bit_exact(data_cache, tmp_path):
+  """Killed (SIGKILL) after its step-2 checkpoint and rerun, a run ends with the biases, params
+  and losses of one never killed: the biases are in the checkpoint, and move on from there."""
+  flags = [f"--config.data.cache_dir={data_cache}"]
+  killed = run_killed_after_checkpoint(tmp_path / "killed", 2, *flags, run=DEEPSEEK_RUN)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  for workdir in ("killed", "straight"):
+    finished = run_killed_after_checkpoint(tmp_path / workdir, None, *flags, run=DEEPSEEK_RUN)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+  (_, killed, _), (_, straight, _) = (run_params(tmp_path / d) for d in ("killed", "straight"))
+  biases = [x for path, x in jax.tree_util.tree_leaves_with_path(straight)
+            if path[-1].key == moe.BIAS]
+  assert biases and all(np.any(b) for b in biases)  # They moved.
+  jax.tree.map(np.testing.assert_array_equal, killed, straight)
+  assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "straight")
+  assert sorted(train_losses(tmp_path / "killed")) == [1, 2, 3, 4]

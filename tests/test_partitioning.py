@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import COMPOSED_FAMILIES, load_config_file, shipped_configs
+from conftest import COMPOSED_FAMILIES, DEEPSEEK_SIZES, load_config_file, shipped_configs
 from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
@@ -132,7 +132,8 @@ TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_
                   hidden_dim=64, intermediate_dim=96, head_dim=24)
 # A family's own, to exercise it: Gemma 3's local then global layer, a window shorter than the
 # sequence.
-FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
+FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2),
+                "deepseek_v3": DEEPSEEK_SIZES}
 
 
 @pytest.mark.slow
@@ -201,8 +202,8 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(layout, scan_l
 def tiny(name: str, **fields):
   family = models.FAMILIES[name]
   names = {f.name for f in dataclasses.fields(family.config)}
-  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names},
-                       **FAMILY_SIZES.get(name, {}) | fields)
+  return family.config(**{k: v for k, v in TINY_SIZES.items() if k in names}
+                       | FAMILY_SIZES.get(name, {}) | fields)
 
 
 def gathered_elements(partitioner: Partitioner, model, batch_size: int) -> int:

@@ -114,11 +114,12 @@ def test_skipped_step_counts_survive_a_restart(tiny_config, tmp_path):
   assert logged[6] == first + 2  # Counted on from the checkpoint, not from 0.
 
 
-def run_killed_after_checkpoint(workdir, step, *flags):
-  """main, killed with SIGKILL right after the checkpoint of `step` (None: not killed)."""
+def run_killed_after_checkpoint(workdir, step, *flags, run=(f"--config={NANO}", *TINY)):
+  """main, killed with SIGKILL right after the checkpoint of `step` (None: not killed); `run`:
+  the config's flags, by default a tiny GPT-2's."""
   return forkserver.run(
-      [sys.executable, str(REPO / "tests" / "killed_after_checkpoint_main.py"), f"--config={NANO}",
-       f"--workdir={workdir}", *TINY, *flags], cwd=REPO, capture_output=True, text=True,
+      [sys.executable, str(REPO / "tests" / "killed_after_checkpoint_main.py"), *run,
+       f"--workdir={workdir}", *flags], cwd=REPO, capture_output=True, text=True,
       timeout=300, env={**os.environ, "KILL_AFTER_CHECKPOINT": str(step)})
 
 

@@ -20,6 +20,8 @@ from levanter_flax.models.mistral import MistralConfig
 from levanter_flax.models.olmo2 import Olmo2Config
 from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
+from levanter_flax.models.deepseek_v3 import DeepseekV3Config
+from levanter_flax.models.moe import MoeConfig
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.generate.decoding import SamplingConfig, choose
 from levanter_flax.generate.prompts import encode, generate
@@ -48,6 +50,16 @@ MODELS = {
                           sliding_window_pattern=2, final_logit_softcapping=5.0,
                           compute=ComputeConfig(scan_layers=scan))
        for name, scan in (("gemma3", False), ("gemma3_scanned", True))},
+    # Latent attention: the cache holds the latents and RoPE keys, attended in the latent space.
+    **{name: DeepseekV3Config(
+        vocab_size=50, seq_len=24, num_layers=2, num_heads=4, num_kv_heads=4, hidden_dim=16,
+        intermediate_dim=24, q_lora_rank=q_lora_rank, kv_lora_rank=8, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5, first_dense_layers=1,
+        moe=MoeConfig(num_experts=4, num_experts_per_token=2, scoring="sigmoid", num_groups=2,
+                      top_groups=1, expert_dim=8, num_shared_experts=1),
+        compute=ComputeConfig(scan_layers=scan))
+       for name, q_lora_rank, scan in (("deepseek_v3", 12, False),
+                                       ("deepseek_v3_scanned", 0, True))},
 }
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
 

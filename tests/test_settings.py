@@ -79,10 +79,16 @@ def test_what_a_resume_checks_comes_from_each_familys_declarations():
   assert set(settings.keys_of_kind(STATE, "gpt2")) == common | {"model.seq_len"}
   llama_state = common | {"model.num_kv_heads", "model.intermediate_dim", "model.qkv_bias"}
   assert set(settings.keys_of_kind(STATE, "llama")) == llama_state
-  assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | {"model.moe.num_experts"}
+  # The experts, their width and the shared ones; sigmoid scoring adds a bias to each router.
+  moe_state = {f"model.moe.{key}" for key in ("num_experts", "expert_dim", "num_shared_experts",
+                                               "scoring")}
+  assert set(settings.keys_of_kind(STATE, "mixtral")) == llama_state | moe_state
   assert set(settings.keys_of_kind(STATE, "qwen3")) == llama_state | {"model.head_dim"}
-  assert set(settings.keys_of_kind(STATE, "qwen3_moe")) == llama_state | {
-      "model.head_dim", "model.moe.num_experts"}
+  assert set(settings.keys_of_kind(STATE, "qwen3_moe")) == llama_state | moe_state | {
+      "model.head_dim"}
+  assert set(settings.keys_of_kind(STATE, "deepseek_v3")) == llama_state | moe_state | {
+      f"model.{key}" for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                 "qk_rope_head_dim", "v_head_dim", "first_dense_layers")}
   assert set(settings.keys_of_kind(STATE, "olmo2")) == llama_state
   assert set(settings.keys_of_kind(STATE, "gemma3")) == llama_state | {"model.head_dim"}
   assert {"model.sliding_window", "model.sliding_window_pattern", "model.layer_types",

@@ -16,8 +16,9 @@ from levanter_flax.parallel import partitioning
 from levanter_flax.training import step
 from levanter_flax.models.common import with_compute, REMAT_POLICIES
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
-from conftest import COMPOSED_FAMILIES
+from conftest import COMPOSED_FAMILIES, DEEPSEEK_SIZES
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 
@@ -80,7 +81,8 @@ def test_gradients_kept_apart_over_an_axis_until_the_step_end_are_the_same(weigh
 
 # What a family's tiny model needs beyond the shared sizes to exercise it: Gemma 3's local
 # and global layers (3 layers: local, global, local) with a window shorter than the sequence.
-FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2)}
+FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2),
+                "deepseek_v3": DEEPSEEK_SIZES}
 
 
 LAYER_FAMILIES = sorted(set(models.FAMILIES) - COMPOSED_FAMILIES)
@@ -107,9 +109,14 @@ def test_scanning_the_layers_leaves_the_run_unchanged(family):
     params = models.init_params(c, jax.random.key(0))
     results.append((params, *jax.jit(lambda p, t, c=c: step.accumulated_loss_and_grads(
         models.build(c), p, t, 1))(params, tokens)))
-  (params, losses, grads), (scanned_params, scanned_losses, scanned_grads) = results
+  (params, parts, grads), (scanned_params, scanned_parts, scanned_grads) = results
   assert_trees_close(models.unstack_layers(cfg, scanned_params), params, 0)
-  assert_trees_close(scanned_losses, losses, 1e-6)  # A mixture's router_aux_loss too.
+  # Sigmoid routing's loads per expert, by block: a scanned stack's [layers, experts] at once.
+  loads, scanned_loads = ({**p}.pop(moe.EXPERT_LOAD, {}) for p in (parts, scanned_parts))
+  assert_trees_close(list(scanned_loads.values()), [np.stack(list(loads.values()))] if loads else [],
+                     0)
+  others = lambda p: {name: value for name, value in p.items() if name != moe.EXPERT_LOAD}
+  assert_trees_close(others(scanned_parts), others(parts), 1e-6)  # A mixture's router_aux_loss too.
   assert_trees_close(models.unstack_layers(cfg, scanned_grads), grads, 1e-5)
 
 
@@ -186,6 +193,10 @@ FLOPS_CONFIGS = {
     # so it would count num_experts times the work: one expert here, where that is the work;
     # test_mfu_counts_only_the_routed_experts covers routing.
     "mixtral": tiny("mixtral", moe=MoeConfig(num_experts=1, num_experts_per_token=1), **FLOPS_SIZES),
+    # Values as wide as the keys: XLA's attention pads narrower ones (work the count leaves out).
+    "deepseek_v3": tiny("deepseek_v3", v_head_dim=24, moe=dataclasses.replace(
+        DEEPSEEK_SIZES["moe"], num_experts=1, num_experts_per_token=1, num_groups=1,
+        top_groups=1), **FLOPS_SIZES),
     "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
     "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),
 }

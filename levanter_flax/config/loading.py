@@ -58,19 +58,23 @@ def _as_config(declared: schema.Declared, value: Any) -> Any:
   return value
 
 
-def _section_config(section: type, values: dict[str, Any],
-                    caller: str) -> ml_collections.ConfigDict:
+def _section_config(section: type, values: dict[str, Any], caller: str,
+                    defaults: Any = None) -> ml_collections.ConfigDict:
   """A ConfigDict of `section`'s settings, nested sections nested: `values` where given (a
-  nested section's as a dict of its own), else the declared defaults. `caller` names what
-  needs a setting that has no default."""
+  nested section's as a dict of its own), else the declared defaults, or those of `defaults`
+  (a family's own instance of the section: Qwen3-MoE's 128 experts). `caller` names what needs
+  a setting that has no default."""
   config = ml_collections.ConfigDict()
   for field in dataclasses.fields(section):
     declared = schema.Declared(field.name, field)
+    own = None if defaults is None else getattr(defaults, field.name)
     if schema.is_section(field):
       config[field.name] = _section_config(type(field.default), dict(values.pop(field.name, {})),
-                                           caller)
+                                           caller, own if own is not None else field.default)
     elif field.name in values:
       config[field.name] = values.pop(field.name)
+    elif own is not None and own != field.default:
+      config[field.name] = _as_config(declared, own)
     elif field.default is not dataclasses.MISSING:
       config[field.name] = _as_config(declared, declared.written)
     else:

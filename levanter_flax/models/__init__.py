@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.core import flops
-from levanter_flax.models import (common, gemma3, gpt2, llama, mistral, mixtral, olmo2, qwen2,
-                                  qwen3, qwen3_moe)
+from levanter_flax.models import (common, deepseek_v3, gemma3, gpt2, llama, mistral, mixtral,
+                                  olmo2, qwen2, qwen3, qwen3_moe)
 from levanter_flax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, mixtral.FAMILY,
-                        qwen3.FAMILY, qwen3_moe.FAMILY, olmo2.FAMILY, gemma3.FAMILY)}
+                        qwen3.FAMILY, qwen3_moe.FAMILY, olmo2.FAMILY, gemma3.FAMILY,
+                        deepseek_v3.FAMILY)}
 
 
 def family(cfg) -> ModelFamily:
@@ -44,11 +45,13 @@ def init_params(cfg, rng: jax.Array) -> dict:
 
 def unstack_layers(cfg, tree: dict) -> dict:
   """A scanned model's params (or gradients) laid out as the unrolled model's."""
-  name = family(cfg).layer_stack
+  unrolled = family(cfg).layer_stack
   tree = dict(tree)
-  stack = tree.pop(name)
-  return tree | {f"{name}_{i}": jax.tree.map(lambda x, i=i: x[i], stack)
-                 for i in range(cfg.num_layers)}
+  for name, layers in family(cfg).stacks(cfg):
+    stack = tree.pop(name)
+    tree |= {f"{unrolled}_{i}": jax.tree.map(lambda x, j=j: x[j], stack)
+             for j, i in enumerate(layers)}
+  return tree
 
 
 def stack_layers(cfg, tree: dict) -> dict:
@@ -57,10 +60,12 @@ def stack_layers(cfg, tree: dict) -> dict:
   Stacked by numpy, on the host: what is stacked is a checkpoint read from disk, and one
   device need not hold a whole model.
   """
-  name = family(cfg).layer_stack
+  unrolled = family(cfg).layer_stack
   tree = dict(tree)
-  layers = [tree.pop(f"{name}_{i}") for i in range(cfg.num_layers)]
-  return tree | {name: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+  for name, layers in family(cfg).stacks(cfg):
+    blocks = [tree.pop(f"{unrolled}_{i}") for i in layers]
+    tree[name] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
+  return tree
 
 
 def flops_per_token(cfg, params, causal: bool = True, frozen=None, reference: bool = False

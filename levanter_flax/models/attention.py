@@ -39,8 +39,9 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
                      implementation: str, splash_blocks: tuple[int, int],
                      decode: bool = False, token_mask: jax.Array | None = None, window: int = 0,
                      segment_ids: jax.Array | None = None,
-                     windowed: bool | jax.Array = True) -> jax.Array:
-  """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
+                     windowed: bool | jax.Array = True, scale: float | None = None) -> jax.Array:
+  """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim] (v's head_dim
+  may differ: DeepSeek's; in training only). scale: of the scores, by default head_dim ** -0.5.
 
   implementation: xla, cudnn or splash (common.attention_implementation), for training;
   splash_blocks: splash's (query, key/value) block sizes. segment_ids [batch, length]
@@ -54,17 +55,21 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
   if traced and not decode:  # Each kernel with its static mask; the cond runs one.
     attend = lambda w: lambda q, k, v, s: causal_attention(
         module, q, k, v, implementation=implementation, splash_blocks=splash_blocks, window=w,
-        segment_ids=s)
+        segment_ids=s, scale=scale)
     return jax.lax.cond(windowed, attend(window), attend(0), q, k, v, segment_ids)
   if not decode and implementation == "splash":
     return splash_attention(q, k, v, window=window, segment_ids=segment_ids,
-                            block_sizes=splash_blocks)
+                            block_sizes=splash_blocks, scale=scale)
   if not decode:
     mask = None if segment_ids is None else (segment_ids[:, None, :, None]
                                              == segment_ids[:, None, None, :])
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+    value_dim = v.shape[-1]
+    if value_dim != k.shape[-1]:  # jax.nn's takes values as wide as the keys: padded with zeros.
+      v = jnp.pad(v, ((0, 0),) * 3 + ((0, k.shape[-1] - value_dim),))
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
                                         implementation=implementation,
-                                        local_window_size=(window - 1, 0) if window else None)
+                                        local_window_size=(window - 1, 0) if window else None
+                                        )[..., :value_dim]
   creating = not module.has_variable("cache", "keys")
   keys = module.variable("cache", "keys", jnp.zeros, k.shape, k.dtype)
   values = module.variable("cache", "values", jnp.zeros, v.shape, v.dtype)
@@ -86,12 +91,12 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
     near = slots[None, :] > query_slots - window
     visible &= (near | ~windowed) if traced else near
   mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
-  return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask)
+  return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask, scale=scale)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],
                      window: int = 0, segment_ids: jax.Array | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, scale: float | None = None) -> jax.Array:
   """causal_attention's training path as Pallas splash attention, on each device's shard.
 
   Shapes as causal_attention's. Inside a shard_map over the mesh in context (none: the whole
@@ -121,7 +126,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: t
       _splash_block(block_sizes[0], length // q_shards, "splash_block_q"),
       _splash_block(block_sizes[1], length, "splash_block_kv"),
       _size(mesh, head_axes), q_shards, interpret)
-  q = q * jnp.asarray(head_dim ** -0.5, q.dtype)  # The kernel does not scale.
+  q = q * jnp.asarray(head_dim ** -0.5 if scale is None else scale, q.dtype)  # It does not.
 
   def attend(kernel, q, k, v, *segments):
     """One device's queries against its keys and values, all [batch, length, heads, head_dim]."""

@@ -148,7 +148,8 @@ def constrain(x: jax.Array, *logical_axes) -> jax.Array:
 
 
 def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
-                 per_layer: tuple | None = None) -> jax.Array:
+                 per_layer: tuple | None = None, layers: range | None = None,
+                 unrolled_name: str | None = None) -> jax.Array:
   """cfg.num_layers layers, each rematerialised per cfg.compute.remat, unrolled (<name>_<i>) or as
   one nn.scan over parameters stacked on a leading layer axis (<name>), e.g. h/attn/c_attn/kernel
   of shape [L, D, 3D]; in decode mode the KV caches are stacked the same way. Every layer is
@@ -157,7 +158,14 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   per_layer: where the layers differ (Gemma 3's local and global layers), one value a layer,
   passed as layer(x, shared, value): the Python value itself to an unrolled layer (static: it
   may choose the code), its element of jnp.asarray(per_layer) to a scanned one (traced).
+
+  layers, unrolled_name: a model of two kinds of layer (DeepSeek-V3's dense ones, then its
+  mixtures) stacks each kind apart: `layers` the indices of this kind (by default all), named
+  <unrolled_name>_<i> unrolled (by default <name>_<i>).
   """
+  layers = range(cfg.num_layers) if layers is None else layers
+  if not layers:
+    return x
   remat = cfg.compute.remat
   static = () if per_layer is None or cfg.compute.scan_layers else (3,)  # self, x, shared, value.
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
@@ -165,17 +173,17 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   if cfg.compute.scan_layers:
     scanned = dict(variable_axes={"params": 0, "cache": 0, "losses": 0, "router": 0},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
-                   length=cfg.num_layers)
+                   length=len(layers))
     if per_layer is None:
-      layers = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
-                       in_axes=nn.broadcast, **scanned)
-      x, _ = layers(layer(cfg, decode, name=name), x, shared)
+      scan = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
+                     in_axes=nn.broadcast, **scanned)
+      x, _ = scan(layer(cfg, decode, name=name), x, shared)
     else:
-      layers = nn.scan(lambda module, carry, shared, value: (module(carry, shared, value), None),
-                       in_axes=(nn.broadcast, 0), **scanned)
-      x, _ = layers(layer(cfg, decode, name=name), x, shared, jnp.asarray(per_layer))
+      scan = nn.scan(lambda module, carry, shared, value: (module(carry, shared, value), None),
+                     in_axes=(nn.broadcast, 0), **scanned)
+      x, _ = scan(layer(cfg, decode, name=name), x, shared, jnp.asarray(per_layer))
     return x
-  for i in range(cfg.num_layers):
+  for i in layers:
     extra = () if per_layer is None else (per_layer[i],)
-    x = layer(cfg, decode, name=f"{name}_{i}")(x, shared, *extra)
+    x = layer(cfg, decode, name=f"{unrolled_name or name}_{i}")(x, shared, *extra)
   return x

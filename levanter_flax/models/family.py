@@ -33,3 +33,12 @@ class ModelFamily:
   # Of the matmul parameters, how many a token does not multiply by (given the config and the
   # params): a mixture of experts' unrouted experts. MFU counts the active parameters only.
   inactive_params: Callable[[Any, dict], float] = lambda cfg, params: 0
+  # Scanned, the blocks as (stack name, the layer indices it holds), given the config: more
+  # than one stack where layers differ in kind (DeepSeek-V3's dense, then mixtures). Unrolled,
+  # they are <layer_stack>_<i> whatever their stack. None: one stack, <layer_stack>.
+  layer_stacks: Callable[[Any], tuple[tuple[str, range], ...]] | None = None
+
+  def stacks(self, cfg) -> tuple[tuple[str, range], ...]:
+    if self.layer_stacks is None:
+      return ((self.layer_stack, range(cfg.num_layers)),)
+    return tuple((name, layers) for name, layers in self.layer_stacks(cfg) if layers)

@@ -140,10 +140,11 @@ def resolve_head_dim(cfg: LlamaConfig) -> None:
     object.__setattr__(cfg, "head_dim", cfg.hidden_dim // cfg.num_heads)
 
 
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-  """The rotation rate of each dimension pair, [head_dim / 2] float32: theta^(-2i/head_dim),
-  rescaled per cfg.rope_type the way transformers' modeling_rope_utils does."""
-  half = cfg.head_dim // 2
+def rope_frequencies(cfg: LlamaConfig, dims: int | None = None) -> np.ndarray:
+  """The rotation rate of each dimension pair, [dims / 2] float32: theta^(-2i/dims), rescaled
+  per cfg.rope_type the way transformers' modeling_rope_utils does. dims: the rotated width,
+  by default head_dim (DeepSeek-V3 turns only part of each head)."""
+  half = (dims or cfg.head_dim) // 2
   frequencies = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
   if cfg.rope_type == "linear":  # Positions / factor, folded into the rates.
     frequencies = frequencies / cfg.rope_factor
@@ -233,11 +234,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   config: LlamaConfig
   decode: bool = False
-  feed_forward = MLP  # Another family's block may swap it (Mixtral's mixture of experts).
+  # Another family's blocks may swap them (Mixtral's mixture of experts, DeepSeek's attention).
+  attention = Attention
+  feed_forward = MLP
 
   @nn.compact
   def __call__(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
-    x = x + Attention(self.config, self.decode, name="self_attn")(
+    x = x + self.attention(self.config, self.decode, name="self_attn")(
         rms_norm(self.config, "input_layernorm")(x), *positions_and_masks)
     x = x + self.feed_forward(self.config, name="mlp")(
         rms_norm(self.config, "post_attention_layernorm")(x))
@@ -272,14 +275,18 @@ class LlamaForCausalLM(nn.Module):
     if positions is None:
       positions = (jnp.arange(tokens.shape[1])[None] if segment_ids is None
                    else document_positions(segment_ids))
-    x = stack_layers(self.decoder_layer, cfg, self.decode, "layers", x,
-                     (positions, token_mask, segment_ids))
+    x = self.blocks(x, (positions, token_mask, segment_ids))
     x = rms_norm(cfg, "norm")(x)
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else _dense(cfg.vocab_size, cfg,
                                                                      "lm_head")(x)
     return constrain(logits, "batch", "length", "vocab")
+
+  def blocks(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
+    """The decoder layers, in __call__'s scope; a family whose layers differ stacks each kind."""
+    return stack_layers(self.decoder_layer, self.config, self.decode, "layers", x,
+                        positions_and_masks)
 
   @staticmethod
   def output_embedding(params) -> jax.Array:

@@ -112,6 +112,17 @@ class Dense(nn.Dense):
     return y + (x @ a @ b) * jnp.asarray(self.lora.scale, y.dtype)
 
 
+def effective_kernel(dense: Dense) -> jax.Array:
+  """A bound Dense's kernel with its adapters' A B * alpha / rank added, if it has them: for a
+  layer that multiplies by the kernel itself (DeepSeek's absorbed attention)."""
+  params = dense.variables["params"]
+  kernel = params["kernel"]
+  if "lora_a" not in params:
+    return kernel
+  return kernel + params["lora_a"] @ params["lora_b"] * jnp.asarray(dense.lora.scale,
+                                                                     kernel.dtype)
+
+
 def with_stack_adapters(module: nn.Module, lora: LoraConfig, name: str,
                         stack: jax.Array) -> jax.Array:
   """An expert stack [experts, in, out], the param `name` of `module`, plus its experts'

@@ -5,8 +5,15 @@ May import core and the models package's common and lora; the families with expe
 (mixtral, qwen3_moe) build their feed-forward block from `MoeBlock`.
 
 Routing is data-parallel, as any layer: the router (`mlp/gate`, no bias) scores each token,
-which goes to its num_experts_per_token best experts, weighted by their probabilities
-(renormalised over those chosen with normalize_top_k, as Mixtral always does).
+which goes to its num_experts_per_token best experts (`route`). With softmax scoring (Mixtral,
+Qwen3-MoE) they are weighted by their probabilities, renormalised over those chosen with
+normalize_top_k. With sigmoid scoring (DeepSeek-V3) each expert's score is a sigmoid, and the
+choice is group-limited: the experts fall in num_groups groups, a token may only choose among
+the top_groups groups whose two best scores sum highest, and it chooses by score plus a
+per-expert bias (`mlp/e_score_correction_bias`) that moves each step towards an even load,
+outside the gradient (auxiliary-loss-free balancing: `updated_biases`); the weights are the
+scores without the bias, times routed_scaling_factor. A layer may add shared experts: one
+SwiGLU MLP of num_shared_experts experts' width that every token goes through.
 
 The experts run inside `jax.shard_map` over the mesh in context, on each device's own tokens
 (`_layout` says which axes split what):
@@ -52,11 +59,19 @@ from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 from levanter_flax.models import lora
 from levanter_flax.models.common import constrain, platform_in_context
 
+SCORINGS = ("softmax", "sigmoid")
+BIAS = "e_score_correction_bias"  # Sigmoid routing's balancing bias, HF's name for it.
+# What the step takes out of a mixture's parts: each layer's copies per expert, by the path of
+# its MoeBlock ("layers/mlp"), for the balancing biases' update.
+EXPERT_LOAD = "router/expert_load"
 # Each expert stack's logical axes: its partition rule, and its layout inside the layer.
 EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),
                "down_proj": ("experts", "mlp", "embed")}
 PARTITION_RULES = (
     (r"mlp/gate/kernel$", ("embed", None)),  # The router: small, whole on every device.
+    (rf"mlp/{BIAS}$", (None,)),
+    (r"mlp/shared_experts/(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
+    (r"mlp/shared_experts/down_proj/kernel$", ("mlp", "embed")),
     (r"mlp/experts/(gate_proj|up_proj)$", EXPERT_AXES["gate_proj"]),
     (r"mlp/experts/down_proj$", EXPERT_AXES["down_proj"]),
 )
@@ -99,6 +114,24 @@ class MoeConfig:
                                         "training loss (HF's router_aux_loss_coef)")
   router_z_loss_coef: float = setting(0.0, "The router z-loss's weight (ST-MoE: the mean of "
                                       "logsumexp(router logits)^2); 0: off")
+  scoring: str = setting("softmax", "The router's scores: softmax (Mixtral, Qwen3-MoE) or "
+                         "sigmoid (DeepSeek-V3: with a balancing bias, bias_update_rate)", STATE)
+  num_groups: int = setting(1, "Sigmoid routing: the experts fall in this many equal groups "
+                            "(HF's n_group); it must divide num_experts", MODEL)
+  top_groups: int = setting(1, "Sigmoid routing: a token chooses among the experts of this "
+                            "many groups, those whose two best scores sum highest (HF's "
+                            "topk_group)", MODEL)
+  routed_scaling_factor: float = setting(1.0, "The routed experts' weights are scaled by this "
+                                         "(DeepSeek-V3: 2.5)", MODEL)
+  bias_update_rate: float = setting(
+      0.0, "Sigmoid routing: each step, each expert's bias moves by this towards an even load "
+      "(+ when under the mean load, - when over; DeepSeek-V3's gamma, 0.001); 0: fixed")
+  expert_dim: int = setting(0, "Each routed expert's width; 0: config.model.intermediate_dim "
+                            "(DeepSeek-V3's dense layers are wider: HF's moe_intermediate_size)",
+                            STATE)
+  num_shared_experts: int = setting(0, "Experts every token goes through besides its routed "
+                                    "ones, as one MLP of that many experts' width (DeepSeek's "
+                                    "n_shared_experts)", STATE)
 
   def __post_init__(self):
     if self.num_experts < 1:
@@ -110,9 +143,32 @@ class MoeConfig:
     if self.grouped_matmul not in GROUPED_MATMULS:
       raise UserError(f"config.model.moe.grouped_matmul must be one of "
                       f"{', '.join(GROUPED_MATMULS)}; got {self.grouped_matmul!r}")
-    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+    for key in ("router_aux_loss_coef", "router_z_loss_coef", "bias_update_rate",
+                "expert_dim", "num_shared_experts"):
       if not getattr(self, key) >= 0:
         raise UserError(f"config.model.moe.{key} must be >= 0, got {getattr(self, key)}")
+    if self.scoring not in SCORINGS:
+      raise UserError(f"config.model.moe.scoring must be one of {', '.join(SCORINGS)}; "
+                      f"got {self.scoring!r}")
+    self._check_groups()
+
+  def _check_groups(self):
+    if self.scoring == "softmax":
+      for key in ("num_groups", "top_groups", "bias_update_rate"):
+        if getattr(self, key) != MoeConfig.__dataclass_fields__[key].default:
+          raise UserError(f"config.model.moe.{key} needs config.model.moe.scoring='sigmoid'")
+      return
+    if self.num_groups < 1 or self.num_experts % self.num_groups:
+      raise UserError(f"config.model.moe.num_groups ({self.num_groups}) must divide "
+                      f"config.model.moe.num_experts ({self.num_experts})")
+    per_group = self.num_experts // self.num_groups
+    if not 1 <= self.top_groups <= self.num_groups:
+      raise UserError(f"config.model.moe.top_groups must be between 1 and "
+                      f"config.model.moe.num_groups ({self.num_groups}); got {self.top_groups}")
+    if self.num_experts_per_token > self.top_groups * per_group:
+      raise UserError(f"config.model.moe.num_experts_per_token ({self.num_experts_per_token}) "
+                      f"exceeds the experts of config.model.moe.top_groups ({self.top_groups}) "
+                      f"groups of {per_group}")
 
   @property
   def dropless(self) -> bool:
@@ -141,6 +197,12 @@ def loss_coefficients(cfg) -> dict[str, float]:
                                  "router_z_loss": moe.router_z_loss_coef}
 
 
+def bias_update_rate(cfg) -> float:
+  """How far a model config's balancing biases move a step (0: no mixture, or fixed)."""
+  moe = getattr(cfg, "moe", None)
+  return 0.0 if moe is None else moe.bias_update_rate
+
+
 def check_expert_axis(cfg: MoeConfig, expert_axis_size: int) -> None:
   """An expert axis must split the experts evenly."""
   if cfg.num_experts % expert_axis_size:
@@ -157,30 +219,75 @@ def inactive_params(cfg, params: dict) -> float:
 
 
 def hf_tensor_names(cfg, dense_names: dict[str, tuple], block: str,
-                    projections: dict[str, str]) -> dict[str, tuple]:
-  """A dense family's names (`dense_names`: path -> (HF tensor name, transposed?)) with each
-  layer's MLP as a router and expert stacks, the experts' Linear layers saved apart
-  (transformers 4 and 5 alike): `block` the HF feed-forward module (Mixtral's
-  block_sparse_moe), `projections` our stacks' names -> theirs."""
-  names = {ours: theirs for ours, theirs in dense_names.items() if "/mlp/" not in ours}
-  for i in range(cfg.num_layers):
-    prefix = f"model.layers.{i}.{block}"
-    names[f"layers_{i}/mlp/gate/kernel"] = (f"{prefix}.gate.weight", True)
-    for ours, theirs in projections.items():
-      names[f"layers_{i}/mlp/experts/{ours}"] = (
+                    projections: dict[str, str], layers: range | None = None
+                    ) -> dict[str, tuple]:
+  """A dense family's names (`dense_names`: path -> (HF tensor name, transposed?)) with the MLP
+  of each of `layers` (by default all) as a router and expert stacks, the experts' Linear
+  layers saved apart (transformers 4 and 5 alike), and any balancing bias and shared experts
+  (DeepSeek's): `block` the HF feed-forward module (Mixtral's block_sparse_moe), `projections`
+  our stacks' names -> theirs."""
+  layers = range(cfg.num_layers) if layers is None else layers
+  sparse = tuple(f"layers_{i}/mlp/" for i in layers)
+  names = {ours: theirs for ours, theirs in dense_names.items() if not ours.startswith(sparse)}
+  for i in layers:
+    ours, prefix = f"layers_{i}/mlp", f"model.layers.{i}.{block}"
+    names[f"{ours}/gate/kernel"] = (f"{prefix}.gate.weight", True)
+    for stack, theirs in projections.items():
+      names[f"{ours}/experts/{stack}"] = (
           tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(cfg.moe.num_experts)), True)
+    if cfg.moe.scoring == "sigmoid":
+      names[f"{ours}/{BIAS}"] = (f"{prefix}.gate.{BIAS}", False)
+    if cfg.moe.num_shared_experts:
+      for part in ("gate_proj", "up_proj", "down_proj"):
+        names[f"{ours}/shared_experts/{part}/kernel"] = (
+            f"{prefix}.shared_experts.{part}.weight", True)
   return names
 
 
-def route(cfg: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(experts [..., k] int32, their weights [..., k] float32, probabilities [..., experts])."""
-  probabilities = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+def route(cfg: MoeConfig, logits: jax.Array, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(experts [..., k] int32, their weights [..., k] float32, probabilities [..., experts]:
+  the scores normalised to sum to 1, for the balancing loss and the entropy). bias
+  [experts]: sigmoid routing's, added to the scores to choose, not to weigh."""
+  logits = logits.astype(jnp.float32)
+  if cfg.scoring == "softmax":
+    scores = choice = jax.nn.softmax(logits, axis=-1)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    choice = _within_top_groups(cfg, scores + bias)
   # lax.top_k's partitioner gathers the whole batch to every device; a sort keeps it split.
-  experts = jnp.argsort(-probabilities, axis=-1, stable=True)[..., :cfg.num_experts_per_token]
-  weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+  experts = jnp.argsort(-choice, axis=-1, stable=True)[..., :cfg.num_experts_per_token]
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
   if cfg.normalize_top_k:
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-  return experts.astype(jnp.int32), weights, probabilities
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+  probabilities = scores / scores.sum(axis=-1, keepdims=True)
+  return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor, probabilities
+
+
+def _within_top_groups(cfg: MoeConfig, choice: jax.Array) -> jax.Array:
+  """choice [..., experts] with -inf outside each token's top_groups groups, ranked by the sum
+  of their two best (DeepSeek-V3's group-limited routing)."""
+  if cfg.top_groups == cfg.num_groups:
+    return choice
+  groups = choice.reshape(*choice.shape[:-1], cfg.num_groups, -1)
+  best_two = -jnp.sort(-groups, axis=-1)[..., :2].sum(axis=-1)  # [..., groups]
+  rank = jnp.argsort(jnp.argsort(-best_two, axis=-1, stable=True), axis=-1)
+  kept = (rank < cfg.top_groups)[..., None]
+  return jnp.where(kept, groups, -jnp.inf).reshape(choice.shape)
+
+
+def updated_biases(params: dict, loads: dict[str, jax.Array], rate: float) -> dict:
+  """params with each sigmoid router's bias moved by `rate` towards an even load: up for an
+  expert given fewer copies than the mean, down for more (DeepSeek-V3's auxiliary-loss-free
+  balancing). loads: EXPERT_LOAD's, by MoeBlock path, [experts] or a scanned stack's
+  [layers, experts]. Outside the gradient: whatever the optimizer did to the bias is replaced."""
+  def update(path, value):
+    keys = [key.key for key in path]
+    if keys[-1] != BIAS:
+      return value
+    load = loads["/".join(keys[:-1])]
+    return value + rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load).astype(value.dtype)
+  return jax.tree_util.tree_map_with_path(update, params)
 
 
 def load_balancing_loss(probabilities: jax.Array, experts: jax.Array) -> jax.Array:
@@ -196,11 +303,13 @@ def load_balancing_loss(probabilities: jax.Array, experts: jax.Array) -> jax.Arr
 
 class MoeBlock(nn.Module):
   """The feed-forward block of a mixture: a router and num_experts SwiGLU MLPs, their weights
-  stacked on a leading expert axis (`experts/gate_proj` [experts, hidden, mlp], ...).
+  stacked on a leading expert axis (`experts/gate_proj` [experts, hidden, mlp], ...), and any
+  shared experts (`shared_experts`, the family's `shared_mlp` of their width).
 
   `config`: a family's config with hidden_dim, intermediate_dim, initializer_range, compute,
   lora and moe."""
   config: Any
+  shared_mlp = None  # A module class (config, name=...): the family's MLP, for shared experts.
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -212,8 +321,12 @@ class MoeBlock(nn.Module):
                         kernel_init=nn.initializers.normal(cfg.initializer_range),
                         lora=cfg.lora, name="gate")
     logits = router(x).astype(jnp.float32)
+    bias = None
+    if moe.scoring == "sigmoid":  # Float32 whatever the params' dtype: steps of 0.001 add up.
+      bias = jax.lax.stop_gradient(self.param(BIAS, nn.initializers.zeros, (moe.num_experts,),
+                                              jnp.float32))
     experts, weights, probabilities = (constrain(a, "batch", "length", None)
-                                       for a in route(moe, logits))
+                                       for a in route(moe, logits, bias))
     self.sow("losses", "router_aux_loss", load_balancing_loss(probabilities, experts))
     self.sow("losses", "router_z_loss", jnp.square(jax.nn.logsumexp(logits, axis=-1)).mean())
     mixed, dropped = Experts(cfg, name="experts")(x, experts,
@@ -223,7 +336,18 @@ class MoeBlock(nn.Module):
     self.sow("router", "entropy", -jnp.sum(probabilities * jnp.log(probabilities + 1e-30),
                                            axis=-1).mean())
     self.sow("router", "dropped_fraction", dropped / experts.size)
+    if bias is not None:
+      self.sow("router", "expert_load", load)
+    if moe.num_shared_experts:
+      width = expert_width(cfg) * moe.num_shared_experts
+      mixed = mixed + self.shared_mlp(dataclasses.replace(cfg, intermediate_dim=width),
+                                      name="shared_experts")(x)
     return constrain(mixed, "batch", "length", "embed")
+
+
+def expert_width(cfg) -> int:
+  """A routed expert's width: config.model.moe.expert_dim, or the family's intermediate_dim."""
+  return cfg.moe.expert_dim or cfg.intermediate_dim
 
 
 class Experts(nn.Module):
@@ -237,7 +361,7 @@ class Experts(nn.Module):
     sum of each token's experts' outputs, how many copies were dropped, a float32 count)."""
     cfg = self.config
     init = nn.initializers.normal(cfg.initializer_range)
-    wide = (cfg.moe.num_experts, cfg.hidden_dim, cfg.intermediate_dim)
+    wide = (cfg.moe.num_experts, cfg.hidden_dim, expert_width(cfg))
     shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
     # With LoRA adapters added, then in the compute dtype: any ZeRO-3 split is gathered in it
     # (routed_experts).

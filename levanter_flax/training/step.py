@@ -189,7 +189,7 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
     if weight_total is None:
       weight_total = total_weight(loss_weights)
     loss = (losses * loss_weights[:, 1:]).sum() / weight_total
-    auxiliary = {name: value * auxiliary_share for name, value in auxiliary.items()}
+    auxiliary = jax.tree.map(lambda value: value * auxiliary_share, auxiliary)
   return loss + _weighted(auxiliary, coefficients), {"loss": loss, **auxiliary}
 
 
@@ -236,19 +236,25 @@ def _sown_losses(sown) -> Metrics:
 
 def _router_metrics(sown) -> Metrics:
   """A mixture's router metrics: router/layer_<i>/load_max_over_mean for each layer, and
-  router/entropy and router/dropped_fraction averaged over layers."""
+  router/entropy and router/dropped_fraction averaged over layers; with sigmoid routing, each
+  layer's copies per expert by its block's path under moe.EXPERT_LOAD (the step's, not a
+  metric)."""
   router = sown.get("router", {})
   if not router:
     return {}
-  per_layer = collections.defaultdict(list)
+  per_layer, loads = collections.defaultdict(list), {}
   for path, value in sorted(jax.tree_util.tree_leaves_with_path(router),
                             key=lambda leaf: _layer_index(leaf[0])):
-    per_layer[path[-2].key].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
+    if path[-2].key == "expert_load":
+      loads["/".join(key.key for key in path[:-2])] = value
+    else:
+      per_layer[path[-2].key].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
   per_layer = {name: jnp.concatenate(parts) for name, parts in per_layer.items()}
   return {**{f"router/layer_{i}/load_max_over_mean": load
              for i, load in enumerate(per_layer["load_max_over_mean"])},
           "router/entropy": per_layer["entropy"].mean(),
-          "router/dropped_fraction": per_layer["dropped_fraction"].mean()}
+          "router/dropped_fraction": per_layer["dropped_fraction"].mean(),
+          **({moe.EXPERT_LOAD: loads} if loads else {})}
 
 
 def _layer_index(path) -> int:
@@ -353,6 +359,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
   dpo_cfg: train by DPO on preference batches, against TrainState.reference_params.
   unreduced: see accumulated_loss_and_grads."""
   uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
+  bias_update_rate = moe.bias_update_rate(model.config)
   reference_model = models.build(lora.without_lora(model.config)) if dpo_cfg else None
 
   def train_step(state: TrainState, batch: Batch):
@@ -371,6 +378,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
                                               num_microbatches, eos_id, weights, state.frozen,
                                               dropout_key, preference, unreduced)
+    parts = dict(parts)
+    expert_loads = parts.pop(moe.EXPERT_LOAD, None)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
@@ -382,6 +391,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                                          hessian_tokens, eos_id, hessian_weights,
                                          preference=preference)[0])
     params = optax.apply_updates(state.params, updates)
+    if expert_loads is not None and bias_update_rate:  # A frozen base (LoRA) keeps its biases.
+      params = moe.updated_biases(params, expert_loads, bias_update_rate)
     if_finite = lambda new, old: jnp.where(finite, new, old)
     new_state = state.replace(step=state.step + 1,
                               params=jax.tree.map(if_finite, params, state.params),
