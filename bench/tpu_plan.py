@@ -40,6 +40,7 @@ MULTI_SLICE = {"trainer.device_mesh": {"replica": 1, "data": -1, "model": 8},
 TARGETS = [("gpt2.py:small", "v5e-8", 1, {}), ("llama.py:1b", "v5e-16", 1, {}),
            ("llama.py:7b", "v5p-64", 1, {}), ("mistral.py:7b", "v5p-64", 1, {}),
            ("mixtral.py:8x7b", "v5p-128", 1, {}), ("qwen3_moe.py:30b_a3b", "v5p-64", 1, {}),
+           ("deepseek_v3.py:671b", "v5p-512", 1, {}),
            ("llama.py:7b", "v5e-256", 2, MULTI_SLICE)]
 
 # Llama-2-7B on v5p-64 (32 chips), one 4096-token sequence per chip, full remat, parameters

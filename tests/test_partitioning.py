@@ -17,6 +17,7 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import PARTITION_RULES, GPT2Config
 from levanter_flax.parallel.partitioning import Partitioner, ShardingConfig, make_mesh, path_name
 from levanter_flax.models.common import ComputeConfig, with_compute
+from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
 from test_main import NANO, assert_one_line_error, run_main
 
@@ -197,6 +198,23 @@ def test_experts_split_over_an_expert_axis_train_as_on_one_device(layout, scan_l
     expert = params[f"{layer}/mlp/experts/{name}"]
     assert "expert1" in layout or spec_of(expert)[-3] == "expert"
     assert expert.addressable_shards[0].data.shape[-3] == 8 // dict(MOE_LAYOUTS[layout][0])["expert"]
+
+
+@pytest.mark.slow
+def test_deepseeks_experts_and_biases_over_an_expert_axis_train_as_on_one_device():
+  """Sigmoid group-limited routing, shared experts and the balancing biases over data=2 x
+  expert=4 with ZeRO-3: 10 steps' losses, and the biases they end with, are one device's (each
+  step's load is the whole batch's, wherever its tokens were)."""
+  model = tiny("deepseek_v3", compute=ComputeConfig(scan_layers=True))
+  one, one_state = train((("data", 1),), sharding_config(), devices=jax.devices()[:1],
+                         model=model, num_steps=10)
+  losses, state = train((("data", 2), ("expert", 4)), sharding_config(
+      rules=models.FAMILIES["deepseek_v3"].partition_rules, expert_axis="expert",
+      parameter_axis="data", strict=True), model=model, num_steps=10)
+  np.testing.assert_allclose(losses, one, rtol=1e-5)
+  biases = [np.asarray(s.params["layers"]["mlp"][moe.BIAS]) for s in (state, one_state)]
+  np.testing.assert_array_equal(*biases)
+  assert np.abs(biases[1]).max() > 0.001  # Moved over the steps, one way or the other.
 
 
 def tiny(name: str, **fields):

@@ -91,6 +91,16 @@ def test_greedy_decoding_on_the_cache_equals_the_full_forward_argmax(name):
     assert continuation == full_forward_greedy(model, params, prompt, 10)
 
 
+def test_deepseeks_cache_holds_the_latents_not_the_heads_keys_and_values():
+  cfg = MODELS["deepseek_v3"]
+  cache = jax.eval_shape(models.build(cfg, decode=True).init, jax.random.key(0),
+                         jnp.zeros((2, cfg.seq_len), jnp.int32))["cache"]
+  for layer in ("layers_0", "layers_1"):
+    shapes = {name: x.shape for name, x in cache[layer]["self_attn"].items()}
+    assert shapes == {"latents": (2, 24, cfg.kv_lora_rank), "rope_keys": (2, 24, 4),
+                      "real": (2, 24), "index": ()}
+
+
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   keys = jax.random.split(jax.random.key(0), 300)
