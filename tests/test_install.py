@@ -61,7 +61,7 @@ def test_the_installed_package_finds_its_shipped_configs(installed, tmp_path):
   assert unknown.returncode == 1 and unknown.stdout == ""
   assert unknown.stderr.count("\n") == 1
   assert unknown.stderr.startswith("levanter_flax: error: config file gpt3 does not exist, and "
-                                   "is no shipped config's name; shipped: gemma3, gpt2, gpt2_medium, ")
+                                   "is no shipped config's name; shipped: deepseek_v3, gemma3, gpt2, ")
   wrong = _run([script, "evaluat"], site, tmp_path)
   assert wrong.returncode == 1
   assert wrong.stderr == ("levanter_flax: error: unknown subcommand 'evaluat'; choose one of "

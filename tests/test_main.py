@@ -91,7 +91,7 @@ def test_a_bad_variant_is_one_line(argument, message):
 def test_missing_config_file_is_one_line():
   assert_one_line_error(run_main("--config=configs/nope.py"), "config file configs/nope.py does not exist")
   assert_one_line_error(run_main("--config=gpt3:nano"), "config file gpt3 does not exist, and is "
-                        "no shipped config's name; shipped: gemma3, gpt2, gpt2_medium, gpt2_nano,")
+                        "no shipped config's name; shipped: deepseek_v3, gemma3, gpt2, gpt2_medium,")
 
 
 def test_a_config_file_without_get_config_is_one_line_naming_it(tmp_path):
