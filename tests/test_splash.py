@@ -59,6 +59,23 @@ def test_splash_computes_what_xla_computes(mask):
   assert_same(attend("splash", **MASKS[mask])(*inputs), attend("xla", **MASKS[mask])(*inputs))
 
 
+def test_values_narrower_than_keys_and_a_scale_of_their_own_as_deepseeks():
+  """DeepSeek's latent attention: values half as wide as the keys, scores scaled by a factor of
+  their own; both paths against attention written out (the XLA path pads the values)."""
+  q, k, v = qkv()
+  v, scale = v[..., :HEAD_DIM // 2], 0.3
+  repeat = lambda x: jnp.repeat(x, HEADS // KV_HEADS, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, repeat(k)) * scale
+  causal = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))
+  expected = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(causal, scores, -jnp.inf)),
+                        repeat(v))
+  splash = attention.splash_attention(q, k, v, block_sizes=BLOCKS, interpret=True, scale=scale)
+  xla = attention.causal_attention(None, q, k, v, implementation="xla", splash_blocks=BLOCKS,
+                                   scale=scale)
+  for got in (splash, xla):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), **TOLERANCE)
+
+
 @pytest.mark.parametrize("mask, kv_heads", [("documents", KV_HEADS), ("window", 1)])
 def test_splash_on_a_mesh_with_the_sequence_split_computes_what_xla_computes(mask, kv_heads):
   """data=2 x sequence=2 x model=2: each device has its rows, heads and quarter of the queries,
