@@ -24,16 +24,12 @@ model's seq_len:
 
 Killed and restarted with the same flags, it keeps the shards already written.
 """
-import codecs
 import os
-import re
-import shlex
-import warnings
 
 from absl import app, flags, logging
 
 from levanter_flax.core import cli, paths
-from levanter_flax.data import dataset_writer, sources
+from levanter_flax.data import dataset_writer, shards, sources
 from levanter_flax.core.errors import UserError, exit_with_error
 
 _SOURCE = flags.DEFINE_enum("source", None, sources.KINDS, "Where documents come from.")
@@ -82,42 +78,12 @@ _SEQ_LEN = flags.DEFINE_integer(
 flags.mark_flags_as_required(["source", "output_dir"])
 
 
-def decode_escapes(value: str, flag: str) -> str:
-  r"""`value` with its backslash escapes ('\n', '\t', '\x0c', '\u2029') decoded.
-
-  The unicode_escape codec reads its input as Latin-1 bytes, which garbles
-  any other character ('§' becomes 'Â§'), so it sees only the ASCII runs.
-  """
-  decode = lambda match: codecs.decode(match.group(), "unicode_escape")
-  try:
-    with warnings.catch_warnings():  # An unknown escape ('\d') is refused, not kept.
-      warnings.simplefilter("error", DeprecationWarning)
-      return re.sub(r"[\x00-\x7f]+", decode, value)
-  except (UnicodeDecodeError, DeprecationWarning) as e:
-    # The warning's text is "decoding ... failed (DeprecationWarning: <reason>)".
-    reason = getattr(e, "reason", None) or str(e).split("Warning: ")[-1].removesuffix(")")
-    shown = value if value.isprintable() else repr(value)
-    raise UserError(f"--{flag}={shown}: bad escape ({reason})") from None
-
-
-def split_pipeline_options(value: str) -> tuple[str, ...]:
-  try:
-    return tuple(shlex.split(value))
-  except ValueError as e:
-    raise UserError(f"--beam_pipeline_options={value}: {e}") from None
-
-
 def options_from_flags() -> dataset_writer.PrepareOptions:
-  if _TRAIN_TOKENIZER.value and _TOKENIZER.value != "byte":
-    raise UserError("pass either --tokenizer or --train_tokenizer, not both")
-  if _BEAM_PIPELINE_OPTIONS.value and _ENGINE.value != "beam":
-    raise UserError("--beam_pipeline_options needs --engine=beam")
-  if _CHAT_TEMPLATE.value and _SOURCE.value not in ("chat", "preference"):
-    raise UserError("--chat_template needs --source=chat or preference")
+  """The flags as options; data.shards.PrepareOptions checks that they go together."""
   return dataset_writer.PrepareOptions(
       source=sources.SourceSpec(
           kind=_SOURCE.value, inputs=tuple(_INPUT.value), text_field=_TEXT_FIELD.value,
-          separator=decode_escapes(_SEPARATOR.value, "separator"),
+          separator=sources.decode_escapes(_SEPARATOR.value, "separator"),
           tfds_split=_TFDS_SPLIT.value, tfds_data_dir=_TFDS_DATA_DIR.value,
           on_decode_error=_ON_DECODE_ERROR.value),
       output_dir=paths.resolve(_OUTPUT_DIR.value, "--output_dir"),
@@ -128,7 +94,7 @@ def options_from_flags() -> dataset_writer.PrepareOptions:
       validation_fraction=_VALIDATION_FRACTION.value,
       engine=_ENGINE.value,
       num_workers=_NUM_WORKERS.value,
-      beam_pipeline_options=split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value),
+      beam_pipeline_options=shards.split_pipeline_options(_BEAM_PIPELINE_OPTIONS.value),
       chat_template=_CHAT_TEMPLATE.value,
       seq_len=_SEQ_LEN.value)
 

@@ -5,6 +5,7 @@ trained on a sample; the manifest written last.
 """
 import dataclasses
 import json
+import shlex
 import zlib
 
 from absl import logging
@@ -40,6 +41,15 @@ class PrepareOptions:
   chat_template: str = ""  # chat: a Jinja file, instead of the tokenizer's own template.
   seq_len: int = 0  # preference: each pair is one row of this many tokens (EOS included).
 
+  def __post_init__(self):
+    """Options that do not go together, named by prepare's flags."""
+    if self.train_tokenizer_vocab_size and self.tokenizer != "byte":
+      raise UserError("pass either --tokenizer or --train_tokenizer, not both")
+    if self.beam_pipeline_options and self.engine != "beam":
+      raise UserError("--beam_pipeline_options needs --engine=beam")
+    if self.chat_template and self.source.kind not in ("chat", "preference"):
+      raise UserError("--chat_template needs --source=chat or preference")
+
   @property
   def weighted(self) -> bool:
     """Whether the shards carry loss weights (chat and instruction data)."""
@@ -57,6 +67,14 @@ class PrepareOptions:
     if not self.seq_len:  # As recorded before preference sources.
       del args["seq_len"]
     return json.loads(json.dumps(args))  # Tuples become lists, as they read back.
+
+
+def split_pipeline_options(value: str) -> tuple[str, ...]:
+  """--beam_pipeline_options, split as a shell would."""
+  try:
+    return tuple(shlex.split(value))
+  except ValueError as e:
+    raise UserError(f"--beam_pipeline_options={value}: {e}") from None
 
 
 def is_validation(key: str, validation_fraction: float) -> bool:

@@ -6,6 +6,7 @@ The key names the document (a path, file:line, or dataset index) in error
 messages and decides its split, so the split does not depend on how many
 workers read the source.
 """
+import codecs
 import contextlib
 import dataclasses
 import glob
@@ -15,8 +16,10 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import sys
 import sysconfig
+import warnings
 from typing import BinaryIO, Callable, Iterator
 
 import zstandard
@@ -112,6 +115,24 @@ def _stdlib_files() -> list[str]:
     subdirectories[:] = [d for d in subdirectories if d not in ("site-packages", "dist-packages")]
     files.extend(os.path.join(directory, name) for name in names if name.endswith(".py"))
   return sorted(files)
+
+
+def decode_escapes(value: str, flag: str) -> str:
+  r"""`value` with its backslash escapes ('\n', '\t', '\x0c', '\u2029') decoded.
+
+  The unicode_escape codec reads its input as Latin-1 bytes, which garbles
+  any other character ('§' becomes 'Â§'), so it sees only the ASCII runs.
+  """
+  decode = lambda match: codecs.decode(match.group(), "unicode_escape")
+  try:
+    with warnings.catch_warnings():  # An unknown escape ('\d') is refused, not kept.
+      warnings.simplefilter("error", DeprecationWarning)
+      return re.sub(r"[\x00-\x7f]+", decode, value)
+  except (UnicodeDecodeError, DeprecationWarning) as e:
+    # The warning's text is "decoding ... failed (DeprecationWarning: <reason>)".
+    reason = getattr(e, "reason", None) or str(e).split("Warning: ")[-1].removesuffix(")")
+    shown = value if value.isprintable() else repr(value)
+    raise UserError(f"--{flag}={shown}: bad escape ({reason})") from None
 
 
 def resolve_files(spec: SourceSpec, output_dir: str) -> list[str]:
