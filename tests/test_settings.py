@@ -281,3 +281,19 @@ def test_another_coordinator_or_process_id_is_no_change_on_resume(tmp_path):
   assert resume_checks.check_resumed_config(run, saved, tmp_path) == []
   assert resume_checks.check_resumed_config(run, saved | {"trainer.seed": 9}, tmp_path) == [
       "trainer.seed 9 -> 0"]
+
+
+def test_a_familys_own_section_defaults_are_its_defaults_everywhere():
+  """Qwen3-MoE's moe section defaults to 128 experts, DeepSeek-V3's to sigmoid routing: in a
+  config file's model_config, in what a config.json without the key means, in --print_config."""
+  from levanter_flax.config import loading, model_config
+  sizes = dict(vocab_size=256, seq_len=32, num_layers=2, num_heads=4, num_kv_heads=4,
+               hidden_dim=64, intermediate_dim=96)
+  assert model_config("qwen3_moe", **sizes).moe.num_experts == 128
+  assert loading.defaults("qwen3_moe")["model.moe.num_experts"] == 128
+  assert loading.defaults("deepseek_v3")["model.moe.scoring"] == "sigmoid"
+  assert loading.defaults("mixtral")["model.moe.scoring"] == "softmax"
+  run = to_run_config(load_config_file("configs/deepseek_v3.py:nano"))
+  printed = loading.describe_config(run)
+  assert "config.model.moe.num_experts = 16  (default 256)" in printed
+  assert "config.model.moe.scoring = 'sigmoid'\n" in printed

@@ -66,16 +66,14 @@ def _section_config(section: type, values: dict[str, Any], caller: str,
   a setting that has no default."""
   config = ml_collections.ConfigDict()
   for field in dataclasses.fields(section):
-    declared = schema.Declared(field.name, field)
-    own = None if defaults is None else getattr(defaults, field.name)
+    declared = schema.Declared(field.name, field, *(() if defaults is None
+                                                     else (getattr(defaults, field.name),)))
     if schema.is_section(field):
       config[field.name] = _section_config(type(field.default), dict(values.pop(field.name, {})),
-                                           caller, own if own is not None else field.default)
+                                           caller, declared.default)
     elif field.name in values:
       config[field.name] = values.pop(field.name)
-    elif own is not None and own != field.default:
-      config[field.name] = _as_config(declared, own)
-    elif field.default is not dataclasses.MISSING:
+    elif declared.default is not dataclasses.MISSING:
       config[field.name] = _as_config(declared, declared.written)
     else:
       raise UserError(f"{caller} needs {field.name}")

@@ -45,11 +45,16 @@ def overridden(section: type, name: str, default: Any) -> Any:
   return dataclasses.field(default=default, metadata={**field.metadata, "written": default})
 
 
+_FIELDS_OWN = object()  # Declared.own_default where the field's own default stands.
+
+
 @dataclasses.dataclass(frozen=True)
 class Declared:
-  """One setting as its section declares it."""
+  """One setting as its section declares it; `own_default`: where a family's instance of the
+  section says otherwise (Qwen3-MoE's 128 experts), its value."""
   key: str  # "trainer.batch_size"
   field: dataclasses.Field
+  own_default: Any = _FIELDS_OWN
 
   @property
   def name(self) -> str:
@@ -57,7 +62,7 @@ class Declared:
 
   @property
   def default(self) -> Any:
-    return self.field.default
+    return self.field.default if self.own_default is _FIELDS_OWN else self.own_default
 
   @property
   def doc(self) -> str:
@@ -69,6 +74,8 @@ class Declared:
 
   @property
   def written(self) -> Any:
+    if self.own_default is not _FIELDS_OWN and self.own_default != self.field.default:
+      return self.own_default
     return self.field.metadata.get("written", self.field.default)
 
   @property
@@ -93,11 +100,13 @@ def is_section(field: dataclasses.Field) -> bool:
   return dataclasses.is_dataclass(field.default) and not isinstance(field.default, type)
 
 
-def declared(section: type, prefix: str) -> Iterator[Declared]:
-  """Every setting of `section` and its nested sections, keyed under `prefix` ("trainer")."""
+def declared(section: type, prefix: str, instance: Any = None) -> Iterator[Declared]:
+  """Every setting of `section` and its nested sections, keyed under `prefix` ("trainer"), a
+  nested section's defaults its parent's instance of it (`instance`: of `section`)."""
   for field in dataclasses.fields(section):
     key = f"{prefix}.{field.name}"
+    own = _FIELDS_OWN if instance is None else getattr(instance, field.name)
     if is_section(field):
-      yield from declared(type(field.default), key)
+      yield from declared(type(field.default), key, field.default if instance is None else own)
     else:
-      yield Declared(key, field)
+      yield Declared(key, field, own)
