@@ -14,7 +14,9 @@ from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
 from levanter_flax.training import step
-from levanter_flax.models.common import with_compute, REMAT_POLICIES
+from levanter_flax.models import lora
+from levanter_flax.models.common import ComputeConfig, with_compute, REMAT_POLICIES
+from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
@@ -267,6 +269,16 @@ def test_weight_decay_skips_biases_and_layer_norms(scan_layers):
   assert decayed == {partitioning.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
                      if partitioning.path_name(p).endswith(("kernel", "embedding"))}
   assert not any(name.endswith(("bias", "scale")) for name in decayed)
+
+
+def test_weight_decay_takes_a_mixtures_expert_stacks_not_its_bias_or_their_adapters():
+  cfg = tiny("deepseek_v3", compute=ComputeConfig(scan_layers=True),
+             lora=LoraConfig(rank=2, targets=lora.EXPERT_TARGETS))
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  decayed = {partitioning.path_name(p) for p, d in jax.tree_util.tree_leaves_with_path(
+      optimizers.decay_mask(params)) if d}
+  assert {f"layers/mlp/experts/{name}" for name in ("gate_proj", "up_proj", "down_proj")} < decayed
+  assert not [name for name in decayed if "lora" in name or name.endswith(moe.BIAS)]
 
 
 @pytest.mark.slow

@@ -73,13 +73,21 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_train_steps: int) -> optax.
   return schedules.SCHEDULES[cfg.schedule].build(cfg, num_train_steps)
 
 
+# A mixture's expert stacks ([experts, in, out]): matrices named as HF names them, not kernels.
+EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")
+
+
 def decay_mask(params):
-  """Decay matrices (kernels, embeddings), never biases or LayerNorm scales.
+  """Decay matrices (kernels, embeddings, a mixture's expert stacks), never biases, norm
+  scales, LoRA's adapters of expert stacks or a router's balancing bias.
 
   Decided by name, not rank: stacked (scanned) layers make biases 2-D.
   """
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
+  def decays(path, _) -> bool:
+    names = [getattr(key, "key", None) for key in path]
+    return names[-1] in ("kernel", "embedding") or (
+        names[-1] in EXPERT_STACKS and len(names) > 1 and names[-2] == "experts")
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def _adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
