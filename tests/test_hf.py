@@ -19,7 +19,7 @@ from levanter_flax import models
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.models.llama import rope_frequencies
+from levanter_flax.models.llama import rope_attention_factor, rope_frequencies
 from levanter_flax.training.loop import train_and_evaluate
 from levanter_flax.models.common import with_compute
 
@@ -107,6 +107,9 @@ def _deepseek_v3(**changes):
 # of 64, llama3 keeps the first (< 64/4), ramps the second and divides the last two (> 64/1).
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64, "rope_theta": 500.0}
+# An original context of 8 of the 16 tokens, so that YaRN's interpolation matters.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "rope_theta": 500.0}
 HF_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2,
                                             n_head=4),
@@ -116,6 +119,7 @@ HF_CONFIGS = {
     "llama_rope_linear": lambda: _llama(
         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}),
     "llama_rope_llama3": lambda: _llama(rope_parameters=dict(LLAMA3)),
+    "llama_rope_yarn": lambda: _llama(rope_parameters=dict(YARN)),
     "llama_tied": lambda: _llama(tie_word_embeddings=True),
     "qwen2": lambda: _qwen2(),
     "qwen2_tied": lambda: _qwen2(tie_word_embeddings=True),
@@ -146,6 +150,9 @@ HF_CONFIGS = {
     "deepseek_v3_plain": lambda: _deepseek_v3(
         q_lora_rank=None, first_k_dense_replace=0, n_group=1, topk_group=1, rope_interleave=False,
         norm_topk_prob=False, n_shared_experts=2),
+    # DeepSeek-V3's YaRN: mscale and mscale_all_dim, which scale its scores too.
+    "deepseek_v3_yarn": lambda: _deepseek_v3(rope_parameters={
+        **YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16, "beta_slow": 2}),
 }
 TOKENS = np.random.default_rng(0).integers(0, 61, (2, 16))
 # Every config unrolled, and each family's plain one scanned: the layers stack the same way
@@ -301,7 +308,7 @@ def test_a_gemma3_config_of_transformers_4_reads_as_transformers_5_reads_it(tmp_
   assert (ours.sliding_window_pattern, ours.layer_types) == (2, "")
 
 
-@pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3"])
+@pytest.mark.parametrize("name", ["llama_rope_linear", "llama_rope_llama3", "llama_rope_yarn"])
 def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
   model = hf_model(name)
   directory = _saved(model, tmp_path)
@@ -324,23 +331,29 @@ def test_rope_scaling_matters_and_loads_from_either_key(name, tmp_path):
      "original_max_position_embeddings": 8192},  # Llama 3.1's.
     {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},  # Llama 3.2's.
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's.
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3's.
 ])
 def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
   config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32,
                                     max_position_embeddings=131072,
                                     rope_parameters={**rope, "rope_theta": 500000.0})
-  theirs, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+  theirs, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
   config.architectures = ["LlamaForCausalLM"]
   config.save_pretrained(tmp_path)
-  ours = rope_frequencies(snapshot.read_config(tmp_path))
-  np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+  ours = snapshot.read_config(tmp_path)
+  np.testing.assert_allclose(rope_frequencies(ours), theirs.numpy(), rtol=1e-6)
+  assert rope_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-7)
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}},
-     r"Llama config rope_parameters.rope_type='yarn' is not supported \(only default, linear, "
-     r"llama3\)"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 500.0}},
+     r"Llama config rope_parameters.rope_type='longrope' is not supported \(only default, "
+     r"linear, llama3, yarn\)"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5.0}},
+     r"lacks 'original_max_position_embeddings' for LlamaForCausalLM"),
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"Llama config rope_scaling.type='dynamic' is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5.0}},
@@ -368,8 +381,6 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
      r"DeepSeek-V3 config num_nextn_predict_layers=1 is not supported \(only 0\)"),
     ("deepseek_v3", {"n_group": 3}, r"DeepSeek-V3 config n_group=3 must divide n_routed_experts=8"),
     ("deepseek_v3", {"topk_method": "greedy"}, r"DeepSeek-V3 config topk_method='greedy'"),
-    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 5.0}},
-     r"rope_parameters.rope_type='yarn' is not supported"),
     ("deepseek_v3", {"topk_group": 5}, r"config.model.moe.top_groups must be between 1 and "
                                        r"config.model.moe.num_groups \(4\); got 5"),
     ("olmo2", {"attention_bias": True}, r"OLMo 2 config attention_bias=True is not supported"),

@@ -104,9 +104,14 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
 
 def test_an_unknown_rope_type_in_the_config_is_refused():
   config = load_config_file("llama_nano")
-  config.model.rope_type = "yarn"
+  config.model.rope_type = "longrope"
   with pytest.raises(UserError, match=r"config.model.rope_type must be one of default, linear, "
-                                      r"llama3; got 'yarn'"):
+                                      r"llama3, yarn; got 'longrope'"):
+    to_run_config(config)
+  config.model.rope_type = "yarn"
+  config.model.rope_beta_slow = 40.0
+  with pytest.raises(UserError, match=r"config.model.rope_beta_slow \(40.0\) must be positive "
+                                      r"and below rope_beta_fast \(32.0\)"):
     to_run_config(config)
 
 

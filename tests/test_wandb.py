@@ -42,6 +42,11 @@ def offline_wandb(monkeypatch, tmp_path_factory):
   monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "cache"))
   monkeypatch.setenv("WANDB_DATA_DIR", str(home / "data"))
   monkeypatch.setenv("NETRC", str(home / "netrc"))  # None there: no API key from ~/.netrc.
+  # W&B keeps its settings in a process-wide singleton: an earlier test's (another file's, or an
+  # online run's that failed to log in) must not decide this one's. Seen once in CI: an offline
+  # run that tried to log in and wrote no run record.
+  if sys.modules.get("wandb") is not None:
+    sys.modules["wandb"].teardown()
 
 
 # --- Reading W&B's run files back, as `wandb sync` does. ---

@@ -7,8 +7,8 @@ nano: a tiny byte-level DeepSeek-V3 on the CPU: one dense layer, then three of 1
     python -m levanter_flax.main --config=configs/deepseek_v3.py:nano
 671b: DeepSeek-V3's shape (61 layers, the first 3 dense, 671B parameters, 37B active) at 4096
     tokens, for planning (python -m levanter_flax.aot): the batch and ZeRO-3 over every device,
-    the experts split 8 ways. Its checkpoint's RoPE is YaRN-scaled and it has a
-    multi-token-prediction layer, which are refused: this config trains from scratch.
+    the experts split 8 ways. Its checkpoint has a multi-token-prediction layer, which is
+    refused: this config trains from scratch.
 """
 from levanter_flax.config import (choose_variant, default_config, expert_parallel, model_config,
                                   model_like, sibling_config)

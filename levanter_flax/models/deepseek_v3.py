@@ -21,7 +21,8 @@ moe.MoeBlock of experts of moe.expert_dim with num_shared_experts shared ones, r
 config.model.moe says (sigmoid scoring, num_groups, top_groups, routed_scaling_factor, the
 balancing bias). Scanned, the two kinds are two stacks, `dense_layers` and `layers`; unrolled,
 layers_<i> whatever their kind, numbered as Hugging Face's DeepseekV3ForCausalLM numbers them.
-Its multi-token-prediction layers (num_nextn_predict_layers) are refused.
+Its multi-token-prediction layers (num_nextn_predict_layers) are refused; its YaRN RoPE
+(llama.py) scales the scores too, by mscale_all_dim's term squared.
 """
 import dataclasses
 
@@ -99,14 +100,16 @@ class DeepseekV3Config(llama.LlamaConfig):
 
   @property
   def attention_scale(self) -> float:
-    return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+    """(qk_nope + qk_rope) ** -0.5, times YaRN's mscale squared (llama.yarn_score_scale)."""
+    return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * llama.yarn_score_scale(self)
 
 
 def _rotated(cfg: DeepseekV3Config, x: jax.Array, positions: jax.Array) -> jax.Array:
   """x [..., qk_rope_head_dim] turned by RoPE, de-interleaved first when cfg.rope_interleave."""
   if cfg.rope_interleave:
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  return llama.rotary_embedding(x, positions, llama.rope_frequencies(cfg, cfg.qk_rope_head_dim))
+  return llama.rotary_embedding(x, positions, llama.rope_frequencies(cfg, cfg.qk_rope_head_dim),
+                                llama.rope_attention_factor(cfg))
 
 
 def _latent_norm(cfg: DeepseekV3Config, name: str) -> nn.RMSNorm:

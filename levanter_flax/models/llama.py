@@ -1,7 +1,7 @@
 """A Llama-family decoder in Flax Linen, named like the Hugging Face checkpoint.
 
 RMSNorm before each sublayer, rotary position embeddings (RoPE) on queries
-and keys (optionally rescaled: HF's "linear" and "llama3" rope types),
+and keys (optionally rescaled: HF's "linear", "llama3" and "yarn" rope types),
 grouped-query attention (num_kv_heads key/value heads shared by
 num_heads query heads), a SwiGLU MLP, no biases, and an untied LM head.
 Parameter names follow transformers' LlamaForCausalLM without the `model.`
@@ -45,7 +45,7 @@ PARTITION_RULES = (
 # The per-head query and key norms' scales [head_dim] (Qwen3, Gemma 3) are small: whole on every
 # device.
 PER_HEAD_NORM_RULES = ((r"self_attn/(q_norm|k_norm)/scale$", (None,)),)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +64,9 @@ class LlamaConfig:
   rope_theta: float = setting(10000.0, "RoPE's base", MODEL)
   rope_type: str = setting(
       "default", "RoPE frequency scaling, as HF's rope_parameters: default (none), linear (every "
-      "frequency / rope_factor) or llama3 (Llama 3.1's, from the rope_* settings below)", MODEL)
-  rope_factor: float = setting(1.0, "linear and llama3: the scaling factor", MODEL)
+      "frequency / rope_factor), llama3 (Llama 3.1's) or yarn (YaRN: Qwen's long context, "
+      "DeepSeek-V3's), from the rope_* settings below", MODEL)
+  rope_factor: float = setting(1.0, "linear, llama3 and yarn: the scaling factor", MODEL)
   rope_low_freq_factor: float = setting(
       1.0, "llama3: wavelengths longer than rope_original_seq_len / this are divided by "
       "rope_factor", MODEL)
@@ -73,7 +74,21 @@ class LlamaConfig:
       4.0, "llama3: wavelengths shorter than rope_original_seq_len / this are kept; a smooth "
       "ramp between", MODEL)
   rope_original_seq_len: int = setting(
-      8192, "llama3: HF's original_max_position_embeddings, the pretraining context", MODEL)
+      8192, "llama3 and yarn: HF's original_max_position_embeddings, the pretraining context",
+      MODEL)
+  rope_beta_fast: float = setting(32.0, "yarn: pairs turning more than this often over "
+                                  "rope_original_seq_len keep their rate", MODEL)
+  rope_beta_slow: float = setting(1.0, "yarn: pairs turning less often than this are divided "
+                                  "by rope_factor; a ramp between", MODEL)
+  rope_truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole pairs (HF's "
+                                "truncate)", MODEL)
+  rope_attention_factor: float = setting(
+      0.0, "yarn: the rotated parts are scaled by this; 0: 0.1 ln(rope_factor) + 1, or with "
+      "rope_mscale and rope_mscale_all_dim their ratio of such terms", MODEL)
+  rope_mscale: float = setting(0.0, "yarn: HF's mscale (DeepSeek-V3's); 0: none", MODEL)
+  rope_mscale_all_dim: float = setting(
+      0.0, "yarn: HF's mscale_all_dim (DeepSeek-V3's; its scores are also scaled by the square "
+      "of 0.1 x this x ln(rope_factor) + 1); 0: none", MODEL)
   rms_norm_epsilon: float = setting(1e-5, "RMSNorm's epsilon", MODEL)
   initializer_range: float = setting(0.02, "Standard deviation of the initial weights")
   tie_word_embeddings: bool = setting(
@@ -111,6 +126,9 @@ class LlamaConfig:
                       f"got {self.rope_type!r}")
     if self.rope_type != "default" and not self.rope_factor > 0:
       raise UserError(f"config.model.rope_factor must be positive; got {self.rope_factor!r}")
+    if self.rope_type == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+      raise UserError(f"config.model.rope_beta_slow ({self.rope_beta_slow}) must be positive and "
+                      f"below rope_beta_fast ({self.rope_beta_fast})")
     low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
     if self.rope_type == "llama3" and not 0 < low < high:  # The ramp divides by high - low.
       raise UserError(f"config.model.rope_low_freq_factor ({self.rope_low_freq_factor}) must be "
@@ -158,19 +176,57 @@ def rope_frequencies(cfg: LlamaConfig, dims: int | None = None) -> np.ndarray:
     blended = (1 - smooth) * frequencies / cfg.rope_factor + smooth * frequencies
     frequencies = np.where(wavelengths > original / low, frequencies / cfg.rope_factor,
                            np.where(wavelengths < original / high, frequencies, blended))
+  elif cfg.rope_type == "yarn":
+    # Pairs that turn fewer than beta_slow times over the original context are interpolated
+    # (divided by the factor), those turning more than beta_fast times kept; a ramp between,
+    # over pair indices (the correction range), as transformers' _compute_yarn_parameters.
+    dims = 2 * half
+    pair_of = lambda turns: dims * math.log(cfg.rope_original_seq_len / (turns * 2 * math.pi)) / (
+        2 * math.log(cfg.rope_theta))
+    low, high = pair_of(cfg.rope_beta_fast), pair_of(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    ramp = np.clip((np.arange(half) - low) / (high - low if high != low else 0.001), 0, 1)
+    frequencies = frequencies / cfg.rope_factor * ramp + frequencies * (1 - ramp)
   return frequencies.astype(np.float32)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray) -> jax.Array:
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+  """What the rotated parts of queries and keys are scaled by: YaRN's attention factor, else 1."""
+  if cfg.rope_type != "yarn":
+    return 1.0
+  if cfg.rope_attention_factor:
+    return cfg.rope_attention_factor
+  if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+    return (_yarn_mscale(cfg.rope_factor, cfg.rope_mscale)
+            / _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim))
+  return _yarn_mscale(cfg.rope_factor)
+
+
+def yarn_score_scale(cfg: LlamaConfig) -> float:
+  """DeepSeek's further factor on attention scores under scaled RoPE: the square of mscale
+  at rope_mscale_all_dim (transformers' yarn_apply_mscale), else 1."""
+  if cfg.rope_type == "default" or not cfg.rope_mscale_all_dim:
+    return 1.0
+  return _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray,
+                     scale: float = 1.0) -> jax.Array:
   """Rotates x [batch, length, heads, head_dim] by positions [batch or 1, length], half-split
-  as in HF Llama.
+  as in HF Llama, and scales it by `scale` (rope_attention_factor: YaRN's).
 
   Dimension pairs (i, i + head_dim/2) turn by position * frequencies[i] (rope_frequencies),
   so a query-key product depends only on the two positions' difference.
   """
   half = x.shape[-1] // 2
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies)  # [b, length, half]
-  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+  cos, sin = scale * jnp.cos(angles)[:, :, None], scale * jnp.sin(angles)[:, :, None]
   first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
   return rotated.astype(x.dtype)
@@ -206,9 +262,11 @@ class Attention(nn.Module):
     k, v = (t.reshape(batch, length, cfg.num_kv_heads, cfg.head_dim) for t in (k, v))
     if cfg.qk_norm == "head":
       q, k = rms_norm(cfg, "q_norm")(q), rms_norm(cfg, "k_norm")(k)
-    frequencies = rope_frequencies(cfg)
-    q = constrain(rotary_embedding(q, positions, frequencies), "batch", "length", "heads", None)
-    k = constrain(rotary_embedding(k, positions, frequencies), "batch", "length", "heads", None)
+    frequencies, scale = rope_frequencies(cfg), rope_attention_factor(cfg)
+    q = constrain(rotary_embedding(q, positions, frequencies, scale), "batch", "length", "heads",
+                  None)
+    k = constrain(rotary_embedding(k, positions, frequencies, scale), "batch", "length", "heads",
+                  None)
     v = constrain(v, "batch", "length", "heads", None)
     # Each key/value head is shared among num_heads / num_kv_heads queries (XLA and splash alike).
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
@@ -353,6 +411,8 @@ def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
   if rope_type not in ROPE_TYPES:
     raise UserError(f"Llama config {where}{type_key}={rope_type!r} is not supported (only "
                     f"{', '.join(ROPE_TYPES)})")
+  if rope_type == "yarn":
+    return {"rope_theta": theta, "rope_type": rope_type, **_yarn_from_hf(hf, rope, where, seq_len)}
   fields = {"rope_theta": theta, "rope_type": rope_type,
             "rope_factor": hf_keys.number(rope, "factor", where=where)}
   if rope_type == "llama3":
@@ -367,6 +427,21 @@ def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
     fields |= {"rope_low_freq_factor": low, "rope_high_freq_factor": high,
                "rope_original_seq_len": original}
   return fields
+
+
+def _yarn_from_hf(hf: dict, rope: dict, where: str, seq_len: int) -> dict[str, Any]:
+  """The yarn rope_* fields, read as transformers' _compute_yarn_parameters reads them: no
+  factor means max_position_embeddings / original_max_position_embeddings (DeepSeek-V3's), and
+  a missing, null or zero beta, mscale or attention_factor its default."""
+  original = hf_keys.integer(rope, "original_max_position_embeddings", None, where) or (
+      hf_keys.integer(hf, "original_max_position_embeddings"))
+  optional = lambda key, default=0.0: (hf_keys.number(rope, key, where=where) if rope.get(key)
+                                       else default)
+  return {"rope_factor": optional("factor", seq_len / original), "rope_original_seq_len": original,
+          "rope_beta_fast": optional("beta_fast", 32.0), "rope_beta_slow": optional("beta_slow", 1.0),
+          "rope_truncate": hf_keys.boolean(rope, "truncate", True),
+          "rope_attention_factor": optional("attention_factor"),
+          "rope_mscale": optional("mscale"), "rope_mscale_all_dim": optional("mscale_all_dim")}
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
@@ -395,6 +470,13 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict:
     rope |= {"low_freq_factor": cfg.rope_low_freq_factor,
              "high_freq_factor": cfg.rope_high_freq_factor,
              "original_max_position_embeddings": cfg.rope_original_seq_len}
+  if cfg.rope_type == "yarn":
+    rope |= {"original_max_position_embeddings": cfg.rope_original_seq_len,
+             "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+             "truncate": cfg.rope_truncate}
+    rope |= {key: value for key, value in (("attention_factor", cfg.rope_attention_factor),
+                                           ("mscale", cfg.rope_mscale),
+                                           ("mscale_all_dim", cfg.rope_mscale_all_dim)) if value}
   return {"rope_scaling": rope, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta}}
 
 
