@@ -1,4 +1,5 @@
 """Sampling on a KV cache: greedy equals the full forward's argmax, filters, prompts, the CLI."""
+import dataclasses
 import os
 import sys
 
@@ -21,6 +22,7 @@ from levanter_flax.models.olmo2 import Olmo2Config
 from levanter_flax.models.gemma3 import Gemma3Config
 from levanter_flax.models.qwen3 import Qwen3Config
 from levanter_flax.models.deepseek_v3 import DeepseekV3Config
+from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.moe import MoeConfig
 from levanter_flax.data.tokenizers import ByteTokenizer
 from levanter_flax.generate.decoding import SamplingConfig, choose
@@ -89,6 +91,20 @@ def test_greedy_decoding_on_the_cache_equals_the_full_forward_argmax(name):
   got = generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=10, temperature=0))
   for prompt, continuation in zip(PROMPTS, got):
     assert continuation == full_forward_greedy(model, params, prompt, 10)
+
+
+@pytest.mark.slow
+def test_deepseeks_absorbed_decoding_takes_lora_adapters_on_kv_b_proj():
+  """The latent cache's attention multiplies by kv_b_proj's kernel itself: its LoRA adapters
+  (nonzero here) must be in it, as the full forward's Dense applies them."""
+  cfg = dataclasses.replace(MODELS["deepseek_v3"], lora=LoraConfig(rank=2, targets="kv_b_proj"))
+  model = models.build(cfg)
+  params = model.init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+  params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.5 if path[-1].key == "lora_b" else x, params)
+  got = generate(cfg, params, PROMPTS[:1], SamplingConfig(max_new_tokens=6, temperature=0))
+  assert got[0] == full_forward_greedy(model, params, PROMPTS[0], 6)
 
 
 def test_deepseeks_cache_holds_the_latents_not_the_heads_keys_and_values():
