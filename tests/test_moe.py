@@ -203,7 +203,7 @@ def test_the_balancing_bias_moves_by_its_rule_outside_the_gradient():
   model = models.build(cfg)
   params = models.init_params(cfg, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (4, cfg.seq_len), 0, cfg.vocab_size)
-  sown = jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=["router"])[1])(params, tokens)
+  sown = jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=[moe.BALANCE])[1])(params, tokens)
   optimizer = optax.sgd(0.0)
   state = step.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
   for num_microbatches in (1, 2):
@@ -216,7 +216,7 @@ def test_the_balancing_bias_moves_by_its_rule_outside_the_gradient():
       if keys[-1] != moe.BIAS:
         np.testing.assert_array_equal(after, before, err_msg="/".join(keys))
         continue
-      load = np.asarray(sown["router"][keys[0]]["mlp"]["expert_load"][0])
+      load = np.asarray(sown[moe.BALANCE][keys[0]]["mlp"]["expert_load"][0])
       np.testing.assert_allclose(np.asarray(after) - np.asarray(before),
                                  cfg.moe.bias_update_rate * np.sign(load.mean() - load), atol=1e-7)
       biased += 1
@@ -265,3 +265,4 @@ def test_a_killed_deepseek_run_resumes_with_its_biases_bit_exact(data_cache, tmp
   jax.tree.map(np.testing.assert_array_equal, killed, straight)
   assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "straight")
   assert sorted(train_losses(tmp_path / "killed")) == [1, 2, 3, 4]
+

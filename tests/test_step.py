@@ -114,10 +114,10 @@ def test_scanning_the_layers_leaves_the_run_unchanged(family):
   (params, parts, grads), (scanned_params, scanned_parts, scanned_grads) = results
   assert_trees_close(models.unstack_layers(cfg, scanned_params), params, 0)
   # Sigmoid routing's loads per expert, by block: a scanned stack's [layers, experts] at once.
-  loads, scanned_loads = ({**p}.pop(moe.EXPERT_LOAD, {}) for p in (parts, scanned_parts))
+  loads, scanned_loads = ({**p}.pop(moe.BALANCE, {}) for p in (parts, scanned_parts))
   assert_trees_close(list(scanned_loads.values()), [np.stack(list(loads.values()))] if loads else [],
                      0)
-  others = lambda p: {name: value for name, value in p.items() if name != moe.EXPERT_LOAD}
+  others = lambda p: {name: value for name, value in p.items() if name != moe.BALANCE}
   assert_trees_close(others(scanned_parts), others(parts), 1e-6)  # A mixture's router_aux_loss too.
   assert_trees_close(models.unstack_layers(cfg, scanned_grads), grads, 1e-5)
 

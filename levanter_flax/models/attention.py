@@ -70,28 +70,45 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
                                         implementation=implementation,
                                         local_window_size=(window - 1, 0) if window else None
                                         )[..., :value_dim]
-  creating = not module.has_variable("cache", "keys")
-  keys = module.variable("cache", "keys", jnp.zeros, k.shape, k.dtype)
-  values = module.variable("cache", "values", jnp.zeros, v.shape, v.dtype)
-  real = module.variable("cache", "real", jnp.zeros, k.shape[:2], jnp.bool_)
-  index = module.variable("cache", "index", lambda: jnp.zeros([], jnp.int32))
-  if creating:  # model.init with a cache-sized input: shapes only.
+  cache, mask = append_to_cache(module, {"keys": k, "values": v}, token_mask, window, windowed)
+  if cache is None:  # model.init with a cache-sized input: shapes only.
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  start, length = index.value, q.shape[1]
+  return jax.nn.dot_product_attention(q, cache["keys"], cache["values"], mask=mask, scale=scale)
+
+
+def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
+                    token_mask: jax.Array | None, window: int = 0,
+                    windowed: bool | jax.Array = True
+                    ) -> tuple[dict[str, jax.Array] | None, jax.Array | None]:
+  """Writes `entries` (name: [batch, length, ...], the new tokens') into `module`'s "cache"
+  collection at its index, with which of them are real (token_mask [batch, length], by default
+  all) and the index moved past them. Returns (the cache's entries, whole; the mask [batch, 1,
+  length, cache] of the slots each new token sees: real ones, causal, within `window` where
+  `windowed`), or (None, None) while model.init creates the cache."""
+  first = next(iter(entries.values()))
+  creating = not module.has_variable("cache", next(iter(entries)))
+  cache = {name: module.variable("cache", name, jnp.zeros, value.shape, value.dtype)
+           for name, value in entries.items()}
+  real = module.variable("cache", "real", jnp.zeros, first.shape[:2], jnp.bool_)
+  index = module.variable("cache", "index", lambda: jnp.zeros([], jnp.int32))
+  if creating:
+    return None, None
+  start, length = index.value, first.shape[1]
   if token_mask is None:
-    token_mask = jnp.ones(q.shape[:2], jnp.bool_)
-  keys.value = jax.lax.dynamic_update_slice(keys.value, k, (0, start, 0, 0))
-  values.value = jax.lax.dynamic_update_slice(values.value, v, (0, start, 0, 0))
+    token_mask = jnp.ones(first.shape[:2], jnp.bool_)
+  for name, value in entries.items():
+    cache[name].value = jax.lax.dynamic_update_slice(cache[name].value, value,
+                                                     (0, start) + (0,) * (value.ndim - 2))
   real.value = jax.lax.dynamic_update_slice(real.value, token_mask, (0, start))
   index.value = start + length
-  slots = jnp.arange(keys.value.shape[1])
+  slots = jnp.arange(real.value.shape[1])
   query_slots = start + jnp.arange(length)[:, None]
   visible = slots[None, :] <= query_slots  # [length, cache]: causal.
   if window:  # Prompts are left-padded, so slots after a real token are real: slots count tokens.
     near = slots[None, :] > query_slots - window
-    visible &= (near | ~windowed) if traced else near
-  mask = visible[None, None] & real.value[:, None, None, :]  # [batch, 1, length, cache]
-  return jax.nn.dot_product_attention(q, keys.value, values.value, mask=mask, scale=scale)
+    visible &= near if isinstance(windowed, bool) else near | ~windowed
+  mask = visible[None, None] & real.value[:, None, None, :]
+  return {name: variable.value for name, variable in cache.items()}, mask
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],

@@ -171,7 +171,8 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
                                                      static_argnums=static)
   if cfg.compute.scan_layers:
-    scanned = dict(variable_axes={"params": 0, "cache": 0, "losses": 0, "router": 0},
+    scanned = dict(variable_axes={name: 0 for name in ("params", "cache", "losses", "router",
+                                                       "balance")},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
                    length=len(layers))
     if per_layer is None:

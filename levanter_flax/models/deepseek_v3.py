@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import MODEL, STATE, overridden, setting
 from levanter_flax.models import common, hf_keys, llama, lora, moe
-from levanter_flax.models.attention import causal_attention
+from levanter_flax.models.attention import append_to_cache, causal_attention
 from levanter_flax.models.common import attention_implementation, constrain, stack_layers
 from levanter_flax.models.family import HFLayout, ModelFamily
 from levanter_flax.models.moe import MoeConfig, moe_section
@@ -159,33 +159,19 @@ class LatentAttention(nn.Module):
     length, heads, nope] through kv_b_proj's key half scores against the latents themselves,
     and the weighted latents go through its value half. Returns [batch, length, heads, v]."""
     cfg = self.config
-    creating = not self.has_variable("cache", "latents")
-    latents = self.variable("cache", "latents", jnp.zeros, latent.shape, latent.dtype)
-    rope_keys = self.variable("cache", "rope_keys", jnp.zeros, k_rope.shape, k_rope.dtype)
-    real = self.variable("cache", "real", jnp.zeros, latent.shape[:2], jnp.bool_)
-    index = self.variable("cache", "index", lambda: jnp.zeros([], jnp.int32))
-    if creating:  # model.init with a cache-sized input: shapes only (and kv_b_proj's params).
+    cache, mask = append_to_cache(self, {"latents": latent, "rope_keys": k_rope}, token_mask)
+    if cache is None:  # model.init with a cache-sized input: shapes only (and kv_b_proj's params).
       expand(latent)
       return jnp.zeros((*q_nope.shape[:3], cfg.v_head_dim), q_nope.dtype)
-    start, length = index.value, q_nope.shape[1]
-    if token_mask is None:
-      token_mask = jnp.ones(q_nope.shape[:2], jnp.bool_)
-    latents.value = jax.lax.dynamic_update_slice(latents.value, latent, (0, start, 0))
-    rope_keys.value = jax.lax.dynamic_update_slice(rope_keys.value, k_rope, (0, start, 0))
-    real.value = jax.lax.dynamic_update_slice(real.value, token_mask, (0, start))
-    index.value = start + length
     kernel = lora.effective_kernel(expand).reshape(cfg.kv_lora_rank, cfg.num_heads, -1)
     key_half, value_half = kernel[..., :cfg.qk_nope_head_dim], kernel[..., cfg.qk_nope_head_dim:]
     f32 = lambda a: a.astype(jnp.float32)
-    scores = (jnp.einsum("blhn,rhn,bsr->bhls", f32(q_nope), f32(key_half), f32(latents.value))
-              + jnp.einsum("blhd,bsd->bhls", f32(q_rope), f32(rope_keys.value)))
-    slots = jnp.arange(latents.value.shape[1])
-    visible = slots[None, :] <= start + jnp.arange(length)[:, None]  # [length, cache]: causal.
-    mask = visible[None, None] & real.value[:, None, None, :]
+    scores = (jnp.einsum("blhn,rhn,bsr->bhls", f32(q_nope), f32(key_half), f32(cache["latents"]))
+              + jnp.einsum("blhd,bsd->bhls", f32(q_rope), f32(cache["rope_keys"])))
     # Finite, as jax.nn's attention: a left padding's query sees nothing, and must not be NaN.
     weights = jax.nn.softmax(jnp.where(mask, scores * cfg.attention_scale,
                                        jnp.finfo(jnp.float32).min), axis=-1)
-    out = jnp.einsum("bhls,bsr,rhv->blhv", weights, f32(latents.value), f32(value_half))
+    out = jnp.einsum("bhls,bsr,rhv->blhv", weights, f32(cache["latents"]), f32(value_half))
     return out.astype(q_nope.dtype)
 
 

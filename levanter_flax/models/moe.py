@@ -42,7 +42,8 @@ result (`_ragged_all_to_all`).
 Each layer sows into "losses" the Switch Transformer load-balancing loss and the router z-loss
 (ST-MoE: mean of logsumexp(router logits)^2); the step weighs them by `loss_coefficients`.
 It sows into "router" what the step logs: each layer's busiest expert's load over the mean
-load, the router's entropy, and the fraction of token copies dropped.
+load, the router's entropy, and the fraction of token copies dropped; a sigmoid router also
+sows its copies per expert into BALANCE, for the balancing biases' update.
 """
 import dataclasses
 import math
@@ -61,9 +62,10 @@ from levanter_flax.models.common import constrain, platform_in_context
 
 SCORINGS = ("softmax", "sigmoid")
 BIAS = "e_score_correction_bias"  # Sigmoid routing's balancing bias, HF's name for it.
-# What the step takes out of a mixture's parts: each layer's copies per expert, by the path of
-# its MoeBlock ("layers/mlp"), for the balancing biases' update.
-EXPERT_LOAD = "router/expert_load"
+# The collection a sigmoid router sows each layer's copies per expert into ("expert_load"): the
+# step's, for the balancing biases' update, not a metric. The loss's parts carry them under this
+# name too, by the path of their MoeBlock ("layers/mlp").
+BALANCE = "balance"
 # Each expert stack's logical axes: its partition rule, and its layout inside the layer.
 EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),
                "down_proj": ("experts", "mlp", "embed")}
@@ -190,16 +192,21 @@ def grouped_matmul(cfg: MoeConfig) -> str:
   return "gmm" if platform_in_context() == "tpu" else "ragged_dot"
 
 
+def section_of(cfg) -> "MoeConfig | None":
+  """A model config's mixture section; None for a dense family's."""
+  return getattr(cfg, "moe", None)
+
+
 def loss_coefficients(cfg) -> dict[str, float]:
   """The weight in the training loss of each auxiliary loss a model config's layers sow."""
-  moe = getattr(cfg, "moe", None)
+  moe = section_of(cfg)
   return {} if moe is None else {"router_aux_loss": moe.router_aux_loss_coef,
                                  "router_z_loss": moe.router_z_loss_coef}
 
 
 def bias_update_rate(cfg) -> float:
   """How far a model config's balancing biases move a step (0: no mixture, or fixed)."""
-  moe = getattr(cfg, "moe", None)
+  moe = section_of(cfg)
   return 0.0 if moe is None else moe.bias_update_rate
 
 
@@ -279,7 +286,7 @@ def _within_top_groups(cfg: MoeConfig, choice: jax.Array) -> jax.Array:
 def updated_biases(params: dict, loads: dict[str, jax.Array], rate: float) -> dict:
   """params with each sigmoid router's bias moved by `rate` towards an even load: up for an
   expert given fewer copies than the mean, down for more (DeepSeek-V3's auxiliary-loss-free
-  balancing). loads: EXPERT_LOAD's, by MoeBlock path, [experts] or a scanned stack's
+  balancing). loads: the parts' BALANCE, by MoeBlock path, [experts] or a scanned stack's
   [layers, experts]. Outside the gradient: whatever the optimizer did to the bias is replaced."""
   def update(path, value):
     keys = [key.key for key in path]
@@ -337,7 +344,7 @@ class MoeBlock(nn.Module):
                                            axis=-1).mean())
     self.sow("router", "dropped_fraction", dropped / experts.size)
     if bias is not None:
-      self.sow("router", "expert_load", load)
+      self.sow(BALANCE, "expert_load", load)
     if moe.num_shared_experts:
       width = expert_width(cfg) * moe.num_shared_experts
       mixed = mixed + self.shared_mlp(dataclasses.replace(cfg, intermediate_dim=width),

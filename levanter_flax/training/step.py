@@ -177,7 +177,7 @@ def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = 
   and the parts add the dpo/ metrics, means over the rows too.
   """
   losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
-  auxiliary = {**_sown_losses(sown), **_router_metrics(sown)}
+  auxiliary = {**_sown_losses(sown), **_router_metrics(sown), **_expert_loads(sown)}
   coefficients = moe.loss_coefficients(model.config)
   if preference is not None:
     pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
@@ -215,7 +215,7 @@ def _token_losses(model: nn.Module, params, tokens: jax.Array,
   block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
-                            mutable=["losses", "router"], rngs=rngs)
+                            mutable=["losses", "router", moe.BALANCE], rngs=rngs)
   if block_size:
     hidden, sown = apply(return_hidden=True)
     return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
@@ -236,25 +236,26 @@ def _sown_losses(sown) -> Metrics:
 
 def _router_metrics(sown) -> Metrics:
   """A mixture's router metrics: router/layer_<i>/load_max_over_mean for each layer, and
-  router/entropy and router/dropped_fraction averaged over layers; with sigmoid routing, each
-  layer's copies per expert by its block's path under moe.EXPERT_LOAD (the step's, not a
-  metric)."""
+  router/entropy and router/dropped_fraction averaged over layers."""
   router = sown.get("router", {})
   if not router:
     return {}
-  per_layer, loads = collections.defaultdict(list), {}
+  per_layer = collections.defaultdict(list)
   for path, value in sorted(jax.tree_util.tree_leaves_with_path(router),
                             key=lambda leaf: _layer_index(leaf[0])):
-    if path[-2].key == "expert_load":
-      loads["/".join(key.key for key in path[:-2])] = value
-    else:
-      per_layer[path[-2].key].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
+    per_layer[path[-2].key].append(jnp.reshape(value, -1))  # Scanned layers sow a stack.
   per_layer = {name: jnp.concatenate(parts) for name, parts in per_layer.items()}
   return {**{f"router/layer_{i}/load_max_over_mean": load
              for i, load in enumerate(per_layer["load_max_over_mean"])},
           "router/entropy": per_layer["entropy"].mean(),
-          "router/dropped_fraction": per_layer["dropped_fraction"].mean(),
-          **({moe.EXPERT_LOAD: loads} if loads else {})}
+          "router/dropped_fraction": per_layer["dropped_fraction"].mean()}
+
+
+def _expert_loads(sown) -> dict:
+  """Sigmoid routers' copies per expert, {moe.BALANCE: {MoeBlock path: load}}; {} without."""
+  loads = {"/".join(key.key for key in path[:-2]): value
+           for path, value in jax.tree_util.tree_leaves_with_path(sown.get(moe.BALANCE, {}))}
+  return {moe.BALANCE: loads} if loads else {}
 
 
 def _layer_index(path) -> int:
@@ -379,7 +380,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                                               num_microbatches, eos_id, weights, state.frozen,
                                               dropout_key, preference, unreduced)
     parts = dict(parts)
-    expert_loads = parts.pop(moe.EXPERT_LOAD, None)
+    expert_loads = parts.pop(moe.BALANCE, None)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
@@ -515,7 +516,7 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
   """
-  if hasattr(run.model, "moe"):
+  if moe.section_of(run.model) is not None:
     moe.check_expert_axis(run.model.moe, partitioner.logical_axis_size("experts"))
   platform = partitioner.mesh.devices.flat[0].platform
   attention = common.attention_implementation(run.model, platform)
