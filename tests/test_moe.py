@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from levanter_flax import models
 from levanter_flax.core.errors import UserError
-from levanter_flax.models import moe
+from levanter_flax.models import common, moe
 from levanter_flax.models.moe import MoeConfig
 from levanter_flax.generate.trained import run_params
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
@@ -266,3 +266,23 @@ def test_a_killed_deepseek_run_resumes_with_its_biases_bit_exact(data_cache, tmp
   assert train_losses(tmp_path / "killed") == train_losses(tmp_path / "straight")
   assert sorted(train_losses(tmp_path / "killed")) == [1, 2, 3, 4]
 
+
+def test_the_experts_bfloat16_cast_is_convert_bit_for_bit():
+  """common.cast_in_layer rounds float32 to bfloat16 by hand (so that the TPU compiler keeps it
+  in the layer loop): every bit pattern's result, NaN aside, and the gradient are convert's."""
+  bits = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+  edges = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001,
+                    0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x3F808001, 0x7FFFFFFF,
+                    0xFFFFFFFF, 0x7FC00000], np.uint32)
+  x = np.concatenate([bits, edges]).view(np.float32)
+  ours = np.asarray(jax.jit(lambda a: common.cast_in_layer(a, jnp.bfloat16))(x))
+  convert = np.asarray(jax.jit(lambda a: a.astype(jnp.bfloat16))(x))
+  nan = np.isnan(x)
+  np.testing.assert_array_equal(ours.view(np.uint16)[~nan], convert.view(np.uint16)[~nan])
+  assert np.isnan(ours[nan].astype(np.float32)).all()
+  weights = jnp.arange(4.0)
+  grad = lambda cast: jax.grad(lambda a: (cast(a).astype(jnp.float32) * weights).sum())(
+      jnp.ones(4))
+  ours_grad = grad(lambda a: common.cast_in_layer(a, jnp.bfloat16))
+  assert ours_grad.dtype == jnp.float32
+  np.testing.assert_array_equal(ours_grad, grad(lambda a: a.astype(jnp.bfloat16)))

@@ -26,6 +26,7 @@ import numpy as np
 
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, MODEL, STATE, setting
+from levanter_flax.models.common import cast_in_layer
 
 ADAPTERS = ("lora_a", "lora_b")
 # The attention and MLP projections of every family: GPT-2's c_attn, c_proj (attention's and
@@ -89,11 +90,20 @@ def targeted(lora: LoraConfig, kernel_name: str) -> bool:
   return bool(lora.rank) and bool(re.search(lora.targets, _LAYER_INDEX.sub(r"\1/", kernel_name)))
 
 
+def _promote_in_layer(*arrays, dtype=None, inexact: bool = True) -> list:
+  """flax's promote_dtype, whose casts to a given dtype stay in a scanned layer's loop
+  (common.cast_in_layer)."""
+  if dtype is None:
+    return dtypes.promote_dtype(*arrays, inexact=inexact)
+  return [None if a is None else cast_in_layer(jnp.asarray(a), dtype) for a in arrays]
+
+
 class Dense(nn.Dense):
   """nn.Dense (the same parameters and arithmetic), plus LoRA adapters when config.model.lora
   targets its kernel. Dropout on the adapters' input needs a "dropout" rng: the train step
   gives one, evaluation and sampling none."""
   lora: LoraConfig = LoraConfig()
+  promote_dtype: Any = _promote_in_layer
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -108,7 +118,7 @@ class Dense(nn.Dense):
     if self.lora.dropout and self.has_rng("dropout"):
       keep = jax.random.bernoulli(self.make_rng("dropout"), 1 - self.lora.dropout, x.shape)
       x = jnp.where(keep, x / (1 - self.lora.dropout), 0).astype(x.dtype)
-    x, a, b = dtypes.promote_dtype(x, a, b, dtype=self.dtype)
+    x, a, b = self.promote_dtype(x, a, b, dtype=self.dtype)
     return y + (x @ a @ b) * jnp.asarray(self.lora.scale, y.dtype)
 
 

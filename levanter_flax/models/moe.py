@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 from levanter_flax.models import lora
-from levanter_flax.models.common import constrain, platform_in_context
+from levanter_flax.models.common import cast_in_layer, constrain, platform_in_context
 
 SCORINGS = ("softmax", "sigmoid")
 BIAS = "e_score_correction_bias"  # Sigmoid routing's balancing bias, HF's name for it.
@@ -372,8 +372,8 @@ class Experts(nn.Module):
     shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": wide[:1] + wide[:0:-1]}
     # With LoRA adapters added, then in the compute dtype: any ZeRO-3 split is gathered in it
     # (routed_experts).
-    stacks = [lora.with_stack_adapters(self, cfg.lora, name, self.param(
-        name, init, shape, cfg.compute.param_dtype)).astype(cfg.compute.dtype)
+    stacks = [cast_in_layer(lora.with_stack_adapters(self, cfg.lora, name, self.param(
+        name, init, shape, cfg.compute.param_dtype)), cfg.compute.dtype)
               for name, shape in shapes.items()]
     return routed_experts(cfg.moe, x, experts, weights, *stacks)
 
