@@ -59,6 +59,9 @@ _FULL, _LAST = 1, 4
 
 def wandb_records(run_dir: pathlib.Path) -> list:
   from wandb.proto import wandb_internal_pb2
+  # W&B's service writes the run file after run.finish() returns (seen in CI: read too soon, it
+  # held no run record yet); its teardown waits for it to finish.
+  sys.modules["wandb"].teardown()
   (path,) = run_dir.glob("*.wandb")
   data = path.read_bytes()
   assert data[:4] == b":W&B", path
