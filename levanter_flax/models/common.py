@@ -27,6 +27,12 @@ SPLASH_BLOCK_MULTIPLE = 128
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+# The collections a layer sows into, stacked per layer like its params: the losses the step adds
+# (a mixture's router losses), the router's metrics, and a sigmoid router's copies per expert
+# for its balancing biases (moe.py).
+BALANCE = "balance"
+SOWN_COLLECTIONS = ("losses", "router", BALANCE)
+
 
 def _remat(key: str, value: Any) -> str:
   """A policy name; True and False (or their strings) are "full" and "none"."""
@@ -146,21 +152,24 @@ def cast_in_layer(params: jax.Array, dtype) -> jax.Array:
   (their ZeRO-3 share) lives through the forward and backward loops: 1.7 GiB a chip for
   Qwen3-30B-A3B's experts, 0.4 for Llama-2-7B on v5p-64. float32 to bfloat16 is therefore
   rounded here by hand, as convert rounds (to nearest, ties to even), which the compiler does
-  not take for a convert."""
-  if params.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.bfloat16:
+  not take for a convert. Other platforms' compilers keep the convert in the loop: there it is
+  a plain convert."""
+  if (params.dtype != jnp.float32 or jnp.dtype(dtype) != jnp.bfloat16
+      or platform_in_context() != "tpu"):
     return params.astype(dtype)
-  return _float32_to_bfloat16(params)
+  return float32_to_bfloat16(params)
 
 
 @jax.custom_vjp
-def _float32_to_bfloat16(x: jax.Array) -> jax.Array:
+def float32_to_bfloat16(x: jax.Array) -> jax.Array:
+  """x.astype(bfloat16) for float32 x, bit for bit, by integer arithmetic (cast_in_layer)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # Carries into the exponent as it must.
   narrowed = jax.lax.bitcast_convert_type(rounded.astype(jnp.uint16), jnp.bfloat16)
   return jnp.where(jnp.isnan(x), jnp.bfloat16(jnp.nan), narrowed)  # A NaN's carry would wrap.
 
 
-_float32_to_bfloat16.defvjp(lambda x: (_float32_to_bfloat16(x), None),
+float32_to_bfloat16.defvjp(lambda x: (float32_to_bfloat16(x), None),
                             lambda _, cotangent: (cotangent.astype(jnp.float32),))
 
 
@@ -198,8 +207,7 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
                                                      static_argnums=static)
   if cfg.compute.scan_layers:
-    scanned = dict(variable_axes={name: 0 for name in ("params", "cache", "losses", "router",
-                                                       "balance")},
+    scanned = dict(variable_axes={name: 0 for name in ("params", "cache", *SOWN_COLLECTIONS)},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
                    length=len(layers))
     if per_layer is None:

@@ -58,14 +58,14 @@ from jax.sharding import PartitionSpec as P
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, MODEL, STATE, setting
 from levanter_flax.models import lora
-from levanter_flax.models.common import cast_in_layer, constrain, platform_in_context
+from levanter_flax.models.common import (BALANCE, cast_in_layer, constrain,
+                                         platform_in_context)
 
 SCORINGS = ("softmax", "sigmoid")
 BIAS = "e_score_correction_bias"  # Sigmoid routing's balancing bias, HF's name for it.
-# The collection a sigmoid router sows each layer's copies per expert into ("expert_load"): the
-# step's, for the balancing biases' update, not a metric. The loss's parts carry them under this
-# name too, by the path of their MoeBlock ("layers/mlp").
-BALANCE = "balance"
+# BALANCE (common's): the collection a sigmoid router sows each layer's copies per expert into
+# ("expert_load"), the step's for the balancing biases' update, not a metric. The loss's parts
+# carry them under this name too, by the path of their MoeBlock ("layers/mlp").
 # Each expert stack's logical axes: its partition rule, and its layout inside the layer.
 EXPERT_AXES = {"gate_proj": ("experts", "embed", "mlp"), "up_proj": ("experts", "embed", "mlp"),
                "down_proj": ("experts", "mlp", "embed")}
