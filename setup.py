@@ -47,7 +47,7 @@ setuptools.setup(
         "zstandard>=0.22",
         # Hugging Face checkpoints: trainer.init_from_hf and export_hf.
         "safetensors>=0.4,<1",
-        # `python -m levanter_flax.report` draws its PNGs with it.
+        # `levanter-flax report` draws its PNGs with it.
         "matplotlib>=3.8,<4",
         # Chat templates (prepare --source=chat|preference, sample --chat) are Jinja, rendered as
         # transformers renders them (data/chat.py) without transformers and torch.
@@ -87,14 +87,14 @@ setuptools.setup(
         # `prepare --engine=beam`. 2.72 is the first whose protobuf pins agree with
         # TensorFlow 2.21's; Dataflow also needs apache-beam[gcp].
         "beam": ["apache-beam>=2.72"],
-        # `python -m levanter_flax.evaluate` and trainer.eval_harness_*: lm-eval-harness's tasks,
+        # `levanter-flax evaluate` and trainer.eval_harness_*: lm-eval-harness's tasks,
         # metrics and evaluator (harness.py subclasses its TemplateLM; docs/build-notes.md).
         "eval": ["lm-eval==0.4.13"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],
         "tpu": ["jax[tpu]>=0.10,<0.12"],
-        # `python -m levanter_flax.aot`: TPU executables compiled on any Linux x86 machine. The
+        # `levanter-flax aot`: TPU executables compiled on any Linux x86 machine. The
         # libtpu that jax[tpu] 0.10.2 pins: another speaks another ABI to jaxlib (docs/build-notes.md).
         "tpu-aot": ["libtpu==0.0.42.*"],
     },

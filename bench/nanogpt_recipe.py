@@ -31,7 +31,7 @@ NANOGPT_COMMAND = [
 def ours(text: pathlib.Path, scratch: pathlib.Path) -> tuple[float, float]:
   """(wall seconds of the training run, its final eval loss)."""
   data = scratch / "shakespeare"
-  subprocess.run([sys.executable, "-m", "levanter_flax.prepare", "--source=text",
+  subprocess.run([sys.executable, "-m", "levanter_flax.commands.prepare", "--source=text",
                   f"--input={text}", "--separator=\\n\\n", "--validation_fraction=0.1",
                   "--tokenizer=byte", "--num_shards=1", f"--output_dir={data}"],
                  cwd=REPO, check=True, capture_output=True)

@@ -1,4 +1,4 @@
-"""Decoding speed: the KV cache against recomputing the whole sequence for every token.
+"""Decoding speed: the engine's KV cache against recomputing the whole sequence for every token.
 
     python bench/sampling.py [--architecture=gpt2|llama --batch_size=4 --max_new_tokens=96]
 
@@ -15,7 +15,7 @@ import numpy as np
 from levanter_flax import models
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
-from levanter_flax.generate.decoding import SamplingConfig
+from levanter_flax.generate.engine import SamplingParams
 from levanter_flax.generate.prompts import generate
 
 
@@ -43,7 +43,7 @@ def main():
   model = models.build(cfg)
   params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch_size, args.prompt_len))
-  sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=0)
+  sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=0)
   timings = {}
   for name, decode in (("kv cache", lambda: np.array(generate(cfg, params, prompts.tolist(), sampling))),
                        ("recompute", lambda: recomputed(model, params, prompts, args.max_new_tokens,

@@ -1,7 +1,7 @@
 """Learning rate x batch size on gpt2_nano: 4 work units, each a short CPU run.
 
     python -m levanter_flax.launch launch/nano_lr_sweep.py --max_parallel=2
-    python -m levanter_flax.report runs/experiments/nano_lr_sweep/*
+    levanter-flax report runs/experiments/nano_lr_sweep/*
 """
 from levanter_flax.launch import Experiment, product, sweep
 

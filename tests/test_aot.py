@@ -98,7 +98,7 @@ def nano(**overrides):
 def test_the_command_prints_and_writes_every_key(tmp_path):
   pytest.importorskip("libtpu")
   output = tmp_path / "plan.json"
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.commands.aot", f"--config={NANO}",
                            "--topology=v5e-4", "--config.model.num_layers=2",
                            # XLA's attention: the compiler counts no FLOPs inside a Pallas kernel.
                            "--config.model.compute.attention_impl=xla", f"--output={output}"],
@@ -115,14 +115,14 @@ def test_the_command_prints_and_writes_every_key(tmp_path):
 
 
 def test_no_tensorflow_on_the_compile_side():
-  code = "import sys, levanter_flax.aot; assert 'tensorflow' not in sys.modules"
+  code = "import sys, levanter_flax.commands.aot; assert 'tensorflow' not in sys.modules"
   subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
 @pytest.mark.slow
 def test_a_step_that_does_not_fit_exits_1_with_the_shortfall_and_a_remedy():
   pytest.importorskip("libtpu")
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.commands.aot", f"--config={NANO}",
                            "--topology=v5e-4", "--config.model.num_layers=2",
                            "--config.trainer.batch_size=65536"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
@@ -136,7 +136,7 @@ def test_no_batch_fits_names_what_could_help_and_counts_the_state(tmp_path):
   sequence per device, so the smallest step is this step, its state counted as well."""
   pytest.importorskip("libtpu")
   plan_file = tmp_path / "plan.json"
-  result = subprocess.run([sys.executable, "-m", "levanter_flax.aot", f"--config={NANO}",
+  result = subprocess.run([sys.executable, "-m", "levanter_flax.commands.aot", f"--config={NANO}",
                            "--topology=v5e-4", "--config.model.num_layers=2",
                            "--config.model.hidden_dim=8192", "--config.trainer.batch_size=4",
                            f"--output={plan_file}"], cwd=REPO, capture_output=True, text=True,

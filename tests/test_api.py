@@ -32,7 +32,7 @@ def test_import_is_light_and_exports_lazily():
           "assert not heavy, heavy\n"
           "print(lf.__version__, lf.Callback.__module__, lf.train.__module__)\n"
           "import levanter_flax.training.loop\n"
-          "assert lf.train.__module__ == 'levanter_flax.api', lf.train\n"
+          "assert lf.train.__module__ == 'levanter_flax.commands.api', lf.train\n"
           "lf.nothing\n")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                         check=False)
@@ -40,7 +40,7 @@ def test_import_is_light_and_exports_lazily():
   assert "module 'levanter_flax' has no attribute 'nothing'" in done.stderr
   version, *modules = done.stdout.split()
   assert re.fullmatch(r"\d+\.\d+\.\d+", version)
-  assert modules == ["levanter_flax.training.callbacks", "levanter_flax.api"]
+  assert modules == ["levanter_flax.training.callbacks", "levanter_flax.commands.api"]
   setup = (REPO / "setup.py").read_text()
   assert "version=_version()" in setup and version not in setup  # One place holds it.
 

@@ -46,7 +46,8 @@ def test_the_readmes_fine_tuning_path_runs_end_to_end(tmp_path):
       conversation(f"question {i}", f"answer {i} hello there, how are you") for i in range(60)])
   tokenizer = str(model_dir / "tokenizer.json")
 
-  run("levanter_flax.prepare", "--source=chat", f"--input={chats}", f"--tokenizer={tokenizer}",
+  run("levanter_flax.commands.prepare", "--source=chat", f"--input={chats}",
+      f"--tokenizer={tokenizer}",
       f"--output_dir={tmp_path / 'data'}", "--num_shards=1", "--validation_fraction=0.2",
       "--num_workers=1")
   workdir = tmp_path / "runs" / "sft"
@@ -63,12 +64,13 @@ def test_the_readmes_fine_tuning_path_runs_end_to_end(tmp_path):
   assert logged and all(0 < m["train/loss_tokens"] < 4 * 63 for m in logged)
   assert any("eval/loss" in m for m in metrics)
 
-  reply = run("levanter_flax.sample", f"--workdir={workdir}", "--chat", "--prompt=question 3",
+  reply = run("levanter_flax.commands.sample", f"--workdir={workdir}", "--chat",
+              "--prompt=question 3",
               "--max_new_tokens=4", "--temperature=0")
   assert reply.startswith("--- 'question 3'\n") and "<|im_start|>" not in reply
 
   export = tmp_path / "exports" / "sft"
-  run("levanter_flax.export_hf", f"--workdir={workdir}", f"--output_dir={export}")
+  run("levanter_flax.commands.export_hf", f"--workdir={workdir}", f"--output_dir={export}")
   assert json.loads((export / "config.json").read_text())["dtype"] == "float32"
   generator = transformers.pipeline("text-generation", model=str(export))
   out = generator("question 3", max_new_tokens=3, do_sample=False)

@@ -124,7 +124,7 @@ def test_what_the_imports_saw_decides_between_forking_and_starting():
   assert not preloaded(platforms)
   # Running a module the server imported as __main__ would leave two copies of it.
   python = sys.executable
-  assert forkserver.how_to_run([python, "-m", "levanter_flax.api"], None, REPO) is None
+  assert forkserver.how_to_run([python, "-m", "levanter_flax.commands.api"], None, REPO) is None
   assert forkserver.how_to_run([python, "-m", "levanter_flax.main"], None, REPO) is not None
   assert forkserver.how_to_run([python, "-u", "-m", "levanter_flax.main"], None, REPO) is None
   assert forkserver.how_to_run([python, "-c", "pass"], None, REPO / "no-such-dir") is None

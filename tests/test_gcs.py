@@ -68,7 +68,7 @@ def run(module: str, *args, timeout=300) -> subprocess.CompletedProcess:
 _PREPARE_ONE_SHARD = """
 import os, signal, sys
 from absl import app
-from levanter_flax import prepare as command
+from levanter_flax.commands import prepare as command
 from levanter_flax.core import cli
 from levanter_flax.data import shards
 write = shards._write_shard
@@ -94,7 +94,7 @@ def gcs_dataset(gcs, tmp_path_factory):
                           text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]
   assert "manifest.json" not in blobs("data/")  # Unusable until done...
-  rerun = run("levanter_flax.prepare", "--input=gs://bkt/corpus/*.txt",
+  rerun = run("levanter_flax.commands.prepare", "--input=gs://bkt/corpus/*.txt",
               "--output_dir=gs://bkt/data", *flags)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
   assert "Keeping 1 finished shards" in rerun.stderr  # ... and resumed, not redone.
@@ -186,11 +186,12 @@ def test_report_export_and_sample_read_a_gcs_run(gcs_run, tmp_path):
   from levanter_flax.hf import snapshot
   from levanter_flax.core import paths
   from levanter_flax.generate.trained import run_params
-  report = run("levanter_flax.report", "gs://bkt/run", "--output_dir=gs://bkt/report")
+  report = run("levanter_flax.commands.report", "gs://bkt/run", "--output_dir=gs://bkt/report")
   assert report.returncode == 0, report.stderr[-3000:]
   assert re.search(r"gs://bkt/run/plugins/profile/\S+\.xplane\.pb: 1 steps in", report.stdout)
   assert {"loss_vs_step.png", "throughput.png"} <= set(blobs("report/"))
-  exported = run("levanter_flax.export_hf", "--workdir=gs://bkt/run", "--output_dir=gs://bkt/hf")
+  exported = run("levanter_flax.commands.export_hf", "--workdir=gs://bkt/run",
+                 "--output_dir=gs://bkt/hf")
   assert exported.returncode == 0, exported.stderr[-3000:]
   local_cfg, local_params, _ = run_params(gcs_run)  # As export_hf does, in this process.
   snapshot.save(local_cfg, local_params, tmp_path)
@@ -199,7 +200,7 @@ def test_report_export_and_sample_read_a_gcs_run(gcs_run, tmp_path):
   assert cfg == local_cfg
   for a, b in zip(*(np.concatenate([x.ravel() for x in _leaves(p)]) for p in (params, local_params))):
     assert a == b
-  sampled = run("levanter_flax.sample", "--workdir=gs://bkt/run", "--prompt=def ",
+  sampled = run("levanter_flax.commands.sample", "--workdir=gs://bkt/run", "--prompt=def ",
                 "--max_new_tokens=4", "--temperature=0")
   assert sampled.returncode == 0, sampled.stderr[-3000:]
   assert sampled.stdout.startswith("--- 'def '\ndef ")
@@ -255,7 +256,7 @@ def test_a_tokenizer_file_on_gcs_is_read(gcs):
 @pytest.mark.parametrize("module, flag, fragment", [
     ("levanter_flax.main", "--workdir=gs://no-such-bucket/run",
      "--workdir gs://no-such-bucket/run: the bucket gs://no-such-bucket does not exist"),
-    ("levanter_flax.prepare", f"--output_dir=gs://{DENIED}/data",
+    ("levanter_flax.commands.prepare", f"--output_dir=gs://{DENIED}/data",
      f"--output_dir gs://{DENIED}/data: permission denied on gs://{DENIED} (403"),
 ])
 def test_a_missing_bucket_or_a_permission_error_is_one_line(gcs, module, flag, fragment):

@@ -27,7 +27,6 @@ from lm_eval import evaluator  # pylint: disable=g-import-not-at-top
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top
 from lm_eval.models.huggingface import HFLM  # pylint: disable=g-import-not-at-top
 
-from levanter_flax.generate import decoding  # pylint: disable=g-import-not-at-top
 from levanter_flax.eval import harness
 from levanter_flax.hf import snapshot
 from levanter_flax import models
@@ -271,29 +270,6 @@ def test_a_batch_size_above_the_requests_pads_rows_only_to_the_devices(ours, hf_
   assert shapes == [8]
 
 
-def test_decoding_stops_on_the_device_at_a_stop_sequence(ours, hf_dir):
-  """The while_loop ends a row right after its stop sequence's last token (kept), at a stop id
-  (left out), and never decodes a padding row; other rows run to the budget."""
-  cfg, params = snapshot.load(hf_dir)
-  prompt = np.asarray([ours.tok_encode(QUESTIONS[0])] * 8, np.int32)
-  mask, positions = np.ones_like(prompt, bool), np.tile(np.arange(prompt.shape[1]), (8, 1))
-  active = np.arange(8) < 3
-  greedy = decoding.SamplingConfig(max_new_tokens=GEN_TOKENS, temperature=0)
-  decode = jax.jit(decoding.make_decoder(cfg, greedy))
-  key = jax.random.key(0)
-  free, lengths = decode(params, prompt, mask, positions, decoding.StopSequences.none(320), active,
-                         key)
-  np.testing.assert_array_equal(lengths, [GEN_TOKENS] * 3 + [0] * 5)
-  free = np.asarray(free)[0]
-  stop = decoding.StopSequences.of([free[3:5].tolist()], np.zeros(320, bool))
-  generated, lengths = decode(params, prompt, mask, positions, stop, active, key)
-  assert lengths[0] == 5 and np.asarray(generated)[0, :5].tolist() == free[:5].tolist()
-  by_id = jax.jit(decoding.make_decoder(cfg, decoding.SamplingConfig(
-      max_new_tokens=GEN_TOKENS, temperature=0, stop_ids=(int(free[2]),))))
-  _, lengths = by_id(params, prompt, mask, positions, decoding.StopSequences.none(320), active, key)
-  assert lengths[0] == list(free).index(free[2])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("names, message", [
     ("nope_not_a_task", "unknown lm-eval task 'nope_not_a_task'"),
@@ -372,7 +348,7 @@ def test_a_missing_harness_task_stops_the_run_before_its_first_step(harness_run,
 
 
 def evaluate_cli(*flags):
-  return forkserver.run([sys.executable, "-m", "levanter_flax.evaluate", *flags], cwd=REPO,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.commands.evaluate", *flags], cwd=REPO,
                         capture_output=True, text=True, timeout=300,
                         env={**os.environ, "XLA_FLAGS": xla_flags(2)})
 

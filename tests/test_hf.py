@@ -591,7 +591,8 @@ def test_a_contradicted_flag_stops_the_command_in_one_line_before_its_workdir(tm
 
 
 def export(workdir, output_dir, *flags):
-  return forkserver.run([sys.executable, "-m", "levanter_flax.export_hf", f"--workdir={workdir}",
+  return forkserver.run([sys.executable, "-m", "levanter_flax.commands.export_hf",
+                         f"--workdir={workdir}",
                          f"--output_dir={output_dir}", *flags],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
 

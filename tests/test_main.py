@@ -125,7 +125,7 @@ def test_unwritable_cache_dir_is_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     (["--config.data.dataset=/nowhere/data"],
-     "/nowhere/data is not a prepared dataset (no manifest.json); run python -m levanter_flax.prepare"),
+     "/nowhere/data is not a prepared dataset (no manifest.json); run levanter-flax prepare"),
     (["--config.data.tokenizer=/nowhere/tokenizer.json"],
      "tokenizer '/nowhere/tokenizer.json' is neither 'byte' nor an existing tokenizer.json"),
 ])

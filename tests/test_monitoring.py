@@ -133,7 +133,8 @@ def test_report_plots_runs_together_and_its_table_matches_the_metrics(tiny_confi
 
 
 def test_report_names_a_directory_without_metrics(tmp_path):
-  result = forkserver.run([sys.executable, "-m", "levanter_flax.report", str(tmp_path)], cwd=REPO,
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.commands.report", str(tmp_path)],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1] == (

@@ -274,7 +274,7 @@ def test_bad_sources_are_named(tmp_path):
 
 
 def run_prepare(*args):
-  return forkserver.run([sys.executable, "-m", "levanter_flax.prepare", *args], cwd=REPO,
+  return forkserver.run([sys.executable, "-m", "levanter_flax.commands.prepare", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
 
 
@@ -507,7 +507,8 @@ def test_a_killed_prepare_or_worker_takes_the_others_with_it(tmp_path, victim):
   (tmp_path / "a.txt").write_text("\n".join(f"document {i}" for i in range(1_000_000)))
   output = tmp_path / "out"
   parent = forkserver.Popen(
-      [sys.executable, "-m", "levanter_flax.prepare", "--source=text", f"--input={tmp_path}/a.txt",
+      [sys.executable, "-m", "levanter_flax.commands.prepare", "--source=text",
+       f"--input={tmp_path}/a.txt",
        "--separator=\\n", f"--output_dir={output}", "--num_shards=8", "--num_workers=2"],
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   workers = []

@@ -181,7 +181,7 @@ def test_a_corrupt_file_read_by_a_beam_worker_is_one_line(tmp_path):
   source = mixed_jsonl(tmp_path / "input")
   (tmp_path / "input" / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage")
   result = forkserver.run(
-      [sys.executable, "-m", "levanter_flax.prepare", "--source=jsonl",
+      [sys.executable, "-m", "levanter_flax.commands.prepare", "--source=jsonl",
        f"--input={source.inputs[0]}", f"--output_dir={tmp_path / 'out'}", "--engine=beam",
        "--num_workers=2", "--num_shards=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1

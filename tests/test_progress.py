@@ -111,7 +111,7 @@ def test_prepare_logs_documents_bytes_and_shards(tmp_path):
   for i, text in enumerate(texts):
     (inputs / f"{i:03d}.txt").write_text(text, encoding="utf-8")
   out = tmp_path / "data"
-  done = forkserver.run([sys.executable, "-m", "levanter_flax.prepare", "--source=text",
+  done = forkserver.run([sys.executable, "-m", "levanter_flax.commands.prepare", "--source=text",
                          f"--input={inputs}/*.txt", f"--output_dir={out}", "--num_shards=4",
                          "--num_workers=2", "--validation_fraction=0.2"], cwd=REPO, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr

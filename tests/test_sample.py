@@ -25,7 +25,7 @@ from levanter_flax.models.deepseek_v3 import DeepseekV3Config
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.moe import MoeConfig
 from levanter_flax.data.tokenizers import ByteTokenizer
-from levanter_flax.generate.decoding import SamplingConfig, choose
+from levanter_flax.generate.engine import SamplingParams, sample_tokens
 from levanter_flax.generate.prompts import encode, generate
 from levanter_flax.training.loop import train_and_evaluate
 
@@ -88,7 +88,7 @@ def test_greedy_decoding_on_the_cache_equals_the_full_forward_argmax(name):
   params = model.init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
   # Larger weights make the argmax depend on the context, not only the last token.
   params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)
-  got = generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=10, temperature=0))
+  got = generate(cfg, params, PROMPTS, SamplingParams(max_tokens=10, temperature=0))
   for prompt, continuation in zip(PROMPTS, got):
     assert continuation == full_forward_greedy(model, params, prompt, 10)
 
@@ -103,7 +103,7 @@ def test_deepseeks_absorbed_decoding_takes_lora_adapters_on_kv_b_proj():
   params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x + 0.5 if path[-1].key == "lora_b" else x, params)
-  got = generate(cfg, params, PROMPTS[:1], SamplingConfig(max_new_tokens=6, temperature=0))
+  got = generate(cfg, params, PROMPTS[:1], SamplingParams(max_tokens=6, temperature=0))
   assert got[0] == full_forward_greedy(model, params, PROMPTS[0], 6)
 
 
@@ -114,17 +114,27 @@ def test_deepseeks_cache_holds_the_latents_not_the_heads_keys_and_values():
   for layer in ("layers_0", "layers_1"):
     shapes = {name: x.shape for name, x in cache[layer]["self_attn"].items()}
     assert shapes == {"latents": (2, 24, cfg.kv_lora_rank), "rope_keys": (2, 24, 4),
-                      "real": (2, 24), "index": ()}
+                      "index": (2,)}
 
 
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
-  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  """Each row with its own settings: 300 rows of the same logits, one key each."""
+  logits = jnp.log(jnp.tile(jnp.array([[0.5, 0.3, 0.15, 0.05]]), (300, 1)))
   keys = jax.random.split(jax.random.key(0), 300)
-  draw = lambda cfg: {int(choose(logits, k, cfg)[0]) for k in keys}
-  assert draw(SamplingConfig(temperature=1.0)) == {0, 1, 2, 3}
-  assert draw(SamplingConfig(temperature=1.0, top_k=2)) == {0, 1}
-  assert draw(SamplingConfig(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8.
-  assert draw(SamplingConfig(temperature=1.0, top_p=0.5)) == {0}
+
+  def draw(temperature=1.0, top_k=0, top_p=1.0):
+    full = lambda value, dtype: jnp.full(300, value, dtype)
+    tokens, logprobs = sample_tokens(logits, full(temperature, jnp.float32),
+                                     full(top_k, jnp.int32), full(top_p, jnp.float32), keys)
+    # The log-probability is the model's own, whatever the filters.
+    np.testing.assert_allclose(logprobs, np.log([0.5, 0.3, 0.15, 0.05])[tokens], rtol=1e-6)
+    return set(np.asarray(tokens).tolist())
+  assert draw() == {0, 1, 2, 3}
+  assert draw(top_k=2) == {0, 1}
+  assert draw(top_p=0.7) == {0, 1}  # 0.5 < 0.7 <= 0.8.
+  assert draw(top_p=0.5) == {0}
+  assert draw(top_k=3, top_p=0.9) == {0, 1, 2}
+  assert draw(temperature=0, top_k=3) == {0}
 
 
 def test_a_top_k_beyond_the_vocabulary_is_refused():
@@ -132,8 +142,8 @@ def test_a_top_k_beyond_the_vocabulary_is_refused():
   params = models.build(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
   with pytest.raises(UserError, match=r"--top_k 51 exceeds the model's vocabulary of 50 tokens; "
                                       r"use at most 50, or 0 for no limit"):
-    generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=2, top_k=51))
-  assert len(generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=2, top_k=50))[0]) == 2
+    generate(cfg, params, PROMPTS, SamplingParams(max_tokens=2, top_k=51))
+  assert len(generate(cfg, params, PROMPTS, SamplingParams(max_tokens=2, top_k=50))[0]) == 2
 
 
 def test_a_prompt_too_long_is_refused_or_truncated():
@@ -143,11 +153,11 @@ def test_a_prompt_too_long_is_refused_or_truncated():
   with pytest.raises(UserError, match=r"a prompt of 20 tokens plus max_new_tokens 8 exceeds the "
                                       r"model's seq_len 24; .* --long_prompt=truncate to keep its "
                                       r"last 16 tokens"):
-    generate(cfg, params, long_prompt, SamplingConfig(max_new_tokens=8, temperature=0))
+    generate(cfg, params, long_prompt, SamplingParams(max_tokens=8, temperature=0))
   truncated = generate(cfg, params, long_prompt,
-                       SamplingConfig(max_new_tokens=8, temperature=0, long_prompt="truncate"))
+                       SamplingParams(max_tokens=8, temperature=0), "truncate")
   assert truncated == generate(cfg, params, [list(range(5, 21))],
-                               SamplingConfig(max_new_tokens=8, temperature=0))
+                               SamplingParams(max_tokens=8, temperature=0))
 
 
 @pytest.mark.slow
@@ -156,20 +166,22 @@ def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
   tiny_config.trainer.num_train_steps = 2
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   one_device = {**os.environ, "XLA_FLAGS": xla_flags(1)}
-  result = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.commands.sample",
+                           f"--workdir={tmp_path}",
                            "--prompt=def ", "--prompt=import os", "--prompt=", "--max_new_tokens=6",
                            "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=one_device)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--- 'def '\ndef " in result.stdout and "--- 'import os'\nimport os" in result.stdout
   assert "--- ''\n" in result.stdout  # After the EOS alone: a new document.
-  missing = forkserver.run([sys.executable, "-m", "levanter_flax.sample",
+  missing = forkserver.run([sys.executable, "-m", "levanter_flax.commands.sample",
                             f"--workdir={tmp_path / 'nothing'}", "--prompt=x"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
   assert missing.returncode == 1
   assert missing.stderr.strip().splitlines()[-1] == (
       f"levanter_flax: error: {tmp_path / 'nothing'} has no config.json: not a levanter_flax workdir")
-  too_many = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  too_many = forkserver.run([sys.executable, "-m", "levanter_flax.commands.sample",
+                             f"--workdir={tmp_path}",
                              "--prompt=x", "--top_k=100000"], cwd=REPO, capture_output=True,
                             text=True, timeout=300)
   assert too_many.returncode == 1 and "Traceback" not in too_many.stderr, too_many.stderr[-3000:]
@@ -185,7 +197,8 @@ def test_prompts_follow_an_eos_as_every_training_document_did():
 
 def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
   """As a shell passes --prompt=$'\\xff': bytes, which Python holds as a lone surrogate."""
-  result = forkserver.run([sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}",
+  result = forkserver.run([sys.executable, "-m", "levanter_flax.commands.sample",
+                           f"--workdir={tmp_path}",
                            b"--prompt=ab\xff"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

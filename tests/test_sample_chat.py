@@ -15,7 +15,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.data.tokenizers import load_tokenizer
 from levanter_flax.core.errors import UserError
 from levanter_flax.generate.trained import chat_template
-from levanter_flax.generate.decoding import SamplingConfig
+from levanter_flax.generate.engine import SamplingParams
 from levanter_flax.generate.prompts import chat_prompts, encode, generate
 from levanter_flax.training.loop import train_and_evaluate
 from test_chat import CHATML, conversation, make_tokenizer, prepare_records
@@ -67,16 +67,16 @@ def test_a_reply_ends_before_its_first_stop_token():
   cfg = MODELS["gpt2"]
   params = models.build(cfg).init(jax.random.key(1),
                                  jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-  unstopped = generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=12))
+  unstopped = generate(cfg, params, PROMPTS, SamplingParams(max_tokens=12))
   stop = next(token for token in unstopped[0] if token != unstopped[0][0])  # Not the first.
-  stopped = generate(cfg, params, PROMPTS, SamplingConfig(max_new_tokens=12,
-                                                          stop_ids=(stop, cfg.vocab_size + 1)))
+  stopped = generate(cfg, params, PROMPTS, SamplingParams(max_tokens=12,
+                                                         stop_ids=(stop, cfg.vocab_size + 1)))
   for full, cut in zip(unstopped, stopped):
     assert cut == (full[:full.index(stop)] if stop in full else full)
   assert 0 < len(stopped[0]) < 12
   # Every token a stop: empty replies, decoding cut short after the first look.
-  everything = SamplingConfig(max_new_tokens=17, temperature=1.0,
-                              stop_ids=tuple(range(cfg.vocab_size)))
+  everything = SamplingParams(max_tokens=17, temperature=1.0,
+                             stop_ids=tuple(range(cfg.vocab_size)))
   assert generate(cfg, params, PROMPTS, everything) == [[], []]
 
 
@@ -124,7 +124,7 @@ def test_the_command_line_chats_with_a_run(chat_run_data, tiny_config, tmp_path)
   tiny_config.trainer.eval_every_steps = 100
   train_and_evaluate(to_run_config(tiny_config), tmp_path)
   result = forkserver.run(
-      [sys.executable, "-m", "levanter_flax.sample", f"--workdir={tmp_path}", "--chat",
+      [sys.executable, "-m", "levanter_flax.commands.sample", f"--workdir={tmp_path}", "--chat",
        "--system=be brief", "--prompt=hello", "--prompt=how are you", "--max_new_tokens=8",
        "--temperature=0"], cwd=REPO, capture_output=True, text=True, timeout=300,
       env={**os.environ, "XLA_FLAGS": xla_flags(1)})

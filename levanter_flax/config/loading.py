@@ -493,8 +493,8 @@ def _check_across_sections(run: RunConfig) -> None:
     raise UserError("set config.trainer.init_from_hf or config.checkpoint.load_path, not both")
   if run.model.lora.rank and run.checkpoint.load_path:
     raise UserError("config.checkpoint.load_path cannot start a LoRA run "
-                    "(config.model.lora.rank > 0): export that run (python -m "
-                    "levanter_flax.export_hf) and start from it with config.trainer.init_from_hf")
+                    "(config.model.lora.rank > 0): export that run (levanter-flax export-hf) and "
+                    "start from it with config.trainer.init_from_hf")
   if run.monitoring.profiler and run.monitoring.profiler_start_step > run.trainer.num_train_steps:
     raise UserError(f"config.monitoring.profiler_start_step ({run.monitoring.profiler_start_step}) "
                     f"is after the last step, config.trainer.num_train_steps "

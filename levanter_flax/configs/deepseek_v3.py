@@ -6,7 +6,7 @@ nano: a tiny byte-level DeepSeek-V3 on the CPU: one dense layer, then three of 1
     width of 48 in 4 groups (4 per token, from 2 groups) and a shared one, the latent 32 wide:
     python -m levanter_flax.main --config=configs/deepseek_v3.py:nano
 671b: DeepSeek-V3's shape (61 layers, the first 3 dense, 671B parameters, 37B active) at 4096
-    tokens, for planning (python -m levanter_flax.aot): the batch and ZeRO-3 over every device,
+    tokens, for planning (levanter-flax aot): the batch and ZeRO-3 over every device,
     the experts split 8 ways. Its checkpoint has a multi-token-prediction layer, which is
     refused: this config trains from scratch.
 """

@@ -17,7 +17,7 @@ nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
         --config.data.tokenizer=/models/TinyLlama-1.1B-Chat/tokenizer.json
 
 1b and 7b compute in bfloat16, layers scanned, full remat, and train on tokenized data:
-config.data.dataset and config.data.tokenizer, prepared with python -m levanter_flax.prepare
+config.data.dataset and config.data.tokenizer, prepared with levanter-flax prepare
 (a Llama tokenizer.json, vocab 32000). configs/llama_<variant>.py name the same configs.
 """
 from levanter_flax.config import (choose_variant, default_config, llama_model_config, mesh,

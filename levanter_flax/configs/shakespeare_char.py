@@ -2,7 +2,7 @@
 4 layers, 4 heads, width 128, context 64, batch 12, 2,000 steps, learning rate 1e-3 to 1e-4,
 beta2 0.99, no dropout; byte tokens, one stream of text (no document masking).
 
-    python -m levanter_flax.prepare --source=text --input=input.txt --separator='\\n\\n' \\
+    levanter-flax prepare --source=text --input=input.txt --separator='\\n\\n' \\
         --validation_fraction=0.1 --tokenizer=byte --num_shards=1 --output_dir=data/shakespeare
     python -m levanter_flax.main --config=configs/shakespeare_char.py \\
         --config.data.dataset=data/shakespeare

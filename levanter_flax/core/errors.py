@@ -7,7 +7,7 @@ import traceback
 class UserError(Exception):
   """Bad input from the user: a config key, a file, a path, a shape.
 
-  main.py prints it as a single line and exits non-zero, so the message must
+  each command prints it as a single line and exits non-zero, so the message must
   name the culprit on its own.
   """
 

@@ -28,7 +28,7 @@ def _mixture(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
 class DataConfig:
   """The datasets and how they are read (config.data)."""
   dataset: str = setting(
-      "stdlib", "A directory written by python -m levanter_flax.prepare, or stdlib: the Python "
+      "stdlib", "A directory written by levanter-flax prepare, or stdlib: the Python "
       "standard library's sources, tokenized into cache_dir on first use")
   mixture: tuple[tuple[str, str, float], ...] = setting(
       (), "Named datasets with weights, replacing dataset when set, e.g. "

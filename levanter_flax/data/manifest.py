@@ -1,6 +1,6 @@
 """A prepared dataset as its readers see it: manifest.json, read and checked.
 
-prepare.py writes the manifest; the loader, the eval set, sampling and the
+commands/prepare.py writes the manifest; the loader, the eval set, sampling and the
 benchmarks read it through this module, which imports neither the writer nor
 TensorFlow.
 """
@@ -90,7 +90,7 @@ def load_manifest(directory: epath.Path) -> dict:
   path = directory / MANIFEST
   if not path.exists():
     raise UserError(f"{directory} is not a prepared dataset (no {MANIFEST}); "
-                    f"run python -m levanter_flax.prepare --output_dir={directory} ...")
+                    f"run levanter-flax prepare --output_dir={directory} ...")
   try:
     manifest = json.loads(path.read_text())
   except (OSError, ValueError) as e:

@@ -8,12 +8,12 @@ LevanterLM answers lm-eval's three request kinds on the mesh:
     HFLM's on the same weights;
   - loglikelihood_rolling: a text's disjoint seq_len windows (lm-eval's
     get_rolling_token_windows), scored as above and summed;
-  - generate_until: on the KV cache in one compiled loop (decoding.py) that stops once every
-    row has hit an EOS (the corpus's, the tokenizer config's) or a stop sequence or
-    max_gen_toks; the text is cut at the first stop string on the host, as HFLM cuts it.
-Rows are sorted by length and run in batches of a fixed number of rows (a multiple of the
-mesh's data-parallel size), each padded to a power-of-two length: a few compiled shapes, not
-one per request.
+  - generate_until: on the generation engine (generate/engine.py), whose slots are the batch
+    size's rows; a request ends at an EOS (the corpus's, the tokenizer config's), a stop
+    string, or max_gen_toks, and its text is cut at the first stop string, as HFLM cuts it.
+Scored rows are sorted by length and run in batches of a fixed number of rows (a multiple of
+the mesh's data-parallel size), each padded to a power-of-two length: a few compiled shapes,
+not one per request.
 
 Tasks are lm-eval's built-in names or those of a directory of task YAMLs (`include_path`);
 `load_tasks` checks them all, data included, before anything runs. lm_eval is imported here
@@ -34,7 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
 from lm_eval import utils as lm_eval_utils
 
-from levanter_flax.generate import decoding
+from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax import models
 from levanter_flax.core import progress
 from levanter_flax.core.errors import UserError
@@ -109,12 +109,14 @@ class LevanterLM(TemplateLM):
     self._score = jax.jit(functools.partial(_token_scores, models.build(self._model_cfg)),
                           in_shardings=(param_shardings, batch_sharding, batch_sharding),
                           out_shardings=(batch_sharding, batch_sharding))
-    self._decoders, self._stops = {}, {}
+    self._engine = None  # Built at the first generation.
 
   def use_params(self, params: Any) -> None:
     """Scores and generates with `params` from now on (the training state's, at each harness
     run): the same shapes, so nothing compiles again."""
     self._params = jax.device_put(params, self._param_shardings)
+    if self._engine is not None:
+      self._engine.use_params(self._params)
 
   # What TemplateLM and lm-eval's tasks ask of a tokenizer-backed LM, as HFLM answers it from
   # the tokenizer_config.json's tokens; without one, the corpus EOS, which began every document.
@@ -203,8 +205,8 @@ class LevanterLM(TemplateLM):
 
   # Generation.
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    """Each request's continuation, grouped by its generation kwargs (one compiled loop per
-    group's settings), cut at the first of its stop strings (`until`, and the EOS's text)."""
+    """Each request's continuation, grouped by its generation kwargs, cut at the first of its
+    stop strings (`until`, and the EOS's text)."""
     del disable_tqdm
     groups = {}
     for index, request in enumerate(requests):
@@ -214,14 +216,14 @@ class LevanterLM(TemplateLM):
       gen_kwargs = requests[indices[0]].args[1]
       kwargs = lm_utils.normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
       until = lm_utils.handle_stop_sequences(kwargs.pop("until", None), eos=self._eot[1])
-      cfg = self._sampling(kwargs)
+      sampling = self._sampling(kwargs, until)
       contexts = [self.tok_encode(requests[i].args[0]) for i in indices]
-      for index, text in zip(indices, self._generate(contexts, cfg, until)):
+      for index, text in zip(indices, self._generate(contexts, sampling)):
         texts[index] = lm_utils.postprocess_generated_text(text, until, None)
         self.cache_hook.add_partial("generate_until", requests[index].args, texts[index])
     return texts
 
-  def _sampling(self, kwargs: dict) -> decoding.SamplingConfig:
+  def _sampling(self, kwargs: dict, until: list[str]) -> SamplingParams:
     """lm-eval's normalized generation kwargs as our sampling settings."""
     max_gen = kwargs.pop("max_gen_toks")
     if not 0 < max_gen < self.max_length:
@@ -231,37 +233,34 @@ class LevanterLM(TemplateLM):
     if set(kwargs) - known:
       logging.warning("Generation kwargs %s are not supported; ignored", sorted(set(kwargs) - known))
     temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
-    return decoding.SamplingConfig(
-        max_new_tokens=max_gen, temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
+    return SamplingParams(
+        max_tokens=max_gen, temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
         top_p=float(kwargs.get("top_p") or 1.0), seed=self._seed,
+        stop=tuple(s for s in until if s and s != self._eot[1]),  # The EOT stops by its id.
         stop_ids=tuple(sorted({self._tokenizer.eos_id, self.eot_token_id})))
 
-  def _generate(self, contexts: list[list[int]], cfg: decoding.SamplingConfig,
-                until: list[str]) -> list[str]:
-    room = self.max_length - cfg.max_new_tokens
+  def _generate(self, contexts: list[list[int]], sampling: SamplingParams) -> list[str]:
+    """Each context's text, cut at its first stop string; request i samples with seed
+    sampling.seed + i."""
+    room = self.max_length - sampling.max_tokens
+    engine = self._generation_engine()
     # Left-truncated as HFLM truncates; an empty context starts a document.
-    contexts = [(context or [self.prefix_token_id])[-room:] for context in contexts]
-    stops = self._stop_sequences(tuple(until))
-    decode = self._decoder(cfg)
-    texts = [None] * len(contexts)
-    order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
-    batch_rows = self._batch_rows(len(order))
-    for start in self._batch_starts(len(order), batch_rows, "harness: generation"):
-      batch = order[start:start + batch_rows]
-      length = padded_length(len(contexts[batch[0]]), room)
-      tokens = np.zeros((batch_rows, length), np.int32)
-      mask = np.zeros((batch_rows, length), bool)
-      mask[len(batch):, -1] = True  # Padding rows: one token each, never decoded from.
-      for slot, i in enumerate(batch):
-        tokens[slot, length - len(contexts[i]):] = contexts[i]
-        mask[slot, length - len(contexts[i]):] = True
-      positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-      active = np.arange(batch_rows) < len(batch)
-      generated, lengths = jax.device_get(decode(self._params, tokens, mask, positions, stops,
-                                                 active, jax.random.key(cfg.seed + start)))
-      for slot, i in enumerate(batch):
-        texts[i] = self.tok_decode(generated[slot, :lengths[slot]].tolist())
-    return texts
+    requests = [engine.submit((context or [self.prefix_token_id])[-room:],
+                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32))
+                for i, context in enumerate(contexts)]
+    for request in progress.iterate(requests, "harness: generation", total=len(requests),
+                                    unit="requests"):
+      while not request.finished:
+        engine.step()
+    return [request.text for request in requests]
+
+  def _generation_engine(self) -> Engine:
+    """Slots as many as a batch's rows, on the mesh of the params and batches."""
+    if self._engine is None:
+      self._engine = Engine(self._model_cfg, self._params, slots=self._max_rows,
+                            tokenizer=self._tokenizer, param_shardings=self._param_shardings,
+                            batch_sharding=self._batch_sharding)
+    return self._engine
 
   def _batch_rows(self, count: int) -> int:
     """Rows per batch for `count` requests: the batch size, or as few as hold them all (a
@@ -272,31 +271,6 @@ class LevanterLM(TemplateLM):
     """The first request of each batch of `count`, shown as progress in batches."""
     return progress.iterate(range(0, count, batch_rows), what, total=-(-count // batch_rows),
                             unit="batches")
-
-  def _decoder(self, cfg: decoding.SamplingConfig):
-    if cfg not in self._decoders:
-      batch = self._batch_sharding
-      self._decoders[cfg] = jax.jit(
-          decoding.make_decoder(self._model_cfg, cfg),
-          in_shardings=(self._param_shardings, batch, batch, batch, None, batch, None),
-          out_shardings=(batch, batch))
-    return self._decoders[cfg]
-
-  def _stop_sequences(self, until: tuple[str, ...]) -> decoding.StopSequences:
-    """Where a row may stop early on the device: a stop string's own tokens, or any token whose
-    text holds a stop string. Other spellings (a stop string split across tokens otherwise)
-    run to max_gen_toks; the host's cut is exact either way."""
-    if until not in self._stops:
-      strings = [s for s in until if s and s != self._eot[1]]  # The EOT stops by its id.
-      holds_stop = np.zeros(self._model_cfg.vocab_size, bool)
-      if strings:
-        for token in range(self._tokenizer.vocab_size):
-          text = self.tok_decode([token])
-          # A token that is part of a character alone ("\ufffd") may be whole in its context.
-          holds_stop[token] = "\ufffd" not in text and any(s in text for s in strings)
-      self._stops[until] = decoding.StopSequences.of(
-          [self.tok_encode(s, add_special_tokens=False) for s in strings], holds_stop)
-    return self._stops[until]
 
 
 # The tasks.
@@ -421,7 +395,7 @@ class InRun:
     trainer = run.trainer
     if jax.process_count() > 1:
       raise UserError("config.trainer.eval_harness_every_steps: the in-run harness runs on one "
-                      "process; evaluate the checkpoints with python -m levanter_flax.evaluate")
+                      "process; evaluate the checkpoints with levanter-flax evaluate")
     self._names = task_names(trainer.eval_harness_tasks, "config.trainer.eval_harness_tasks")
     self._manager = load_tasks(self._names, trainer.eval_harness_include_path)
     self._limit = trainer.eval_harness_limit or None

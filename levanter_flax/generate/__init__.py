@@ -1,3 +1,3 @@
-"""Generation from trained params: the KV-cached decoding loop (decoding), prompts to
-completions (prompts), a trained run read back (trained) and written out for Hugging Face
-(export). May import config and below: checkpoint, hf, models, core."""
+"""Generation from trained params: the engine (continuous batching over slots of one KV cache:
+engine), prompts to completions (prompts), a trained run read back (trained) and written out
+for Hugging Face (export). May import config and below: checkpoint, hf, models, core."""

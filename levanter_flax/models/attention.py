@@ -5,10 +5,10 @@ the window - 1 tokens before it, in training and on the cache alike; `windowed` 
 applies, per layer (Gemma 3's local layers have it, its global ones not), and may be traced (a
 scanned stack's per-layer input: training then runs both masks' kernels under a lax.cond, which
 executes one). Training calls it on whole sequences. Decoding (`decode=True`) keeps each
-layer's keys and values in the "cache" collection: the first call with a
-sequence as long as the cache creates it, then each call writes its tokens at
-the cache index and attends to everything written so far that is a real token
-(`token_mask`: prompts of different lengths are left-padded).
+layer's keys and values in the "cache" collection: the first call with a sequence as long as
+the cache creates it, then each call writes each row's tokens at that row's index and attends
+to everything written before them (generate/engine.py: each row is a slot, at its own
+position).
 
 Packed training windows hold several documents; with `segment_ids` (document
 masking) each token attends within its own document only, and the models
@@ -81,34 +81,35 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
                     windowed: bool | jax.Array = True
                     ) -> tuple[dict[str, jax.Array] | None, jax.Array | None]:
   """Writes `entries` (name: [batch, length, ...], the new tokens') into `module`'s "cache"
-  collection at its index, with which of them are real (token_mask [batch, length], by default
-  all) and the index moved past them. Returns (the cache's entries, whole; the mask [batch, 1,
-  length, cache] of the slots each new token sees: real ones, causal, within `window` where
+  collection, each row at its own index (`index` [batch]: a row is a generation engine's slot,
+  at its own position), and moves each row's index past its real tokens (token_mask [batch,
+  length], by default all). A row's padding comes after its real tokens and is not written,
+  nor is anything past the cache's end. Returns (the cache's entries, whole; the mask [batch,
+  1, length, cache] of the slots each new token sees: causal, within `window` where
   `windowed`), or (None, None) while model.init creates the cache."""
   first = next(iter(entries.values()))
+  batch, length = first.shape[:2]
   creating = not module.has_variable("cache", next(iter(entries)))
   cache = {name: module.variable("cache", name, jnp.zeros, value.shape, value.dtype)
            for name, value in entries.items()}
-  real = module.variable("cache", "real", jnp.zeros, first.shape[:2], jnp.bool_)
-  index = module.variable("cache", "index", lambda: jnp.zeros([], jnp.int32))
+  index = module.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
   if creating:
     return None, None
-  start, length = index.value, first.shape[1]
-  if token_mask is None:
-    token_mask = jnp.ones(first.shape[:2], jnp.bool_)
+  start = index.value
+  query_slots = start[:, None] + jnp.arange(length)[None]  # [batch, length]
+  slots = jnp.arange(cache[next(iter(entries))].value.shape[1])
+  # Out of bounds, so dropped: padding, and whatever falls past the cache's end.
+  written = query_slots if token_mask is None else jnp.where(token_mask, query_slots, len(slots))
   for name, value in entries.items():
-    cache[name].value = jax.lax.dynamic_update_slice(cache[name].value, value,
-                                                     (0, start) + (0,) * (value.ndim - 2))
-  real.value = jax.lax.dynamic_update_slice(real.value, token_mask, (0, start))
-  index.value = start + length
-  slots = jnp.arange(real.value.shape[1])
-  query_slots = start + jnp.arange(length)[:, None]
-  visible = slots[None, :] <= query_slots  # [length, cache]: causal.
-  if window:  # Prompts are left-padded, so slots after a real token are real: slots count tokens.
-    near = slots[None, :] > query_slots - window
+    cache[name].value = cache[name].value.at[jnp.arange(batch)[:, None], written].set(
+        value.astype(cache[name].value.dtype), mode="drop")
+  real = length if token_mask is None else token_mask.sum(axis=1, dtype=jnp.int32)
+  index.value = start + real
+  visible = slots <= query_slots[..., None]  # [batch, length, cache]: causal.
+  if window:
+    near = slots > query_slots[..., None] - window
     visible &= near if isinstance(windowed, bool) else near | ~windowed
-  mask = visible[None, None] & real.value[:, None, None, :]
-  return {name: variable.value for name, variable in cache.items()}, mask
+  return {name: variable.value for name, variable in cache.items()}, visible[:, None]
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],

@@ -139,7 +139,7 @@ def check_attention_platform(implementation: str, platform: str) -> None:
   """Splash attention is a Mosaic kernel: it compiles for TPUs only."""
   if implementation == "splash" and platform != "tpu":
     raise UserError(f"config.model.compute.attention_impl 'splash' runs on TPU only; this "
-                    f"mesh's devices are {platform} (python -m levanter_flax.aot compiles for a "
+                    f"mesh's devices are {platform} (levanter-flax aot compiles for a "
                     f"TPU from any machine)")
 
 

@@ -168,7 +168,7 @@ class LatentAttention(nn.Module):
     f32 = lambda a: a.astype(jnp.float32)
     scores = (jnp.einsum("blhn,rhn,bsr->bhls", f32(q_nope), f32(key_half), f32(cache["latents"]))
               + jnp.einsum("blhd,bsd->bhls", f32(q_rope), f32(cache["rope_keys"])))
-    # Finite, as jax.nn's attention: a left padding's query sees nothing, and must not be NaN.
+    # Finite, as jax.nn's attention masks.
     weights = jax.nn.softmax(jnp.where(mask, scores * cfg.attention_scale,
                                        jnp.finfo(jnp.float32).min), axis=-1)
     out = jnp.einsum("bhls,bsr,rhv->blhv", weights, f32(cache["latents"]), f32(value_half))

@@ -148,7 +148,8 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, is_global: bool | jax.Array, positions: jax.Array,
                token_mask: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               logits_at: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     batch, length, _ = x.shape
     q = llama._dense(cfg.num_heads * cfg.head_dim, cfg, "q_proj")(x)
@@ -225,7 +226,8 @@ class Gemma3ForCausalLM(nn.Module):
   def __call__(self, tokens: jax.Array, return_hidden: bool = False,
                positions: jax.Array | None = None,
                token_mask: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               logits_at: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.compute.dtype,
                      param_dtype=cfg.compute.param_dtype,
@@ -241,6 +243,8 @@ class Gemma3ForCausalLM(nn.Module):
     x = stack_layers(DecoderLayer, cfg, self.decode, "layers", x,
                      (positions, token_mask, segment_ids), per_layer=cfg.global_layers)
     x = _rms_norm(cfg, "norm")(x)
+    if logits_at is not None:  # Only these positions' logits [batch, n]: decoding's last tokens.
+      x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else llama._dense(

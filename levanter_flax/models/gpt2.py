@@ -138,10 +138,10 @@ class GPT2LMHeadModel(nn.Module):
   With return_hidden it stops before the LM head and returns the final hidden
   states [batch, length, hidden_dim], for a loss that applies
   `output_embedding` itself, a block of the vocabulary at a time. With decode=True it
-  runs on a KV cache (see attention.py); positions [batch, length] and
-  token_mask then place left-padded prompts. With segment_ids [batch, length]
-  (document masking), attention stays within each segment and positions
-  restart at each.
+  runs on a KV cache (see attention.py); positions [batch, length] and token_mask then place
+  each row at its own position (generate/engine.py's slots), and logits_at [batch, n] keeps
+  only those positions' logits. With segment_ids [batch, length] (document masking),
+  attention stays within each segment and positions restart at each.
   """
   config: GPT2Config
   decode: bool = False
@@ -150,7 +150,8 @@ class GPT2LMHeadModel(nn.Module):
   def __call__(self, tokens: jax.Array, return_hidden: bool = False,
                positions: jax.Array | None = None,
                token_mask: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               logits_at: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed_init = nn.initializers.normal(cfg.initializer_range)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_dim, embedding_init=embed_init,
@@ -163,6 +164,8 @@ class GPT2LMHeadModel(nn.Module):
     x = constrain(wte(tokens) + wpe(positions), "batch", "length", "embed")
     x = stack_layers(Block, cfg, self.decode, "h", x, (token_mask, segment_ids))
     x = _layer_norm(cfg, "ln_f")(x)
+    if logits_at is not None:  # Only these positions' logits [batch, n]: decoding's last tokens.
+      x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     if return_hidden:
       return x
     if cfg.tie_word_embeddings:

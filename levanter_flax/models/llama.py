@@ -310,11 +310,11 @@ class LlamaForCausalLM(nn.Module):
 
   With return_hidden it returns the final normed hidden states instead, for a
   loss that applies `output_embedding` a block of the vocabulary at a time.
-  With decode=True it runs on a KV cache (see attention.py); positions
-  [batch, length] and token_mask then place left-padded prompts. With
-  segment_ids [batch, length] (document masking), attention stays within each
-  segment and positions restart at each (RoPE is relative, so the restart
-  changes nothing but rounding).
+  With decode=True it runs on a KV cache (see attention.py); positions [batch, length] and
+  token_mask then place each row at its own position (generate/engine.py's slots), and
+  logits_at [batch, n] keeps only those positions' logits. With segment_ids [batch, length]
+  (document masking), attention stays within each segment and positions restart at each (RoPE
+  is relative, so the restart changes nothing but rounding).
   """
   config: LlamaConfig
   decode: bool = False
@@ -324,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
   def __call__(self, tokens: jax.Array, return_hidden: bool = False,
                positions: jax.Array | None = None,
                token_mask: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None,
+               logits_at: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                      embedding_init=nn.initializers.normal(cfg.initializer_range),
@@ -335,6 +336,8 @@ class LlamaForCausalLM(nn.Module):
                    else document_positions(segment_ids))
     x = self.blocks(x, (positions, token_mask, segment_ids))
     x = rms_norm(cfg, "norm")(x)
+    if logits_at is not None:  # Only these positions' logits [batch, n]: decoding's last tokens.
+      x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else _dense(cfg.vocab_size, cfg,

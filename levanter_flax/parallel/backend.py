@@ -1,6 +1,6 @@
 """Starting jax for a run: what must come before any backend exists, then jax.distributed.
 
-The command line (main.py) and the Python API (api.py) start it the same way. A process may
+The train command (commands/train.py) and the Python API (commands/api.py) start it the same way. A process may
 start it more than once (lf.train called twice): what is already so is kept, and what can no
 longer change is named.
 """

@@ -193,7 +193,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Defined only when run as a program: loop.py imports this module next to main.py's flag.
+  # Defined only when run as a program: loop.py imports this module next to the train command's
+  # flag.
   # pylint: disable-next=g-import-not-at-top  # config.py imports this module.
   from levanter_flax.config import define_config_flag, parse_flags
   define_config_flag("A config file, or a shipped config's name (gpt2_nano, gpt2:nano).")

@@ -1,6 +1,6 @@
 r"""Writes a run's newest checkpoint as a Hugging Face checkpoint that stands alone.
 
-    python -m levanter_flax.export_hf --workdir=runs/llama_nano --output_dir=/tmp/llama_nano_hf \
+    levanter-flax export-hf --workdir=runs/llama_nano --output_dir=/tmp/llama_nano_hf \
         [--dtype=bfloat16] [--max_shard_size=5GB]
 
 The weights (in the run's model.compute.param_dtype unless --dtype says otherwise; over

@@ -1,8 +1,8 @@
 r"""lm-eval-harness tasks on a run's newest checkpoint, or on a Hugging Face checkpoint.
 
-    python -m levanter_flax.evaluate --workdir=runs/llama_nano --tasks=hellaswag,arc_easy \
+    levanter-flax evaluate --workdir=runs/llama_nano --tasks=hellaswag,arc_easy \
         [--limit=100] [--num_fewshot=0] [--output=results.json] [--batch_size=8]
-    python -m levanter_flax.evaluate --init_from_hf=/models/Qwen2-0.5B --tasks=my_task \
+    levanter-flax evaluate --init_from_hf=/models/Qwen2-0.5B --tasks=my_task \
         --include_path=my_tasks/
 
 Tasks are lm-eval's built-in names, whose datasets must already be on disk (a hub cache;

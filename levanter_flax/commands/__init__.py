@@ -1,5 +1,9 @@
-"""The `levanter-flax` console script: `levanter-flax SUBCOMMAND [flags]` runs a command's
-module as `python -m levanter_flax.MODULE [flags]` would, e.g.
+"""The commands users run: one module each, its flags and `main` (the library it calls lives in
+the package of its concern), and the Python API (api.py). Commands import everything else;
+nothing imports them but the package's own lazy `lf.train`.
+
+This file is the `levanter-flax` console script: `levanter-flax SUBCOMMAND [flags]` runs a
+command's module as `python -m levanter_flax.commands.MODULE [flags]` would, e.g.
 
     levanter-flax train --config=gpt2_nano --config.trainer.num_train_steps=100
 
@@ -12,14 +16,14 @@ from levanter_flax.core.errors import exit_with_error
 
 # Subcommand -> the module `python -m` runs for it.
 SUBCOMMANDS = {
-    "train": "levanter_flax.main",
-    "prepare": "levanter_flax.prepare",
-    "evaluate": "levanter_flax.evaluate",
-    "sample": "levanter_flax.sample",
-    "export-hf": "levanter_flax.export_hf",
-    "report": "levanter_flax.report",
+    "train": "levanter_flax.commands.train",
+    "prepare": "levanter_flax.commands.prepare",
+    "evaluate": "levanter_flax.commands.evaluate",
+    "sample": "levanter_flax.commands.sample",
+    "export-hf": "levanter_flax.commands.export_hf",
+    "report": "levanter_flax.commands.report",
     "launch": "levanter_flax.launch",
-    "aot": "levanter_flax.aot",
+    "aot": "levanter_flax.commands.aot",
 }
 
 

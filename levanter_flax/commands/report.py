@@ -1,6 +1,6 @@
 r"""Plots and a summary table from the metrics of one or more runs.
 
-  python -m levanter_flax.report runs/before runs/after --output_dir=report
+  levanter-flax report runs/before runs/after --output_dir=report
 
 Several runs share each plot's axes, so "before and after tuning" is one picture.
 """
@@ -13,7 +13,7 @@ from levanter_flax.monitoring.report import report
 
 def main(argv: list[str]) -> None:
   if len(argv) < 2:
-    exit_with_error("usage: python -m levanter_flax.report WORKDIR [WORKDIR ...] "
+    exit_with_error("usage: levanter-flax report WORKDIR [WORKDIR ...] "
                     "[--output_dir=DIR]")
   try:
     workdirs = [paths.resolve(a, "workdir") for a in argv[1:]]

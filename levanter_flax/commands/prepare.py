@@ -1,6 +1,6 @@
 """Command line: tokenize text into TFRecord shards plus a manifest for training.
 
-  python -m levanter_flax.prepare --source=jsonl --input='data/*.jsonl.gz' \
+  levanter-flax prepare --source=jsonl --input='data/*.jsonl.gz' \
       --output_dir=/data/my_corpus --train_tokenizer --vocab_size=32768
 
 Then point a config at it: --config.data.dataset=/data/my_corpus (and
@@ -9,7 +9,7 @@ Then point a config at it: --config.data.dataset=/data/my_corpus (and
 Chat data (JSON lines of {"messages": [{"role": ..., "content": ...}, ...]}),
 rendered with the tokenizer's chat template, the loss on the assistant turns only:
 
-  python -m levanter_flax.prepare --source=chat --input='chats/*.jsonl' \
+  levanter-flax prepare --source=chat --input='chats/*.jsonl' \
       --tokenizer=qwen/tokenizer.json --output_dir=/data/my_chats
 
 --source=prompt_completion reads {"prompt": ..., "completion": ...} lines: the
@@ -19,7 +19,7 @@ Preference data for DPO (JSON lines of {"prompt" or "messages", "chosen",
 "rejected"}, TRL's formats; data/preference.py), each pair one row of the
 model's seq_len:
 
-  python -m levanter_flax.prepare --source=preference --input='pairs/*.jsonl' \
+  levanter-flax prepare --source=preference --input='pairs/*.jsonl' \
       --tokenizer=qwen/tokenizer.json --seq_len=1024 --output_dir=/data/my_pairs
 
 Killed and restarted with the same flags, it keeps the shards already written.

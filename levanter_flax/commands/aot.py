@@ -1,6 +1,6 @@
 """The fit plan before launch: the run's train step compiled for a TPU topology, on any machine.
 
-    python -m levanter_flax.aot --config=configs/llama_7b.py --topology=v5p-64 \\
+    levanter-flax aot --config=configs/llama_7b.py --topology=v5p-64 \\
         [--num_slices=2] [--config.x=y ...] [--output=plan.json]
 
 libtpu (`pip install -e ".[tpu-aot]"`) compiles for TPU chips that are not there: jax's

@@ -1,16 +1,17 @@
 r"""Text from the latest checkpoint of a run, decoded on a KV cache.
 
-    python -m levanter_flax.sample --workdir=runs/gpt2_nano --prompt="def " --prompt="import " \
+    levanter-flax sample --workdir=runs/gpt2_nano --prompt="def " --prompt="import " \
         --max_new_tokens=100 --temperature=0.8 --top_k=40
 
-Prompts of different lengths are left-padded into one batch. temperature 0
-is greedy decoding; top_k and top_p restrict sampling to the likeliest tokens.
+The prompts generate together on the engine (generate/engine.py), prompt i with seed
+--seed + i. temperature 0 is greedy decoding; top_k and top_p restrict sampling to the
+likeliest tokens.
 Each prompt follows an EOS, as every document the model trained on did
 (--no_bos: not), so an empty prompt starts a new document. The tokenizer is
 the run's (config.json's data.tokenizer), and must still be the file its
 datasets were tokenized with.
 
-    python -m levanter_flax.sample --workdir=runs/chat --chat --system="Be brief." \
+    levanter-flax sample --workdir=runs/chat --chat --system="Be brief." \
         --prompt="What is a KV cache?" --max_new_tokens=200
 
 --chat renders each prompt as a user message with the run's chat template
@@ -25,8 +26,8 @@ from absl import app, flags
 from levanter_flax.core import cli, paths
 from levanter_flax.core.errors import UserError, exit_with_error
 from levanter_flax.generate import trained
-from levanter_flax.generate.decoding import SamplingConfig
-from levanter_flax.generate.prompts import chat_prompts, check_ranges, check_text, encode, generate
+from levanter_flax.generate.engine import SamplingParams
+from levanter_flax.generate.prompts import LONG_PROMPTS, chat_prompts, check_text, encode, generate
 from levanter_flax.generate.trained import run_params
 from levanter_flax.parallel import backend
 
@@ -34,8 +35,8 @@ from levanter_flax.parallel import backend
 def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
-  cfg = SamplingConfig(flag.max_new_tokens, flag.temperature, flag.top_k, flag.top_p, flag.seed,
-                       flag.long_prompt)
+  sampling = SamplingParams(max_tokens=flag.max_new_tokens, temperature=flag.temperature,
+                            top_k=flag.top_k, top_p=flag.top_p, seed=flag.seed)
   cli.quiet_orbax()
   backend.skip_absent_tpu()
   try:
@@ -46,7 +47,6 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--{name} needs --chat")
     check_text(flag.prompt)
     check_text([flag.system], "--system")
-    check_ranges(cfg)
     workdir = paths.resolve(flag.workdir, "--workdir")
     model_cfg, params, saved = run_params(workdir)
     tokenizer = trained.run_tokenizer(workdir, saved)
@@ -54,9 +54,10 @@ def main(argv: list[str]) -> None:
     if flag.chat:
       template = trained.chat_template(saved, tokenizer, flag.chat_template)
       texts, stop_ids = chat_prompts(template, tokenizer, flag.prompt, flag.system)
-      cfg = dataclasses.replace(cfg, stop_ids=stop_ids)
+      sampling = dataclasses.replace(sampling, stop_ids=stop_ids)
     prompts = encode(tokenizer, texts, bos=not flag.no_bos)
-    for prompt, continuation in zip(flag.prompt, generate(model_cfg, params, prompts, cfg)):
+    continuations = generate(model_cfg, params, prompts, sampling, flag.long_prompt)
+    for prompt, continuation in zip(flag.prompt, continuations):
       reply = tokenizer.decode(continuation)
       print(f"--- {prompt!r}\n{reply if flag.chat else prompt + reply}")
   except UserError as e:
@@ -72,7 +73,7 @@ if __name__ == "__main__":
   flags.DEFINE_float("top_p", 1.0, "Sample among the likeliest tokens that reach this "
                      "probability (1: all).", lower_bound=0, upper_bound=1)
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
-  flags.DEFINE_enum("long_prompt", "error", ["error", "truncate"],
+  flags.DEFINE_enum("long_prompt", "error", LONG_PROMPTS,
                     "A prompt too long for seq_len - max_new_tokens: refuse it, or keep its end.")
   flags.DEFINE_bool("no_bos", False, "Feed each prompt alone, not after the EOS that began "
                     "every training document.")

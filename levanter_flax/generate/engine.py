@@ -1,0 +1,449 @@
+"""The generation engine: continuous batching over a fixed number of slots, each with its own
+position in one KV cache. `sample`, the lm-eval harness and the OpenAI server all generate
+through it.
+
+The cache is per slot, not paged: [slots, max_len] rows, written at each slot's own index
+(models/attention.append_to_cache). A request takes a free slot, its prompt is prefilled in
+chunks of `prefill_chunk` tokens (waiting requests prefilled together, as a group of rows of
+the cache), then each step decodes one token for every decoding slot; a request that stops
+frees its slot for the next at once. Paging would let short requests lend their rows to long
+ones; with whole rows the cache's shape is fixed and a step's attention reads only a bucket of
+rows long enough for its slots (a power of two), so memory is slots x max_len and a step's
+time follows the longest live request, not max_len.
+
+Sampling is per request: temperature (0: greedy), top-k, top-p, a seed, stop token ids, stop
+strings (on the text, with the engine's tokenizer), max_tokens, and the log-probability of
+each chosen token under the model's own distribution (before temperature and filters). A
+request's n-th token is drawn with fold_in(key(seed), n), so it is the same alone or among
+others, in any slot.
+
+On a mesh (`param_shardings` and `batch_sharding`, inside the partitioner's
+activation_context), the params keep their layout (tensor-parallel where the rules split
+them) and the cache is split as the model's activations are: slots over the batch axes, key
+and value heads over the heads' axes.
+
+It imports models and core only; the tokenizer is any object with decode(ids) -> str.
+"""
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from levanter_flax import models
+from levanter_flax.core.errors import UserError
+
+# Shortest attended length: below it, more buckets would cost more compiles than they save.
+_MIN_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request samples."""
+  max_tokens: int = 64
+  temperature: float = 1.0  # 0: greedy.
+  top_k: int = 0  # 0: no limit.
+  top_p: float = 1.0  # 1: no limit.
+  seed: int = 0
+  stop: tuple[str, ...] = ()  # The text ends before the first of these (needs a tokenizer).
+  stop_ids: tuple[int, ...] = ()  # The completion ends before the first of these tokens.
+
+  def check(self, vocab_size: int, prefix: str = "") -> None:
+    """One line naming the setting (with `prefix`, e.g. "--" for flags) for a bad value."""
+    if self.max_tokens <= 0:
+      raise UserError(f"{prefix}max_tokens must be positive; got {self.max_tokens}")
+    if not 0 <= self.temperature < float("inf"):  # NaN fails it too.
+      raise UserError(f"{prefix}temperature must be >= 0 and finite; got {self.temperature}")
+    if not 0 <= self.top_p <= 1:
+      raise UserError(f"{prefix}top_p must be in [0, 1]; got {self.top_p}")
+    if self.top_k < 0:
+      raise UserError(f"{prefix}top_k must be >= 0 (0: no limit); got {self.top_k}")
+    if self.top_k > vocab_size:  # lax.top_k cannot take more tokens than there are.
+      raise UserError(f"{prefix}top_k {self.top_k} exceeds the model's vocabulary of "
+                      f"{vocab_size} tokens; use at most {vocab_size}, or 0 for no limit")
+    if not 0 <= self.seed < 2**32:
+      raise UserError(f"{prefix}seed must be in [0, 2**32); got {self.seed}")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """A prompt and how it samples; the engine fills in the rest as it generates. `listener`
+  (if any) is called from the engine's thread after each change."""
+  prompt: list[int]
+  sampling: SamplingParams
+  listener: Callable[["Request"], None] | None = None
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  text: str = ""  # With a tokenizer: the completion's text, cut at a stop string.
+  finish_reason: str | None = None  # "stop", "length" or "cancelled" once finished.
+  cancelled: bool = False
+  _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+  _slot: int = -1
+  _prefilled: int = 0
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+  def wait(self, timeout: float | None = None) -> bool:
+    return self._done.wait(timeout)
+
+
+def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(next token [rows], its log-probability under the unfiltered logits [rows]) from
+  last-position logits [rows, vocab], each row with its own settings and key. Top-k applies
+  first, then top-p to what it kept; the sort they need runs only when a row asks for one."""
+  logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
+  greedy = temperature == 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+
+  def filtered(scaled):
+    ordered = -jnp.sort(-scaled, axis=-1)
+    kth = jnp.take_along_axis(ordered, (jnp.where(top_k > 0, top_k, vocab) - 1)[:, None], -1)
+    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
+    # The smallest set whose probability reaches top_p: keep tokens at least as likely as its last.
+    last = jnp.minimum(jnp.sum(cumulative < top_p[:, None], axis=-1, keepdims=True), vocab - 1)
+    threshold = jnp.maximum(kth, jnp.take_along_axis(ordered, last, axis=-1))
+    return jnp.where(scaled < threshold, -jnp.inf, scaled)
+
+  needed = jnp.any(~greedy & ((top_k > 0) | (top_p < 1)))
+  scaled = jax.lax.cond(needed, filtered, lambda x: x, scaled)
+  drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], -1)[:, 0]
+  return tokens, logprobs
+
+
+def _keys(seeds: jax.Array, counts: jax.Array) -> jax.Array:
+  """A request's key for its counts-th token: fold_in(key(seed), count)."""
+  return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, counts)
+
+
+class Engine:
+  """Generates for many requests at once (see the module's docstring).
+
+  slots: how many requests decode together; max_len: the cache's length per slot, prompt and
+  completion together (default and most: the model's seq_len); prefill_chunk: prompt tokens a
+  slot prefills per step. tokenizer: decodes completions for stop strings and `text`.
+  """
+
+  def __init__(self, model_cfg: Any, params: Any, *, slots: int = 8, max_len: int | None = None,
+               prefill_chunk: int = 128, tokenizer=None, param_shardings: Any = None,
+               batch_sharding: NamedSharding | None = None):
+    max_len = max_len or model_cfg.seq_len
+    if not 0 < max_len <= model_cfg.seq_len:
+      raise UserError(f"the engine's max_len {max_len} must be in [1, the model's seq_len "
+                      f"{model_cfg.seq_len}]")
+    if slots <= 0 or prefill_chunk <= 0:
+      raise UserError(f"the engine needs slots and prefill_chunk > 0; got {slots}, "
+                      f"{prefill_chunk}")
+    self.model_cfg, self.slots, self.max_len = model_cfg, slots, max_len
+    self.prefill_chunk = min(prefill_chunk, max_len)
+    self.tokenizer = tokenizer
+    self._model = models.build(model_cfg, decode=True)
+    self._param_shardings = param_shardings
+    self._batch_sharding = batch_sharding
+    self.params = None
+    if params is not None:
+      self.use_params(params)
+    self._batch_axes = _batch_axes(self._model, max_len)
+    # A prefill's rows split over the batch's axes as its activations do.
+    self._min_rows = 1 if batch_sharding is None else _axes_size(
+        batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
+    self._cache_shardings = self._shardings_of_cache()
+    self._cache = self._new_cache()
+    self._waiting: list[Request] = []
+    self._running: list[Request | None] = [None] * slots
+    self._lock = threading.Condition()
+    self._prefill = {}  # (rows, attended) -> jitted prefill.
+    self._decode = {}  # attended -> jitted decode.
+
+  # The public interface.
+  def use_params(self, params: Any) -> None:
+    """Generates with `params` from now on (the same shapes: nothing compiles again)."""
+    self.params = (params if self._param_shardings is None
+                   else jax.device_put(params, self._param_shardings))
+
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams,
+             listener: Callable[[Request], None] | None = None) -> Request:
+    """Queues a request; it runs once a slot is free (step or serve_forever)."""
+    if not prompt:
+      raise UserError("a prompt is empty: there is nothing to continue")
+    if len(prompt) >= self.max_len:
+      raise UserError(f"a prompt of {len(prompt)} tokens leaves no room to generate in the "
+                      f"context of {self.max_len} tokens")
+    if sampling.stop and self.tokenizer is None:
+      raise UserError("stop strings need the engine's tokenizer")
+    sampling.check(self.model_cfg.vocab_size)
+    request = Request(list(prompt), sampling, listener)
+    with self._lock:
+      self._waiting.append(request)
+      self._lock.notify_all()
+    return request
+
+  def cancel(self, request: Request) -> None:
+    """Ends `request` at the next step (finish_reason "cancelled"), freeing its slot."""
+    request.cancelled = True
+    with self._lock:
+      self._lock.notify_all()
+
+  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[
+      SamplingParams]) -> list[Request]:
+    """Each prompt's finished request, stepping in this thread until all are done."""
+    samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
+                 else list(sampling))
+    requests = [self.submit(p, s) for p, s in zip(prompts, samplings)]
+    while not all(r.finished for r in requests):
+      self.step()
+    return requests
+
+  @property
+  def busy(self) -> bool:
+    return bool(self._waiting) or any(r is not None for r in self._running)
+
+  def serve_forever(self, stopped: threading.Event) -> None:
+    """Steps while there is work, waits while there is none; returns once `stopped` is set and
+    every request has finished (a server's thread)."""
+    while True:
+      with self._lock:
+        while not self.busy and not stopped.is_set():
+          self._lock.wait(0.5)
+        if not self.busy and stopped.is_set():
+          return
+      self.step()
+
+  def wake(self) -> None:
+    with self._lock:
+      self._lock.notify_all()
+
+  def step(self) -> None:
+    """Admits waiting requests to free slots, prefills one chunk of the prefilling ones, and
+    decodes one token for the decoding ones."""
+    with self._lock:
+      for slot, request in enumerate(self._running):
+        if request is not None and request.cancelled:
+          self._finish(request, "cancelled")
+      while self._waiting and None in self._running:
+        request = self._waiting.pop(0)
+        if request.cancelled:
+          self._finish(request, "cancelled")
+          continue
+        request._slot = self._running.index(None)
+        self._running[request._slot] = request
+    prefilling = [r for r in self._running if r is not None and r._prefilled < len(r.prompt)]
+    if prefilling:
+      self._prefill_chunk(prefilling)
+    decoding = [r for r in self._running if r is not None and r._prefilled == len(r.prompt)
+                and r.tokens and not r.finished and r not in prefilling]
+    if decoding:
+      self._decode_step(decoding)
+
+  # Steps.
+  def _prefill_chunk(self, requests: list[Request]) -> None:
+    rows = _bucket(len(requests), self.slots, self._min_rows)
+    chunk = self.prefill_chunk
+    # Padding rows are other slots, with no real token: nothing of theirs is written.
+    others = [s for s in range(self.slots) if s not in {r._slot for r in requests}]
+    slot_ids = np.array([r._slot for r in requests] + others[:rows - len(requests)], np.int32)
+    tokens = np.zeros((rows, chunk), np.int32)
+    starts = np.zeros(rows, np.int32)
+    counts = np.zeros(rows, np.int32)
+    for row, r in enumerate(requests):
+      piece = r.prompt[r._prefilled:r._prefilled + chunk]
+      starts[row], counts[row] = r._prefilled, len(piece)
+      tokens[row, :len(piece)] = piece
+    attended = _bucket(int((starts + counts).max()), self.max_len, _MIN_BUCKET)
+    settings = self._settings(requests + [None] * (rows - len(requests)))
+    fn = self._prefill.get((rows, attended)) or self._compile(rows, attended)
+    self._cache, new, logprobs = fn(self.params, self._cache, slot_ids, tokens, starts, counts,
+                                    *settings)
+    new, logprobs = jax.device_get((new, logprobs))
+    with self._lock:
+      for row, r in enumerate(requests):
+        r._prefilled += int(counts[row])
+        if r._prefilled == len(r.prompt):
+          self._record(r, int(new[row]), float(logprobs[row]))
+
+  def _decode_step(self, requests: list[Request]) -> None:
+    last = np.zeros((self.slots, 1), np.int32)
+    positions = np.zeros((self.slots, 1), np.int32)
+    active = np.zeros((self.slots, 1), bool)  # Idle slots' tokens are not real: not written.
+    per_slot: list[Request | None] = [None] * self.slots
+    for r in requests:
+      last[r._slot], positions[r._slot] = r.tokens[-1], len(r.prompt) + len(r.tokens) - 1
+      active[r._slot] = True
+      per_slot[r._slot] = r
+    attended = _bucket(int(positions.max()) + 1, self.max_len, _MIN_BUCKET)
+    fn = self._decode.get(attended) or self._compile(None, attended)
+    self._cache, new, logprobs = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
+                                    last, positions[:, 0], active[:, 0].astype(np.int32),
+                                    *self._settings(per_slot))
+    new, logprobs = jax.device_get((new, logprobs))
+    with self._lock:
+      for r in requests:
+        self._record(r, int(new[r._slot]), float(logprobs[r._slot]))
+
+  def _settings(self, requests: Sequence[Request | None]) -> tuple[np.ndarray, ...]:
+    """Each row's (temperature, top_k, top_p, seed, tokens drawn so far); greedy for none."""
+    pick = lambda f, default, dtype: np.array(
+        [default if r is None else f(r) for r in requests], dtype)
+    return (pick(lambda r: r.sampling.temperature, 0.0, np.float32),
+            pick(lambda r: r.sampling.top_k, 0, np.int32),
+            pick(lambda r: r.sampling.top_p, 1.0, np.float32),
+            pick(lambda r: r.sampling.seed, 0, np.uint32),
+            pick(lambda r: len(r.tokens), 0, np.int32))
+
+  # Bookkeeping, under the lock.
+  def _record(self, request: Request, token: int, logprob: float) -> None:
+    """Appends a drawn token to `request`, or ends it (a stop token, a stop string, its
+    max_tokens, the context's end)."""
+    sampling = request.sampling
+    if token in sampling.stop_ids:
+      return self._finish(request, "stop")
+    request.tokens.append(token)
+    request.logprobs.append(logprob)
+    if self.tokenizer is not None:
+      request.text = self.tokenizer.decode(request.tokens)
+      cuts = [i for i in (request.text.find(s) for s in sampling.stop) if i >= 0]
+      if cuts:
+        request.text = request.text[:min(cuts)]
+        return self._finish(request, "stop")
+    if (len(request.tokens) >= sampling.max_tokens
+        or len(request.prompt) + len(request.tokens) >= self.max_len):
+      return self._finish(request, "length")
+    if request.listener:
+      request.listener(request)
+
+  def _finish(self, request: Request, reason: str) -> None:
+    request.finish_reason = reason
+    if request._slot >= 0 and self._running[request._slot] is request:
+      self._running[request._slot] = None
+    request._done.set()
+    if request.listener:
+      request.listener(request)
+
+  # The compiled steps.
+  def _compile(self, rows: int | None, attended: int):
+    """The prefill of `rows` slots' chunks (rows None: the decode step of every slot, one token
+    each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), attending
+    to the cache's first `attended` positions. Returns (cache, tokens drawn [rows], their
+    log-probabilities [rows])."""
+    model, axes = self._model, self._batch_axes
+
+    def run(params, cache, slot_ids, tokens, starts, counts, temperature, top_k, top_p, seeds,
+            drawn):
+      rows_of = None if rows is None else slot_ids  # Decoding: every slot, in order.
+      part = jax.tree.map(lambda c, a: _take_rows(c, a, rows_of, attended), cache, axes)
+      part = _with_index(part, starts)
+      length = tokens.shape[1]
+      # Clipped: a chunk's padding past the context must still index the positions' table.
+      positions = jnp.minimum(starts[:, None] + jnp.arange(length), self.max_len - 1)
+      logits, variables = model.apply(
+          {"params": params, "cache": part}, tokens, positions=positions,
+          token_mask=jnp.arange(length) < counts[:, None],
+          logits_at=jnp.maximum(counts - 1, 0)[:, None], mutable=["cache"])
+      cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
+                           variables["cache"], axes)
+      new, logprobs = sample_tokens(logits[:, 0], temperature, top_k, top_p, _keys(seeds, drawn))
+      return cache, new, logprobs
+
+    compiled = jax.jit(run, donate_argnums=1, **self._jit_shardings())
+    (self._decode if rows is None else self._prefill)[
+        attended if rows is None else (rows, attended)] = compiled
+    return compiled
+
+  def _jit_shardings(self) -> dict:
+    if self._batch_sharding is None:
+      return {}
+    replicated = NamedSharding(self._batch_sharding.mesh, PartitionSpec())
+    return dict(in_shardings=(self._param_shardings, self._cache_shardings) + (replicated,) * 9,
+                out_shardings=(self._cache_shardings, replicated, replicated))
+
+  def _shardings_of_cache(self):
+    """Slots over the batch's mesh axes, key and value heads over the heads' (where they
+    divide); None off a mesh."""
+    if self._batch_sharding is None:
+      return None
+    mesh = self._batch_sharding.mesh
+    batch_axes, heads_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    abstract = jax.eval_shape(self._model.init, jax.random.key(0),
+                              jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
+
+    def spec(leaf, axis):
+      entries = [None] * leaf.ndim
+      entries[axis] = _dividing(mesh, batch_axes, leaf.shape[axis])
+      if leaf.ndim - axis == 4:  # [slots, length, kv heads, head_dim]
+        entries[axis + 2] = _dividing(mesh, heads_axes, leaf.shape[axis + 2])
+      return NamedSharding(mesh, PartitionSpec(*entries))
+    return jax.tree.map(spec, abstract, self._batch_axes)
+
+  def _new_cache(self):
+    abstract = jax.eval_shape(self._model.init, jax.random.key(0),
+                              jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
+    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
+    if self._cache_shardings is None:
+      return jax.jit(zeros)()
+    return jax.jit(zeros, out_shardings=self._cache_shardings)()
+
+
+def _bucket(n: int, cap: int, minimum: int) -> int:
+  """The next power of two from n (at least `minimum`), at most `cap`: a few compiled shapes."""
+  return min(cap, max(minimum, 1 << max(n - 1, 0).bit_length()))
+
+
+def _axes_size(mesh, axes) -> int:
+  """The number of devices a PartitionSpec entry's mesh axes span."""
+  names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def _dividing(mesh, axes, size: int):
+  """`axes` (a PartitionSpec entry) if their mesh size divides `size`, else None."""
+  return axes if axes is not None and size % _axes_size(mesh, axes) == 0 else None
+
+
+def _batch_axes(model: nn.Module, max_len: int):
+  """Each cache entry's batch (slot) axis: 0, or 1 in a scanned stack of layers."""
+  shapes = [jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, max_len), jnp.int32)
+                           )["cache"] for b in (1, 2)]
+  return jax.tree.map(lambda one, two: next(i for i, (a, b) in enumerate(zip(one.shape,
+                                                                             two.shape)) if a != b),
+                      *shapes)
+
+
+def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None, attended: int) -> jax.Array:
+  """`rows` of a cache entry (None: all), and of an entry with positions (after the slot
+  axis) the first `attended`."""
+  taken = leaf if rows is None else jnp.take(leaf, rows, axis=axis)
+  if leaf.ndim > axis + 1:
+    taken = jax.lax.slice_in_dim(taken, 0, attended, axis=axis + 1)
+  return taken
+
+
+def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, rows: jax.Array | None
+              ) -> jax.Array:
+  """_take_rows' inverse: `part` written back into `leaf`."""
+  if rows is None:
+    return jax.lax.dynamic_update_slice(leaf, part, (0,) * leaf.ndim)
+  moved, part = jnp.moveaxis(leaf, axis, 0), jnp.moveaxis(part, axis, 0)
+  if leaf.ndim > axis + 1:
+    moved = moved.at[rows, :part.shape[1]].set(part)
+  else:
+    moved = moved.at[rows].set(part)
+  return jnp.moveaxis(moved, 0, axis)
+
+
+def _with_index(cache, starts: jax.Array):
+  """The cache with every layer's index set to each row's start: the engine's positions, not
+  the cache's own count, say where each slot writes."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.broadcast_to(starts, x.shape).astype(x.dtype)
+      if getattr(path[-1], "key", None) == "index" else x, cache)

@@ -1,0 +1,176 @@
+"""The generation engine: greedy equals transformers' generate per family, a request samples the
+same alone or among others and in any slot, slots are reused, stops, logprobs, cancelling,
+and a mesh."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from levanter_flax import models
+from levanter_flax.core.errors import UserError
+from levanter_flax.generate.engine import Engine, SamplingParams
+from levanter_flax.hf import snapshot
+from levanter_flax.parallel import partitioning
+from test_hf import HF_CONFIGS, hf_model
+from test_sample import MODELS
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+PROMPTS = [[3, 14, 15, 9, 26], [8, 9], [1, 2, 3, 4, 5, 6, 7], [40]]
+
+
+class ByteText:
+  """A tokenizer's decode for the tests: token t is the character chr(ord('a') + t % 26)."""
+  def decode(self, ids):
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def random_model(name="llama", scale=8.0):
+  cfg = MODELS[name]
+  params = models.build(cfg).init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))
+  # Larger weights make the next token depend on the context, not only the last token.
+  return cfg, jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, params["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_greedy_equals_transformers_generate(family, tmp_path):
+  """Each family's HF checkpoint: the engine (2 slots for 4 prompts, prefill chunks of 3) gives
+  generate(do_sample=False)'s tokens, prompt by prompt."""
+  hf = hf_model(family)
+  hf.save_pretrained(tmp_path)
+  cfg, params = snapshot.load(tmp_path)
+  engine = Engine(cfg, params, slots=2, prefill_chunk=3)
+  got = engine.generate(PROMPTS, GREEDY)
+  for prompt, request in zip(PROMPTS, got):
+    with torch.no_grad():
+      said = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert request.tokens == said, family
+    assert request.finish_reason == "length"
+
+
+def test_32_requests_on_4_slots_equal_each_alone():
+  """Greedy and seeded sampling, 32 requests of different lengths through 4 slots: the same
+  tokens as each request alone on an engine of its own; the slots are reused."""
+  cfg, params = random_model()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, rng.integers(1, 12)).tolist() for _ in range(32)]
+  samplings = [SamplingParams(max_tokens=int(rng.integers(1, 9)), seed=i,
+                              temperature=0.0 if i % 2 else 0.9, top_k=int(i % 3) * 5)
+               for i in range(32)]
+  shared = Engine(cfg, params, slots=4, prefill_chunk=4)
+  together = shared.generate(prompts, samplings)
+  assert not shared.busy
+  alone = Engine(cfg, params, slots=4, prefill_chunk=4)
+  for prompt, sampling, request in zip(prompts, samplings, together):
+    assert alone.generate([prompt], sampling)[0].tokens == request.tokens
+    assert len(request.tokens) == sampling.max_tokens
+
+
+def test_a_seeded_request_samples_the_same_alone_or_among_15_others():
+  cfg, params = random_model()
+  sampling = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+  engine = Engine(cfg, params, slots=16, prefill_chunk=8)
+  alone = engine.generate([PROMPTS[0]], sampling)[0]
+  others = [SamplingParams(max_tokens=12, temperature=1.0, seed=100 + i) for i in range(15)]
+  # Its own place last, so that it lands in another slot than when alone.
+  crowd = engine.generate(PROMPTS[1:2] * 15 + [PROMPTS[0]], others + [sampling])
+  assert crowd[-1].tokens == alone.tokens
+  # A prefill of 16 rows, not 1: another program, the same numbers but for rounding.
+  np.testing.assert_allclose(crowd[-1].logprobs, alone.logprobs, atol=1e-5)
+  assert len({tuple(r.tokens) for r in crowd[:15]}) > 1  # Their seeds differ: so do they.
+  again = engine.generate([PROMPTS[0]], dataclasses.replace(sampling, seed=8))[0]
+  assert again.tokens != alone.tokens
+
+
+def test_logprobs_are_the_models_own():
+  """Each token's log-probability under the full forward's logits at its position."""
+  cfg, params = random_model()
+  model = models.build(cfg)
+  request = Engine(cfg, params, slots=2).generate(
+      [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.7, seed=1))[0]
+  sequence = jnp.asarray([PROMPTS[0] + request.tokens])
+  logprobs = jax.nn.log_softmax(model.apply({"params": params}, sequence)[0], axis=-1)
+  start = len(PROMPTS[0]) - 1
+  expected = [float(logprobs[start + i, t]) for i, t in enumerate(request.tokens)]
+  np.testing.assert_allclose(request.logprobs, expected, atol=1e-5)
+
+
+def test_stop_ids_stop_strings_and_the_context_end():
+  cfg, params = random_model()
+  engine = Engine(cfg, params, slots=2, tokenizer=ByteText())
+  free = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0))[0]
+  assert free.finish_reason == "length" and free.text == ByteText().decode(free.tokens)
+  by_id = engine.generate([PROMPTS[0]], dataclasses.replace(GREEDY, max_tokens=10,
+                                                            stop_ids=(free.tokens[3],)))[0]
+  assert by_id.finish_reason == "stop"
+  assert by_id.tokens == free.tokens[:free.tokens.index(free.tokens[3])]  # Left out.
+  stop = free.text[4:6]
+  by_text = engine.generate([PROMPTS[0]], dataclasses.replace(GREEDY, max_tokens=10,
+                                                              stop=("zzzz", stop)))[0]
+  assert by_text.finish_reason == "stop" and by_text.text == free.text[:free.text.index(stop)]
+  # The context's end (seq_len 24) comes before max_tokens.
+  full = engine.generate([list(range(1, 21))], dataclasses.replace(GREEDY, max_tokens=10))[0]
+  assert full.finish_reason == "length" and len(full.tokens) == 4
+
+
+def test_a_cancelled_request_frees_its_slot_at_once():
+  cfg, params = random_model()
+  engine = Engine(cfg, params, slots=1)
+  endless = engine.submit(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))
+  waiting = engine.submit(PROMPTS[1], GREEDY)
+  engine.step()
+  engine.step()
+  assert len(endless.tokens) == 2 and not waiting.tokens
+  engine.cancel(endless)
+  engine.step()
+  assert endless.finish_reason == "cancelled" and len(endless.tokens) == 2
+  assert waiting.tokens  # It took the slot in the same step.
+  while not waiting.finished:
+    engine.step()
+  assert waiting.tokens == Engine(cfg, params, slots=1).generate([PROMPTS[1]], GREEDY)[0].tokens
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (SamplingParams(max_tokens=0), "max_tokens must be positive; got 0"),
+    (SamplingParams(temperature=float("nan")), "temperature must be >= 0 and finite; got nan"),
+    (SamplingParams(top_p=1.5), "top_p must be in \\[0, 1\\]; got 1.5"),
+    (SamplingParams(top_k=51), "top_k 51 exceeds the model's vocabulary of 50 tokens"),
+    (SamplingParams(seed=-1), "seed must be in \\[0, 2\\*\\*32\\); got -1"),
+    (SamplingParams(stop=("x",)), "stop strings need the engine's tokenizer"),
+])
+def test_bad_requests_are_refused_in_one_line(sampling, message):
+  cfg, params = random_model()
+  engine = Engine(cfg, params, slots=1)
+  with pytest.raises(UserError, match=message):
+    engine.submit(PROMPTS[0], sampling)
+  with pytest.raises(UserError, match="a prompt of 24 tokens leaves no room to generate in the "
+                                      "context of 24 tokens"):
+    engine.submit(list(range(24)), GREEDY)
+  with pytest.raises(UserError, match="a prompt is empty"):
+    engine.submit([], GREEDY)
+  assert not engine.busy
+
+
+@pytest.mark.slow
+def test_a_mesh_of_8_devices_generates_as_one_device():
+  """data=4 x model=2: the cache's slots split over data, its heads over model; the params
+  tensor-parallel. The same tokens as one device, greedy and sampled."""
+  cfg, params = random_model()
+  samplings = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i)
+               for i in range(len(PROMPTS))]
+  single = [r.tokens for r in Engine(cfg, params, slots=8).generate(PROMPTS, samplings)]
+  mesh = partitioning.make_mesh((("data", 4), ("model", 2)))
+  partitioner = partitioning.Partitioner(mesh, partitioning.ShardingConfig(
+      rules=models.family(cfg).partition_rules))
+  with partitioner.activation_context():
+    engine = Engine(cfg, params, slots=8, param_shardings=partitioner.param_shardings(params),
+                    batch_sharding=partitioner.batch_sharding())
+    keys = jax.tree.leaves(engine._cache)[0]  # pylint: disable=protected-access
+    assert keys.sharding.spec[0] == "data"
+    sharded = [r.tokens for r in engine.generate(PROMPTS, samplings)]
+  assert sharded == single
