@@ -56,7 +56,7 @@ def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_s
   """lm-eval's results for `names`, the batches data-parallel over every device."""
   harness = lm_eval_harness()
   if jax.process_count() > 1:
-    raise UserError("levanter_flax.commands.evaluate runs on one process; run it on one host")
+    raise UserError("levanter-flax evaluate runs on one process; run it on one host")
   mesh = partitioning.make_mesh((("data", -1), ("model", 1)))
   partitioner = partitioning.Partitioner(
       mesh, partitioning.ShardingConfig(rules=models.family(model_cfg).partition_rules))
