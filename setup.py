@@ -80,7 +80,9 @@ setuptools.setup(
                  # mkdocs-material: the site's theme.
                  "mkdocs-material>=9.5,<10",
                  # import-linter: `lint-imports` checks .importlinter's layers (tests/test_layers.py).
-                 "import-linter>=2.1,<3"],
+                 "import-linter>=2.1,<3",
+                 # tests/test_serve.py: the server, and the official client talking to it.
+                 "fastapi>=0.115,<1", "uvicorn>=0.30,<1", "openai>=1.50,<4"],
         # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
         # project. Pinned to the minor version whose offline run files tests/test_wandb.py reads.
         "wandb": ["wandb>=0.31,<0.32"],
@@ -90,6 +92,8 @@ setuptools.setup(
         # `levanter-flax evaluate` and trainer.eval_harness_*: lm-eval-harness's tasks,
         # metrics and evaluator (harness.py subclasses its TemplateLM; docs/build-notes.md).
         "eval": ["lm-eval==0.4.13"],
+        # `levanter-flax serve`: the OpenAI-compatible HTTP API (generate/server.py).
+        "serve": ["fastapi>=0.115,<1", "uvicorn>=0.30,<1"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

@@ -32,7 +32,7 @@ import threading
 
 # Imported once by the server: what the commands import, jax and TensorFlow under them.
 PRELOAD = ("levanter_flax.commands.api", "levanter_flax.data.loader",
-           "levanter_flax.generate.export",
+           "levanter_flax.generate.export", "levanter_flax.generate.server",
            "levanter_flax.eval.tasks", "levanter_flax.monitoring.report", "tensorflow",
            "tensorflow_datasets")
 

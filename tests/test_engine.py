@@ -170,7 +170,8 @@ def test_a_mesh_of_8_devices_generates_as_one_device():
   with partitioner.activation_context():
     engine = Engine(cfg, params, slots=8, param_shardings=partitioner.param_shardings(params),
                     batch_sharding=partitioner.batch_sharding())
-    keys = jax.tree.leaves(engine._cache)[0]  # pylint: disable=protected-access
-    assert keys.sharding.spec[0] == "data"
     sharded = [r.tokens for r in engine.generate(PROMPTS, samplings)]
+    cache = engine._cache  # pylint: disable=protected-access
+    keys = cache["layers_0"]["self_attn"]["keys"]  # [slots, length, kv heads, head_dim]
+    assert keys.sharding.spec == jax.sharding.PartitionSpec("data", None, "model", None)
   assert sharded == single

@@ -63,7 +63,7 @@ MODELS = {
        for name, q_lora_rank, scan in (("deepseek_v3", 12, False),
                                        ("deepseek_v3_scanned", 0, True))},
 }
-PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths: one is left-padded.
+PROMPTS = [[3, 14, 15, 9, 26, 5, 35], [8, 9]]  # Different lengths, each slot at its own.
 
 
 def full_forward_greedy(model, params, prompt, steps):

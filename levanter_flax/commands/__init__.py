@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "prepare": "levanter_flax.commands.prepare",
     "evaluate": "levanter_flax.commands.evaluate",
     "sample": "levanter_flax.commands.sample",
+    "serve": "levanter_flax.commands.serve",
     "export-hf": "levanter_flax.commands.export_hf",
     "report": "levanter_flax.commands.report",
     "launch": "levanter_flax.launch",

@@ -18,8 +18,8 @@ from etils import epath
 
 from levanter_flax.core import cli, paths
 from levanter_flax.core.errors import UserError, exit_with_error
-from levanter_flax.eval.tasks import (document_limit, evaluate, lm_eval_harness, model_and_tokenizer,
-                                      model_directory, write_results)
+from levanter_flax.eval.tasks import document_limit, evaluate, lm_eval_harness, write_results
+from levanter_flax.generate.trained import model_and_tokenizer, model_directory
 from levanter_flax.parallel import backend
 
 

@@ -245,13 +245,13 @@ class LevanterLM(TemplateLM):
     room = self.max_length - sampling.max_tokens
     engine = self._generation_engine()
     # Left-truncated as HFLM truncates; an empty context starts a document.
-    requests = [engine.submit((context or [self.prefix_token_id])[-room:],
-                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32))
-                for i, context in enumerate(contexts)]
+    prompts = [(context or [self.prefix_token_id])[-room:] for context in contexts]
+    requests = engine.submit_all(prompts, sampling.apart(len(prompts)))
     for request in progress.iterate(requests, "harness: generation", total=len(requests),
                                     unit="requests"):
       while not request.finished:
         engine.step()
+    engine.free_cache()  # Training, between harness runs, needs the memory.
     return [request.text for request in requests]
 
   def _generation_engine(self) -> Engine:

@@ -1,5 +1,5 @@
-"""lm-eval tasks on a trained run or an HF checkpoint: the model and tokenizer found, the
-harness run on them, the results written. The evaluate command's library."""
+"""lm-eval tasks on a trained run or an HF checkpoint (generate.trained finds the model and
+tokenizer): the harness run on them, the results written. The evaluate command's library."""
 import json
 
 import jax
@@ -8,8 +8,6 @@ from etils import epath
 from levanter_flax import models
 from levanter_flax.core import paths
 from levanter_flax.core.errors import UserError
-from levanter_flax.generate import trained
-from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
 
 
@@ -20,35 +18,6 @@ def lm_eval_harness():
   except ImportError as e:
     raise UserError(f"lm-eval-harness is not installed ({e}): pip install -e \".[eval]\"") from None
   return harness
-
-
-def model_directory(workdir: str, hf_dir: str) -> epath.Path:
-  """The run's workdir or the HF checkpoint directory (exactly one of the two given), checked
-  as far as it can be without reading the weights: known bad before the tasks load."""
-  if bool(workdir) == bool(hf_dir):
-    raise UserError("give --workdir (a training run) or --init_from_hf (a Hugging Face "
-                    "checkpoint directory), not both or neither")
-  if workdir:
-    directory = paths.resolve(workdir, "--workdir")
-    trained.run_checkpoints(directory)
-    return directory
-  directory = paths.resolve(hf_dir, "--init_from_hf")
-  for name, holds in (("config.json", "the model's shape"),
-                      ("tokenizer.json", "the tokenizer to encode the tasks with")):
-    if not (directory / name).exists():
-      raise UserError(f"--init_from_hf {directory} holds no {name} ({holds})")
-  return directory
-
-
-def model_and_tokenizer(directory: epath.Path, is_run: bool):
-  """(model config, host params, tokenizer) of a run's newest usable checkpoint or of an HF
-  checkpoint directory (model_directory's)."""
-  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
-  if is_run:
-    model_cfg, params, saved = trained.run_params(directory)
-    return model_cfg, params, trained.run_tokenizer(directory, saved)
-  model_cfg, params = snapshot.load(directory)
-  return model_cfg, params, tokenizers.load_tokenizer(str(directory / "tokenizer.json"))
 
 
 def evaluate(model_cfg, params, tokenizer, names: list[str], manager, *, batch_size: int,

@@ -25,10 +25,10 @@ and value heads over the heads' axes.
 It imports models and core only; the tokenizer is any object with decode(ids) -> str.
 """
 import dataclasses
-import functools
 import threading
 from typing import Any, Callable, Sequence
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,11 @@ class SamplingParams:
   seed: int = 0
   stop: tuple[str, ...] = ()  # The text ends before the first of these (needs a tokenizer).
   stop_ids: tuple[int, ...] = ()  # The completion ends before the first of these tokens.
+
+  def apart(self, count: int) -> list["SamplingParams"]:
+    """These settings for `count` requests, request i with seed + i: equal prompts sample
+    apart."""
+    return [dataclasses.replace(self, seed=(self.seed + i) % 2**32) for i in range(count)]
 
   def check(self, vocab_size: int, prefix: str = "") -> None:
     """One line naming the setting (with `prefix`, e.g. "--" for flags) for a bad value."""
@@ -80,7 +85,7 @@ class Request:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   text: str = ""  # With a tokenizer: the completion's text, cut at a stop string.
-  finish_reason: str | None = None  # "stop", "length" or "cancelled" once finished.
+  finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" once finished.
   cancelled: bool = False
   _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
   _slot: int = -1
@@ -159,7 +164,7 @@ class Engine:
     self._min_rows = 1 if batch_sharding is None else _axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
-    self._cache = self._new_cache()
+    self._cache = None  # Allocated at the first step; free_cache drops it.
     self._waiting: list[Request] = []
     self._running: list[Request | None] = [None] * slots
     self._lock = threading.Condition()
@@ -175,6 +180,16 @@ class Engine:
   def submit(self, prompt: Sequence[int], sampling: SamplingParams,
              listener: Callable[[Request], None] | None = None) -> Request:
     """Queues a request; it runs once a slot is free (step or serve_forever)."""
+    self.check(prompt, sampling)
+    request = Request(list(prompt), sampling, listener)
+    with self._lock:
+      self._waiting.append(request)
+      self._lock.notify_all()
+    return request
+
+  def check(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    """What submit refuses, in one line: an empty prompt, one that fills the context, bad
+    sampling settings."""
     if not prompt:
       raise UserError("a prompt is empty: there is nothing to continue")
     if len(prompt) >= self.max_len:
@@ -183,11 +198,6 @@ class Engine:
     if sampling.stop and self.tokenizer is None:
       raise UserError("stop strings need the engine's tokenizer")
     sampling.check(self.model_cfg.vocab_size)
-    request = Request(list(prompt), sampling, listener)
-    with self._lock:
-      self._waiting.append(request)
-      self._lock.notify_all()
-    return request
 
   def cancel(self, request: Request) -> None:
     """Ends `request` at the next step (finish_reason "cancelled"), freeing its slot."""
@@ -195,15 +205,27 @@ class Engine:
     with self._lock:
       self._lock.notify_all()
 
-  def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[
-      SamplingParams]) -> list[Request]:
+  def submit_all(self, prompts: Sequence[Sequence[int]], samplings: Sequence[SamplingParams],
+                 listener: Callable[[Request], None] | None = None) -> list[Request]:
+    """Queues every prompt, or none: all are checked first."""
+    for prompt, sampling in zip(prompts, samplings, strict=True):
+      self.check(prompt, sampling)
+    return [self.submit(p, s, listener) for p, s in zip(prompts, samplings)]
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
     """Each prompt's finished request, stepping in this thread until all are done."""
-    samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
-                 else list(sampling))
-    requests = [self.submit(p, s) for p, s in zip(prompts, samplings)]
+    requests = self.submit_all(prompts, [sampling] * len(prompts)
+                               if isinstance(sampling, SamplingParams) else sampling)
     while not all(r.finished for r in requests):
       self.step()
     return requests
+
+  def load(self) -> dict[str, int]:
+    """{"slots", "running" (requests in slots), "waiting" (for one)}."""
+    with self._lock:
+      return {"slots": self.slots, "running": sum(r is not None for r in self._running),
+              "waiting": len(self._waiting)}
 
   @property
   def busy(self) -> bool:
@@ -218,7 +240,22 @@ class Engine:
           self._lock.wait(0.5)
         if not self.busy and stopped.is_set():
           return
-      self.step()
+      try:
+        self.step()
+      except Exception:  # pylint: disable=broad-except  # Its requests fail; the next may not.
+        logging.exception("A generation step failed; its requests end with finish_reason "
+                          "'error'")
+        with self._lock:
+          for request in [*self._running, *self._waiting]:
+            if request is not None:
+              self._finish(request, "error")
+          self._waiting.clear()
+
+  def free_cache(self) -> None:
+    """Drops the KV cache until the next step allocates it again: the in-run harness gives
+    training its memory back. Only while no request runs."""
+    assert not any(self._running), "free_cache with requests in slots"
+    self._cache = None
 
   def wake(self) -> None:
     with self._lock:
@@ -228,7 +265,7 @@ class Engine:
     """Admits waiting requests to free slots, prefills one chunk of the prefilling ones, and
     decodes one token for the decoding ones."""
     with self._lock:
-      for slot, request in enumerate(self._running):
+      for request in self._running:
         if request is not None and request.cancelled:
           self._finish(request, "cancelled")
       while self._waiting and None in self._running:
@@ -238,6 +275,8 @@ class Engine:
           continue
         request._slot = self._running.index(None)
         self._running[request._slot] = request
+    if self._cache is None and any(self._running):
+      self._cache = self._new_cache()
     prefilling = [r for r in self._running if r is not None and r._prefilled < len(r.prompt)]
     if prefilling:
       self._prefill_chunk(prefilling)
@@ -373,7 +412,11 @@ class Engine:
     if self._batch_sharding is None:
       return None
     mesh = self._batch_sharding.mesh
-    batch_axes, heads_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    # The logical axis rules in context (the partitioner's activation_context); without them,
+    # the batch sharding's axes and whole heads.
+    batch_axes, heads_axes = (nn.logical_to_mesh_axes(("batch", "heads")) or
+                              (self._batch_sharding.spec[0] if self._batch_sharding.spec else None,
+                               None))
     abstract = jax.eval_shape(self._model.init, jax.random.key(0),
                               jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
 

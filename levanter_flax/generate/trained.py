@@ -1,5 +1,6 @@
-"""A trained run read back for use (sampling, evaluation, export, lf.load): its model config
-and saved config.json, and the params of its newest readable checkpoint, on the host."""
+"""A trained run read back for use (sampling, evaluation, serving, export, lf.load): its model
+config and saved config.json, and the params of its newest readable checkpoint, on the host;
+or an HF checkpoint directory's (model_directory, model_and_tokenizer)."""
 from typing import Any
 
 from absl import logging
@@ -9,6 +10,7 @@ from levanter_flax import config
 from levanter_flax.checkpoint import store
 from levanter_flax.core import paths
 from levanter_flax.core.errors import UserError
+from levanter_flax.hf import snapshot
 from levanter_flax.models import lora
 
 
@@ -135,3 +137,32 @@ def _directory(saved: dict, dataset: str) -> epath.Path:
                                             saved["data.validation_fraction"],
                                             saved["data.num_train_shards"])
   return paths.resolve(dataset, "data.dataset of the run's config.json")
+
+
+def model_directory(workdir: str, hf_dir: str) -> epath.Path:
+  """The run's workdir or the HF checkpoint directory (exactly one of the two given), checked
+  as far as it can be without reading the weights: known bad before the tasks load."""
+  if bool(workdir) == bool(hf_dir):
+    raise UserError("give --workdir (a training run) or --init_from_hf (a Hugging Face "
+                    "checkpoint directory), not both or neither")
+  if workdir:
+    directory = paths.resolve(workdir, "--workdir")
+    run_checkpoints(directory)
+    return directory
+  directory = paths.resolve(hf_dir, "--init_from_hf")
+  for name, holds in (("config.json", "the model's shape"),
+                      ("tokenizer.json", "the tokenizer")):
+    if not (directory / name).exists():
+      raise UserError(f"--init_from_hf {directory} holds no {name} ({holds})")
+  return directory
+
+
+def model_and_tokenizer(directory: epath.Path, is_run: bool):
+  """(model config, host params, tokenizer) of a run's newest usable checkpoint or of an HF
+  checkpoint directory (model_directory's)."""
+  from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  if is_run:
+    model_cfg, params, saved = run_params(directory)
+    return model_cfg, params, run_tokenizer(directory, saved)
+  model_cfg, params = snapshot.load(directory)
+  return model_cfg, params, tokenizers.load_tokenizer(str(directory / "tokenizer.json"))
