@@ -31,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from levanter_flax import models
 from levanter_flax.generate.engine import Engine, SamplingParams
@@ -85,6 +86,7 @@ def closed_loop(send, prompts: list[list[int]], concurrency: int) -> tuple[float
 
 def engine_row(cfg, params, prompts, args) -> dict:
   engine = Engine(cfg, params, slots=args.concurrency, prefill_chunk=args.prefill_chunk)
+  engine.warm_up()
   sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
   stopped = threading.Event()
   thread = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)
@@ -106,6 +108,7 @@ def engine_row(cfg, params, prompts, args) -> dict:
 def static_batch_row(cfg, params, prompts, args) -> dict:
   """Batches of `concurrency` prompts, each batch generated whole before the next starts."""
   engine = Engine(cfg, params, slots=args.concurrency, prefill_chunk=args.prefill_chunk)
+  engine.warm_up()
   sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
   batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
   engine.generate(batches[0], sampling)  # Warm-up.
@@ -227,7 +230,7 @@ def main():
                                                args.prompt_len)).tolist()
     rows = [engine_row(cfg, params, prompts, args), static_batch_row(cfg, params, prompts, args)]
     with tempfile.TemporaryDirectory() as directory:
-      snapshot.save(cfg, jax.device_get(params), directory)
+      snapshot.save(cfg, jax.device_get(params), epath.Path(directory))
       write_tokenizer(directory, cfg.vocab_size)
       if args.http:
         rows.append(http_row(directory, cfg, prompts, args))

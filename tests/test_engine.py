@@ -135,6 +135,24 @@ def test_a_cancelled_request_frees_its_slot_at_once():
   assert waiting.tokens == Engine(cfg, params, slots=1).generate([PROMPTS[1]], GREEDY)[0].tokens
 
 
+def test_warm_up_compiles_every_shape_and_writes_nothing():
+  """After warm_up, requests of every length and count compile nothing, and generate what a
+  cold engine does."""
+  cfg, params = random_model()
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, rng.integers(1, 20)).tolist() for _ in range(7)]
+  sampling = SamplingParams(max_tokens=4, temperature=0.5, seed=3)
+  warm = Engine(cfg, params, slots=4, prefill_chunk=4)
+  # One attended length (the whole context of 24, under the shortest bucket of 64); prefills
+  # of 1, 2 and 4 rows, and the decode.
+  assert warm.warm_up() == 3 + 1
+  compiled = warm._compiled()  # pylint: disable=protected-access
+  tokens = [r.tokens for r in warm.generate(prompts, sampling.apart(7))]
+  assert warm._compiled() == compiled  # pylint: disable=protected-access
+  cold = Engine(cfg, params, slots=4, prefill_chunk=4)
+  assert tokens == [r.tokens for r in cold.generate(prompts, sampling.apart(7))]
+
+
 @pytest.mark.parametrize("sampling, message", [
     (SamplingParams(max_tokens=0), "max_tokens must be positive; got 0"),
     (SamplingParams(temperature=float("nan")), "temperature must be >= 0 and finite; got nan"),

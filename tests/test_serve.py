@@ -206,7 +206,7 @@ def test_a_client_gone_frees_its_slot(served):
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_running_requests_then_exits_0(hf, tmp_path):
-  process, url = start(hf[0])
+  process, url = start(hf[0], "--nowarm_up")
   client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     running = pool.submit(lambda: (client.completions.create(

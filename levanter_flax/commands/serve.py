@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
   except UserError as e:
     exit_with_error(str(e))
   logging.info("Serving %s on http://%s:%d/v1", server.model_name, flag.host, flag.port)
-  serving.serve(server, flag.host, flag.port)
+  serving.serve(server, flag.host, flag.port, flag.warm_up)
 
 
 if __name__ == "__main__":
@@ -58,6 +58,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("tensor_parallel", 1, "Devices each layer's heads and widths split over "
                        "(the rest take slots); their count must divide the devices.",
                        lower_bound=1)
+  flags.DEFINE_bool("warm_up", True, "Compile every step shape before serving, so that no "
+                    "request waits for a compile (seconds to minutes, with the model and slots).")
   flags.DEFINE_string("model_name", "", "The name clients ask for (default: the directory's).")
   flags.DEFINE_string("chat_template", "", "A Jinja chat template file for /v1/chat/completions.")
   app.run(main, flags_parser=cli.parse_flags)

@@ -251,6 +251,35 @@ class Engine:
               self._finish(request, "error")
           self._waiting.clear()
 
+  def warm_up(self) -> int:
+    """Compiles every step shape now (each prefill's rows and attended length, each decode's
+    attended length), by steps that write nothing, rather than at a request's first need of it:
+    a server's times to first token then hold from its first request. Returns how many."""
+    with self._lock:
+      assert not self.busy, "warm_up with requests held"
+      if self._cache is None:
+        self._cache = self._new_cache()
+      lengths = sorted({_bucket(n, self.max_len, _MIN_BUCKET) for n in range(1, self.max_len + 1)})
+      rows = sorted({_bucket(n, self.slots, self._min_rows) for n in range(1, self.slots + 1)})
+      none = self._settings([None] * self.slots)
+      for attended in lengths:
+        for count in rows:
+          fn = self._prefill.get((count, attended)) or self._compile(count, attended)
+          self._cache, *_ = fn(self.params, self._cache, np.arange(count, dtype=np.int32),
+                               np.zeros((count, self.prefill_chunk), np.int32),
+                               np.zeros(count, np.int32), np.zeros(count, np.int32),
+                               *(x[:count] for x in none))
+        fn = self._decode.get(attended) or self._compile(None, attended)
+        zeros = np.zeros(self.slots, np.int32)
+        self._cache, *_ = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
+                             zeros[:, None], zeros, zeros, *none)
+      jax.block_until_ready(self._cache)
+      return len(lengths) * (len(rows) + 1)
+
+  def _compiled(self) -> set:
+    """The step shapes compiled so far."""
+    return {*self._prefill, *(("decode", n) for n in self._decode)}
+
   def free_cache(self) -> None:
     """Drops the KV cache until the next step allocates it again: the in-run harness gives
     training its memory back. Only while no request runs."""
@@ -466,7 +495,7 @@ def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None, attended: int
   """`rows` of a cache entry (None: all), and of an entry with positions (after the slot
   axis) the first `attended`."""
   taken = leaf if rows is None else jnp.take(leaf, rows, axis=axis)
-  if leaf.ndim > axis + 1:
+  if leaf.ndim > axis + 1 and attended < leaf.shape[axis + 1]:
     taken = jax.lax.slice_in_dim(taken, 0, attended, axis=axis + 1)
   return taken
 
@@ -474,8 +503,9 @@ def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None, attended: int
 def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, rows: jax.Array | None
               ) -> jax.Array:
   """_take_rows' inverse: `part` written back into `leaf`."""
-  if rows is None:
-    return jax.lax.dynamic_update_slice(leaf, part, (0,) * leaf.ndim)
+  if rows is None:  # Whole, or the first positions: written back in place.
+    return part if part.shape == leaf.shape else jax.lax.dynamic_update_slice(
+        leaf, part, (0,) * leaf.ndim)
   moved, part = jnp.moveaxis(leaf, axis, 0), jnp.moveaxis(part, axis, 0)
   if leaf.ndim > axis + 1:
     moved = moved.at[rows, :part.shape[1]].set(part)

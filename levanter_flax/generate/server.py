@@ -361,9 +361,11 @@ class _Uvicorn(uvicorn.Server):
     self._captured_signals.clear()  # What uvicorn raises again after its shutdown.
 
 
-def serve(server: Server, host: str, port: int) -> None:
+def serve(server: Server, host: str, port: int, warm_up: bool = True) -> None:
   """Serves until SIGTERM or SIGINT, which stop new connections and wait for the running
-  requests; then the engine's thread ends."""
+  requests; then the engine's thread ends. warm_up: compile every step shape first."""
+  if warm_up:
+    logging.info("Compiled %d step shapes", server.engine.warm_up())
   server.start()
   try:
     _Uvicorn(uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
