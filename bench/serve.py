@@ -2,21 +2,25 @@
 generate and a static batch (the `sample` command's way), on the same weights.
 
     python bench/serve.py [--sizes=tiny,100m --concurrency=16 --requests_per_client=2
-                           --prompt_len=128 --max_tokens=64 --http --dtype=float32]
+                           --prompt_len=128 --max_tokens=64 --fixed --http --dtype=float32]
 
-Each client sends its requests one after another (a closed loop), each a prompt of prompt_len
-random tokens, generating exactly max_tokens (no EOS stops it). Printed per model: output
-tokens/s, p50 and p99 time to first token (TTFT), mean inter-token latency (ITL), and each
-row's throughput over transformers'. Rows:
+Each client sends its requests one after another (a closed loop). A request is a prompt of
+random tokens, prompt_len/2 to prompt_len of them, and generates max_tokens/4 to 7/4 of
+max_tokens (no EOS stops it), as requests to a server differ; --fixed: every prompt
+prompt_len and every completion max_tokens, static batching's best case. Printed per model:
+output tokens/s (each request's own tokens), p50 and p99 time to first token (TTFT), mean
+inter-token latency (ITL), and each row's throughput over transformers'. Rows:
   - engine: in-process, clients in threads (no HTTP), --slots = the concurrency;
   - http: the same through `levanter-flax serve` and its OpenAI API, streamed (--http; needs
     the serve extra);
   - static batch: every prompt at once on the engine, then the next batch, as `sample` runs them;
-  - transformers: generate() on the whole batch of prompts (TTFT: its prefill, max_new_tokens=1).
+  - transformers: generate() on each batch of prompts, left-padded, to its longest completion
+    (TTFT: its prefill, max_new_tokens=1).
 Transformers and HTTP rows are skipped where their packages are absent (an accelerator host has
 jax and flax alone).
 """
 import argparse
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -67,15 +71,16 @@ def summary(name: str, tokens: int, seconds: float, ttfts: list[float], itls: li
           "ITL ms": 1e3 * statistics.mean(itls) if itls else float("nan")}
 
 
-def closed_loop(send, prompts: list[list[int]], concurrency: int) -> tuple[float, list, list]:
-  """Each of `concurrency` clients sends its share of `prompts` one after another through
-  send(prompt) -> token arrival times (from its submission); (wall seconds, TTFTs, ITLs)."""
-  share = [prompts[i::concurrency] for i in range(concurrency)]
+def closed_loop(send, requests: list, concurrency: int) -> tuple[float, list, list]:
+  """Each of `concurrency` clients sends its share of `requests` ((prompt, max_tokens) pairs)
+  one after another through send(prompt, max_tokens) -> token arrival times (from its
+  submission); (wall seconds, TTFTs, ITLs)."""
+  share = [requests[i::concurrency] for i in range(concurrency)]
   ttfts, itls = [], []
 
   def client(mine):
-    for prompt in mine:
-      times = send(prompt)
+    for prompt, max_tokens in mine:
+      times = send(prompt, max_tokens)
       ttfts.append(times[0])
       itls.extend(np.diff(times).tolist())
   start = time.perf_counter()
@@ -84,50 +89,47 @@ def closed_loop(send, prompts: list[list[int]], concurrency: int) -> tuple[float
   return time.perf_counter() - start, ttfts, itls
 
 
-def engine_row(cfg, params, prompts, args) -> dict:
+def engine_row(cfg, params, requests, args) -> dict:
   engine = Engine(cfg, params, slots=args.concurrency, prefill_chunk=args.prefill_chunk)
   engine.warm_up()
-  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
   stopped = threading.Event()
   thread = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)
   thread.start()
 
-  def send(prompt):
+  def send(prompt, max_tokens):
     start, times = time.perf_counter(), []
-    request = engine.submit(prompt, sampling, lambda r: times.append(time.perf_counter()))
+    request = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
+                            lambda r: times.append(time.perf_counter()))
     request.wait()
     return [t - start for t in times[:len(request.tokens)]]
-  closed_loop(send, prompts, args.concurrency)  # Warm-up: every shape compiles.
-  seconds, ttfts, itls = closed_loop(send, prompts, args.concurrency)
+  seconds, ttfts, itls = closed_loop(send, requests, args.concurrency)
   stopped.set()
   engine.wake()
   thread.join()
-  return summary("engine", len(prompts) * args.max_tokens, seconds, ttfts, itls)
+  return summary("engine", sum(m for _, m in requests), seconds, ttfts, itls)
 
 
-def static_batch_row(cfg, params, prompts, args) -> dict:
-  """Batches of `concurrency` prompts, each batch generated whole before the next starts."""
+def static_batch_row(cfg, params, requests, args) -> dict:
+  """Batches of `concurrency` requests, each batch generated whole before the next starts."""
   engine = Engine(cfg, params, slots=args.concurrency, prefill_chunk=args.prefill_chunk)
   engine.warm_up()
-  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-  batches = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-  engine.generate(batches[0], sampling)  # Warm-up.
+  batches = [requests[i:i + args.concurrency] for i in range(0, len(requests), args.concurrency)]
   ttfts, itls, start = [], [], time.perf_counter()
   for batch in batches:
-    began = time.perf_counter()
-    times = {}
-    requests = engine.submit_all(batch, [sampling] * len(batch),
-                                 lambda r: times.setdefault(id(r), []).append(time.perf_counter()))
-    while not all(r.finished for r in requests):
+    began, times = time.perf_counter(), {}
+    held = engine.submit_all([p for p, _ in batch],
+                             [SamplingParams(max_tokens=m, temperature=0) for _, m in batch],
+                             lambda r: times.setdefault(id(r), []).append(time.perf_counter()))
+    while not all(r.finished for r in held):
       engine.step()
-    for r in requests:
+    for r in held:
       ttfts.append(times[id(r)][0] - began)
       itls.extend(np.diff(times[id(r)]).tolist())
-  return summary("static batch", len(prompts) * args.max_tokens, time.perf_counter() - start,
+  return summary("static batch", sum(m for _, m in requests), time.perf_counter() - start,
                  ttfts, itls)
 
 
-def transformers_row(directory, prompts, args) -> dict | None:
+def transformers_row(directory, requests, args) -> dict | None:
   try:
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
@@ -135,30 +137,32 @@ def transformers_row(directory, prompts, args) -> dict | None:
     return None
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(
       torch, args.dtype)).eval()
-  batches = [torch.tensor(prompts[i:i + args.concurrency])
-             for i in range(0, len(prompts), args.concurrency)]
 
   def generate(batch, new_tokens):
+    longest = max(len(p) for p, _ in batch)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
     with torch.no_grad():
-      return hf.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+      hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=0)
+  batches = [requests[i:i + args.concurrency] for i in range(0, len(requests), args.concurrency)]
   generate(batches[0], 2)  # Warm-up.
-  start = time.perf_counter()
-  ttfts, itls = [], []
+  seconds, ttfts, itls = 0.0, [], []
   for batch in batches:
     began = time.perf_counter()
     generate(batch, 1)
     prefill = time.perf_counter() - began
+    longest = max(m for _, m in batch)
     began = time.perf_counter()
-    generate(batch, args.max_tokens)
+    generate(batch, longest)  # Every row to the batch's longest completion.
     whole = time.perf_counter() - began
+    seconds += whole
     ttfts += [prefill] * len(batch)
-    itls += [(whole - prefill) / (args.max_tokens - 1)] * len(batch)
-  seconds = time.perf_counter() - start - sum(ttfts) / args.concurrency  # Less the extra prefills.
-  return summary("transformers", len(prompts) * args.max_tokens, seconds, ttfts, itls)
+    itls += [(whole - prefill) / max(longest - 1, 1)] * len(batch)
+  return summary("transformers", sum(m for _, m in requests), seconds, ttfts, itls)
 
 
-def http_row(directory, cfg, prompts, args) -> dict | None:
+def http_row(directory, requests, args) -> dict | None:
   try:
     import httpx  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -179,23 +183,47 @@ def http_row(directory, cfg, prompts, args) -> dict | None:
       except httpx.HTTPError:
         assert server.poll() is None, "the server exited"
         time.sleep(0.5)
-    client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=args.concurrency))
-
-    def send(prompt):
-      start, times = time.perf_counter(), []
-      body = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens,
-              "temperature": 0, "stream": True, "ignore_eos": True}
-      with client.stream("POST", url, json=body) as response:
-        for line in response.iter_lines():
-          if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-            times.append(time.perf_counter() - start)
-      return times
-    closed_loop(send, prompts, args.concurrency)  # Warm-up.
-    seconds, ttfts, itls = closed_loop(send, prompts, args.concurrency)
+    seconds, ttfts, itls = asyncio.run(_http_clients(url, requests, args.concurrency))
   finally:
     server.terminate()
     server.wait()
-  return summary("http", len(prompts) * args.max_tokens, seconds, ttfts, itls)
+  return summary("http", sum(m for _, m in requests), seconds, ttfts, itls)
+
+
+def workload(rng, vocab_size: int, args) -> list[tuple[list[int], int]]:
+  """(prompt, max_tokens) of each request (see the module's docstring)."""
+  count = args.concurrency * args.requests_per_client
+  if args.fixed:
+    return [(rng.integers(1, vocab_size, args.prompt_len).tolist(), args.max_tokens)
+            for _ in range(count)]
+  return [(rng.integers(1, vocab_size, rng.integers(args.prompt_len // 2,
+                                                    args.prompt_len + 1)).tolist(),
+           int(rng.integers(args.max_tokens // 4, args.max_tokens * 7 // 4 + 1)))
+          for _ in range(count)]
+
+
+async def _http_clients(url: str, requests: list, concurrency: int):
+  """closed_loop's clients as coroutines of one event loop (threads would contend for the
+  interpreter with each other), streaming; (wall seconds, TTFTs, ITLs)."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  ttfts, itls = [], []
+  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(
+      max_connections=concurrency)) as client:
+
+    async def one(mine):
+      for prompt, max_tokens in mine:
+        start, times = time.perf_counter(), []
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", url, json=body) as response:
+          async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+              times.append(time.perf_counter() - start)
+        ttfts.append(times[0])
+        itls.extend(np.diff(times).tolist())
+    start = time.perf_counter()
+    await asyncio.gather(*(one(requests[i::concurrency]) for i in range(concurrency)))
+  return time.perf_counter() - start, ttfts, itls
 
 
 def write_tokenizer(directory: str, vocab_size: int) -> None:
@@ -217,24 +245,26 @@ def main():
   parser.add_argument("--max_tokens", type=int, default=64)
   parser.add_argument("--prefill_chunk", type=int, default=128)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--fixed", action="store_true")
   parser.add_argument("--http", action="store_true")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
-  seq_len = args.prompt_len + args.max_tokens
-  print(f"{args.concurrency} clients x {args.requests_per_client} requests, prompt "
-        f"{args.prompt_len}, {args.max_tokens} tokens each, {args.dtype}, "
-        f"{jax.devices()[0].device_kind}")
+  seq_len = args.prompt_len + (args.max_tokens if args.fixed else args.max_tokens * 7 // 4)
+  print(f"{args.concurrency} clients x {args.requests_per_client} requests, prompts of "
+        f"{'' if args.fixed else f'{args.prompt_len // 2} to '}{args.prompt_len} tokens, "
+        f"{'' if args.fixed else f'{args.max_tokens // 4} to {args.max_tokens * 7 // 4}, mean '}"
+        f"{args.max_tokens} generated, {args.dtype}, {jax.devices()[0].device_kind}")
   for size in args.sizes.split(","):
     cfg, params = model(size, seq_len, args.dtype)
-    prompts = rng.integers(1, cfg.vocab_size, (args.concurrency * args.requests_per_client,
-                                               args.prompt_len)).tolist()
-    rows = [engine_row(cfg, params, prompts, args), static_batch_row(cfg, params, prompts, args)]
+    requests = workload(rng, cfg.vocab_size, args)
+    rows = [engine_row(cfg, params, requests, args),
+            static_batch_row(cfg, params, requests, args)]
     with tempfile.TemporaryDirectory() as directory:
       snapshot.save(cfg, jax.device_get(params), epath.Path(directory))
       write_tokenizer(directory, cfg.vocab_size)
       if args.http:
-        rows.append(http_row(directory, cfg, prompts, args))
-      rows.append(transformers_row(directory, prompts, args))
+        rows.append(http_row(directory, requests, args))
+      rows.append(transformers_row(directory, requests, args))
     rows = [r for r in rows if r]
     base = next((r["tokens/s"] for r in rows if r["row"] == "transformers"), None)
     count = sum(x.size for x in jax.tree.leaves(params)) / 1e6

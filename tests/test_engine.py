@@ -190,6 +190,6 @@ def test_a_mesh_of_8_devices_generates_as_one_device():
                     batch_sharding=partitioner.batch_sharding())
     sharded = [r.tokens for r in engine.generate(PROMPTS, samplings)]
     cache = engine._cache  # pylint: disable=protected-access
-    keys = cache["layers_0"]["self_attn"]["keys"]  # [slots, length, kv heads, head_dim]
-    assert keys.sharding.spec == jax.sharding.PartitionSpec("data", None, "model", None)
+    keys = cache["layers_0"]["self_attn"]["keys"]  # [slots, kv heads, length, head_dim]
+    assert keys.sharding.spec == jax.sharding.PartitionSpec("data", "model", None, None)
   assert sharded == single

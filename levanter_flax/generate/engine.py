@@ -103,7 +103,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
                   keys: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(next token [rows], its log-probability under the unfiltered logits [rows]) from
   last-position logits [rows, vocab], each row with its own settings and key. Top-k applies
-  first, then top-p to what it kept; the sort they need runs only when a row asks for one."""
+  first, then top-p to what it kept; the sort they need runs only when a row asks for one, and
+  the draw only when a row samples."""
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
   greedy = temperature == 0
@@ -119,10 +120,14 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     threshold = jnp.maximum(kth, jnp.take_along_axis(ordered, last, axis=-1))
     return jnp.where(scaled < threshold, -jnp.inf, scaled)
 
-  needed = jnp.any(~greedy & ((top_k > 0) | (top_p < 1)))
-  scaled = jax.lax.cond(needed, filtered, lambda x: x, scaled)
-  drawn = jax.vmap(jax.random.categorical)(keys, scaled)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+  def drawn(scaled):
+    scaled = jax.lax.cond(jnp.any(~greedy & ((top_k > 0) | (top_p < 1))), filtered,
+                          lambda x: x, scaled)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  # A batch of greedy rows (evaluation, most benchmarks) draws no noise.
+  tokens = jnp.where(greedy, best, jax.lax.cond(jnp.all(greedy), lambda _: best, drawn, scaled))
   logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], -1)[:, 0]
   return tokens, logprobs
 
@@ -159,7 +164,8 @@ class Engine:
     self.params = None
     if params is not None:
       self.use_params(params)
-    self._batch_axes = _batch_axes(self._model, max_len)
+    self._batch_axes = _axes(self._model, lambda n: (n, max_len))
+    self._length_axes = _axes(self._model, lambda n: (2, n))
     # A prefill's rows split over the batch's axes as its activations do.
     self._min_rows = 1 if batch_sharding is None else _axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
@@ -404,12 +410,13 @@ class Engine:
     each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), attending
     to the cache's first `attended` positions. Returns (cache, tokens drawn [rows], their
     log-probabilities [rows])."""
-    model, axes = self._model, self._batch_axes
+    model, axes, lengths = self._model, self._batch_axes, self._length_axes
 
     def run(params, cache, slot_ids, tokens, starts, counts, temperature, top_k, top_p, seeds,
             drawn):
       rows_of = None if rows is None else slot_ids  # Decoding: every slot, in order.
-      part = jax.tree.map(lambda c, a: _take_rows(c, a, rows_of, attended), cache, axes)
+      part = jax.tree.map(lambda c, a, n: _take_rows(c, a, n, rows_of, attended), cache, axes,
+                          lengths)
       part = _with_index(part, starts)
       length = tokens.shape[1]
       # Clipped: a chunk's padding past the context must still index the positions' table.
@@ -418,8 +425,8 @@ class Engine:
           {"params": params, "cache": part}, tokens, positions=positions,
           token_mask=jnp.arange(length) < counts[:, None],
           logits_at=jnp.maximum(counts - 1, 0)[:, None], mutable=["cache"])
-      cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
-                           variables["cache"], axes)
+      cache = jax.tree.map(lambda c, p, a, n: _put_rows(c, p, a, n, rows_of), cache,
+                           variables["cache"], axes, lengths)
       new, logprobs = sample_tokens(logits[:, 0], temperature, top_k, top_p, _keys(seeds, drawn))
       return cache, new, logprobs
 
@@ -452,8 +459,8 @@ class Engine:
     def spec(leaf, axis):
       entries = [None] * leaf.ndim
       entries[axis] = _dividing(mesh, batch_axes, leaf.shape[axis])
-      if leaf.ndim - axis == 4:  # [slots, length, kv heads, head_dim]
-        entries[axis + 2] = _dividing(mesh, heads_axes, leaf.shape[axis + 2])
+      if leaf.ndim - axis == 4:  # [slots, kv heads, length, head_dim]
+        entries[axis + 1] = _dividing(mesh, heads_axes, leaf.shape[axis + 1])
       return NamedSharding(mesh, PartitionSpec(*entries))
     return jax.tree.map(spec, abstract, self._batch_axes)
 
@@ -482,36 +489,38 @@ def _dividing(mesh, axes, size: int):
   return axes if axes is not None and size % _axes_size(mesh, axes) == 0 else None
 
 
-def _batch_axes(model: nn.Module, max_len: int):
-  """Each cache entry's batch (slot) axis: 0, or 1 in a scanned stack of layers."""
-  shapes = [jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((b, max_len), jnp.int32)
-                           )["cache"] for b in (1, 2)]
-  return jax.tree.map(lambda one, two: next(i for i, (a, b) in enumerate(zip(one.shape,
-                                                                             two.shape)) if a != b),
-                      *shapes)
+def _axes(model: nn.Module, shape: Callable[[int], tuple[int, int]]):
+  """Each cache entry's axis whose size follows n in the init input's shape(n) (its slots' or
+  its positions'; -1 where none does: the index has no positions)."""
+  one, two = (jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(shape(n), jnp.int32)
+                             )["cache"] for n in (1, 3))
+  return jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape))
+                                         if x != y), -1), one, two)
 
 
-def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None, attended: int) -> jax.Array:
-  """`rows` of a cache entry (None: all), and of an entry with positions (after the slot
-  axis) the first `attended`."""
+def _take_rows(leaf: jax.Array, axis: int, length_axis: int, rows: jax.Array | None,
+               attended: int) -> jax.Array:
+  """`rows` of a cache entry along its slot axis (None: all), and its first `attended`
+  positions (where it has them)."""
   taken = leaf if rows is None else jnp.take(leaf, rows, axis=axis)
-  if leaf.ndim > axis + 1 and attended < leaf.shape[axis + 1]:
-    taken = jax.lax.slice_in_dim(taken, 0, attended, axis=axis + 1)
+  if length_axis >= 0 and attended < leaf.shape[length_axis]:
+    taken = jax.lax.slice_in_dim(taken, 0, attended, axis=length_axis)
   return taken
 
 
-def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, rows: jax.Array | None
-              ) -> jax.Array:
+def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, length_axis: int,
+              rows: jax.Array | None) -> jax.Array:
   """_take_rows' inverse: `part` written back into `leaf`."""
   if rows is None:  # Whole, or the first positions: written back in place.
     return part if part.shape == leaf.shape else jax.lax.dynamic_update_slice(
         leaf, part, (0,) * leaf.ndim)
-  moved, part = jnp.moveaxis(leaf, axis, 0), jnp.moveaxis(part, axis, 0)
-  if leaf.ndim > axis + 1:
-    moved = moved.at[rows, :part.shape[1]].set(part)
-  else:
-    moved = moved.at[rows].set(part)
-  return jnp.moveaxis(moved, 0, axis)
+  if length_axis < 0:
+    return jnp.moveaxis(jnp.moveaxis(leaf, axis, 0).at[rows].set(jnp.moveaxis(part, axis, 0)),
+                        0, axis)
+  moved = jnp.moveaxis(leaf, (axis, length_axis), (0, 1))
+  moved = moved.at[rows, :part.shape[length_axis]].set(
+      jnp.moveaxis(part, (axis, length_axis), (0, 1)))
+  return jnp.moveaxis(moved, (0, 1), (axis, length_axis))
 
 
 def _with_index(cache, starts: jax.Array):

@@ -86,15 +86,26 @@ class Server:
     self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
     self.template, self.reply_stop_ids = template, reply_stop_ids
     self.created = int(time.time())
+    self._context = context
     self._stopped = threading.Event()
+    self._ready = threading.Event()
+    self._thread = None
 
+  def start(self, warm_up: bool = True) -> None:
+    """Starts the engine's thread, and returns once it serves: after compiling every step
+    shape with warm_up. Its compiles happen in its context (the mesh and axis rules, which
+    are per thread and part of what a compiled step is kept by)."""
     def run():
-      with context():  # The mesh and axis rules, which are per thread.
-        engine.serve_forever(self._stopped)
+      with self._context():
+        if warm_up:
+          logging.info("Compiled %d step shapes", self.engine.warm_up())
+        self._ready.set()
+        self.engine.serve_forever(self._stopped)
     self._thread = threading.Thread(target=run, name="engine", daemon=True)
-
-  def start(self) -> None:
     self._thread.start()
+    while not self._ready.wait(1.0):
+      if not self._thread.is_alive():
+        raise RuntimeError("the engine's thread ended while it warmed up; its log says why")
 
   def stop(self) -> None:
     """Returns once the requests the engine holds have finished and its thread has ended."""
@@ -364,9 +375,7 @@ class _Uvicorn(uvicorn.Server):
 def serve(server: Server, host: str, port: int, warm_up: bool = True) -> None:
   """Serves until SIGTERM or SIGINT, which stop new connections and wait for the running
   requests; then the engine's thread ends. warm_up: compile every step shape first."""
-  if warm_up:
-    logging.info("Compiled %d step shapes", server.engine.warm_up())
-  server.start()
+  server.start(warm_up)
   try:
     _Uvicorn(uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=None)).run()

@@ -73,7 +73,23 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
   cache, mask = append_to_cache(module, {"keys": k, "values": v}, token_mask, window, windowed)
   if cache is None:  # model.init with a cache-sized input: shapes only.
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  return jax.nn.dot_product_attention(q, cache["keys"], cache["values"], mask=mask, scale=scale)
+  return attend_to_cache(q, cache["keys"], cache["values"], mask, scale)
+
+
+def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+                    scale: float | None = None) -> jax.Array:
+  """q [batch, length, heads, head_dim] against a cache of keys and values [batch, kv_heads,
+  cache, head_dim] (heads-major: each head's keys are contiguous, so the scores' dot reads
+  the cache as it lies), each key/value head serving heads / kv_heads query heads; mask [batch,
+  1, length, cache]. Scores and softmax in float32, as jax.nn.dot_product_attention's."""
+  batch, length, heads, head_dim = q.shape
+  kv_heads = keys.shape[1]
+  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  scores = jnp.einsum("blkgd,bksd->bkgls", q, keys, preferred_element_type=jnp.float32)
+  scores = scores * (head_dim ** -0.5 if scale is None else scale)
+  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+  return jnp.einsum("bkgls,bksd->blkgd", weights, values).reshape(batch, length, heads, -1)
 
 
 def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
@@ -81,28 +97,32 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
                     windowed: bool | jax.Array = True
                     ) -> tuple[dict[str, jax.Array] | None, jax.Array | None]:
   """Writes `entries` (name: [batch, length, ...], the new tokens') into `module`'s "cache"
-  collection, each row at its own index (`index` [batch]: a row is a generation engine's slot,
-  at its own position), and moves each row's index past its real tokens (token_mask [batch,
-  length], by default all). A row's padding comes after its real tokens and is not written,
+  collection (per-head ones heads-major, [batch, heads, cache, d]), each row at its own index
+  (`index` [batch]: a row is a generation engine's slot, at its own position), and moves each
+  row's index past its real tokens (token_mask [batch, length], by default all). A row's padding comes after its real tokens and is not written,
   nor is anything past the cache's end. Returns (the cache's entries, whole; the mask [batch,
   1, length, cache] of the slots each new token sees: causal, within `window` where
   `windowed`), or (None, None) while model.init creates the cache."""
   first = next(iter(entries.values()))
   batch, length = first.shape[:2]
   creating = not module.has_variable("cache", next(iter(entries)))
-  cache = {name: module.variable("cache", name, jnp.zeros, value.shape, value.dtype)
+  cache = {name: module.variable("cache", name, jnp.zeros, _cached_shape(value.shape), value.dtype)
            for name, value in entries.items()}
   index = module.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
   if creating:
     return None, None
   start = index.value
   query_slots = start[:, None] + jnp.arange(length)[None]  # [batch, length]
-  slots = jnp.arange(cache[next(iter(entries))].value.shape[1])
+  slots = jnp.arange(_cache_length(cache[next(iter(entries))].value))
   # Out of bounds, so dropped: padding, and whatever falls past the cache's end.
   written = query_slots if token_mask is None else jnp.where(token_mask, query_slots, len(slots))
+  rows = jnp.arange(batch)[:, None]
   for name, value in entries.items():
-    cache[name].value = cache[name].value.at[jnp.arange(batch)[:, None], written].set(
-        value.astype(cache[name].value.dtype), mode="drop")
+    stored = cache[name].value
+    # Per-head entries [batch, length, heads, d] go to [batch, heads, cache, d]: the indexed
+    # positions come first in the update, as the new tokens' entries lie.
+    where = (rows, slice(None), written) if value.ndim == 4 else (rows, written)
+    cache[name].value = stored.at[where].set(value.astype(stored.dtype), mode="drop")
   real = length if token_mask is None else token_mask.sum(axis=1, dtype=jnp.int32)
   index.value = start + real
   visible = slots <= query_slots[..., None]  # [batch, length, cache]: causal.
@@ -110,6 +130,16 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
     near = slots > query_slots[..., None] - window
     visible &= near if isinstance(windowed, bool) else near | ~windowed
   return {name: variable.value for name, variable in cache.items()}, visible[:, None]
+
+
+def _cached_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """How an entry of `shape` [batch, length, ...] is cached: per-head ones ([batch, length,
+  heads, d]) heads-major, [batch, heads, length, d]; others as they are."""
+  return (shape[0], shape[2], shape[1], shape[3]) if len(shape) == 4 else shape
+
+
+def _cache_length(stored: jax.Array) -> int:
+  return stored.shape[2] if stored.ndim == 4 else stored.shape[1]
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],
