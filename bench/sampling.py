@@ -15,8 +15,7 @@ import numpy as np
 from levanter_flax import models
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
-from levanter_flax.generate.engine import SamplingParams
-from levanter_flax.generate.prompts import generate
+from levanter_flax.generate.engine import Engine, SamplingParams
 
 
 def recomputed(model, params, prompts: np.ndarray, new_tokens: int, seq_len: int) -> np.ndarray:
@@ -44,8 +43,11 @@ def main():
   params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch_size, args.prompt_len))
   sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=0)
+  engine = Engine(cfg, params, slots=args.batch_size)
+  engine.warm_up()
   timings = {}
-  for name, decode in (("kv cache", lambda: np.array(generate(cfg, params, prompts.tolist(), sampling))),
+  for name, decode in (("kv cache", lambda: np.array(
+      [r.tokens for r in engine.generate(prompts.tolist(), sampling)])),
                        ("recompute", lambda: recomputed(model, params, prompts, args.max_new_tokens,
                                                         cfg.seq_len))):
     decode()  # Compile.
