@@ -2,6 +2,7 @@
 same alone or among others and in any slot, slots are reused, stops, logprobs, cancelling,
 and a mesh."""
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,30 @@ def test_warm_up_compiles_every_shape_and_writes_nothing():
   assert warm._compiled() == compiled  # pylint: disable=protected-access
   cold = Engine(cfg, params, slots=4, prefill_chunk=4)
   assert tokens == [r.tokens for r in cold.generate(prompts, sampling.apart(7))]
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+  """serve_forever, as a server runs it: a step that raises ends the requests it held with
+  'error' (its donated cache dropped), and the next request generates as on a fresh engine."""
+  cfg, params = random_model()
+  engine = Engine(cfg, params, slots=2)
+  stopped = threading.Event()
+  thread = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)
+  decode = engine._decode_step  # pylint: disable=protected-access
+
+  def fails_once(requests):
+    monkeypatch.setattr(engine, "_decode_step", decode)
+    raise RuntimeError("injected")
+  monkeypatch.setattr(engine, "_decode_step", fails_once)
+  thread.start()
+  failed = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]
+  assert all(r.wait(60) for r in failed) and {r.finish_reason for r in failed} == {"error"}
+  after = engine.submit(PROMPTS[0], GREEDY)
+  assert after.wait(60) and after.finish_reason == "length"
+  stopped.set()
+  engine.wake()
+  thread.join(60)
+  assert after.tokens == Engine(cfg, params, slots=2).generate([PROMPTS[0]], GREEDY)[0].tokens
 
 
 @pytest.mark.parametrize("sampling, message", [

@@ -65,7 +65,7 @@ def test_the_installed_package_finds_its_shipped_configs(installed, tmp_path):
   wrong = _run([script, "evaluat"], site, tmp_path)
   assert wrong.returncode == 1
   assert wrong.stderr == ("levanter_flax: error: unknown subcommand 'evaluat'; choose one of "
-                          "train, prepare, evaluate, sample, export-hf, report, launch, aot\n")
+                          "train, prepare, evaluate, sample, serve, export-hf, report, launch, aot\n")
   assert not (tmp_path / "runs").exists()
 
 

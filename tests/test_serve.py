@@ -116,6 +116,14 @@ def test_completions_whole_and_streamed_are_transformers_greedy_text(served, hf)
                                        n=2).choices for _ in range(2)]
   assert [c.text for c in sampled[0]] == [c.text for c in sampled[1]]
   assert sampled[0][0].text != sampled[0][1].text
+  # Streamed, the two finish in the same step: each still gets its last text and one finish.
+  texts, finishes = ["", ""], [[], []]
+  for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=3, n=2,
+                                         stream=True):
+    for choice in chunk.choices:
+      texts[choice.index] += choice.text
+      finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
+  assert texts == [c.text for c in sampled[0]] and finishes == [["length"], ["length"]]
 
 
 @pytest.mark.slow
@@ -165,6 +173,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
   refused(400, "max_tokens must be at least 1; got 0", max_tokens=0)
   refused(400, f"n must be in \\[1, {SLOTS}\\]", n=SLOTS + 1)
   refused(400, "top_p must be in", top_p=2.0)
+  refused(400, "prompt is empty", prompt=[])
   malformed = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": ',
                          headers={"content-type": "application/json"})
   assert malformed.status_code == 400 and "error" in malformed.json()

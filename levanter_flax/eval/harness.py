@@ -247,11 +247,13 @@ class LevanterLM(TemplateLM):
     # Left-truncated as HFLM truncates; an empty context starts a document.
     prompts = [(context or [self.prefix_token_id])[-room:] for context in contexts]
     requests = engine.submit_all(prompts, sampling.apart(len(prompts)))
-    for request in progress.iterate(requests, "harness: generation", total=len(requests),
-                                    unit="requests"):
-      while not request.finished:
-        engine.step()
-    engine.free_cache()  # Training, between harness runs, needs the memory.
+    try:
+      for request in progress.iterate(requests, "harness: generation", total=len(requests),
+                                      unit="requests"):
+        while not request.finished:
+          engine.step()
+    finally:  # Training, between harness runs, needs the cache's memory; a failure, a clean slate.
+      engine.reset()
     return [request.text for request in requests]
 
   def _generation_engine(self) -> Engine:

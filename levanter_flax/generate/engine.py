@@ -117,6 +117,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
     # The smallest set whose probability reaches top_p: keep tokens at least as likely as its last.
     last = jnp.minimum(jnp.sum(cumulative < top_p[:, None], axis=-1, keepdims=True), vocab - 1)
+    # A row without top-p keeps every token top-k kept, whatever float32's cumulative sum says.
+    last = jnp.where(top_p[:, None] >= 1, vocab - 1, last)
     threshold = jnp.maximum(kth, jnp.take_along_axis(ordered, last, axis=-1))
     return jnp.where(scaled < threshold, -jnp.inf, scaled)
 
@@ -170,7 +172,7 @@ class Engine:
     self._min_rows = 1 if batch_sharding is None else _axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
-    self._cache = None  # Allocated at the first step; free_cache drops it.
+    self._cache = None  # Allocated at the first step; reset drops it.
     self._waiting: list[Request] = []
     self._running: list[Request | None] = [None] * slots
     self._lock = threading.Condition()
@@ -223,8 +225,12 @@ class Engine:
     """Each prompt's finished request, stepping in this thread until all are done."""
     requests = self.submit_all(prompts, [sampling] * len(prompts)
                                if isinstance(sampling, SamplingParams) else sampling)
-    while not all(r.finished for r in requests):
-      self.step()
+    try:
+      while not all(r.finished for r in requests):
+        self.step()
+    except BaseException:
+      self.reset()
+      raise
     return requests
 
   def load(self) -> dict[str, int]:
@@ -251,11 +257,7 @@ class Engine:
       except Exception:  # pylint: disable=broad-except  # Its requests fail; the next may not.
         logging.exception("A generation step failed; its requests end with finish_reason "
                           "'error'")
-        with self._lock:
-          for request in [*self._running, *self._waiting]:
-            if request is not None:
-              self._finish(request, "error")
-          self._waiting.clear()
+        self.reset("error")
 
   def warm_up(self) -> int:
     """Compiles every step shape now (each prefill's rows and attended length, each decode's
@@ -286,11 +288,17 @@ class Engine:
     """The step shapes compiled so far."""
     return {*self._prefill, *(("decode", n) for n in self._decode)}
 
-  def free_cache(self) -> None:
-    """Drops the KV cache until the next step allocates it again: the in-run harness gives
-    training its memory back. Only while no request runs."""
-    assert not any(self._running), "free_cache with requests in slots"
-    self._cache = None
+  def reset(self, reason: str = "cancelled") -> None:
+    """Ends every request it holds (finish_reason `reason`) and drops the KV cache until the
+    next step allocates it again: the in-run harness gives training its memory back after each
+    run, and a failed step (whose cache was donated) leaves nothing behind."""
+    with self._lock:
+      for request in [*self._running, *self._waiting]:
+        if request is not None and not request.finished:
+          self._finish(request, reason)
+      self._running = [None] * self.slots
+      self._waiting.clear()
+      self._cache = None
 
   def wake(self) -> None:
     with self._lock:
@@ -300,14 +308,12 @@ class Engine:
     """Admits waiting requests to free slots, prefills one chunk of the prefilling ones, and
     decodes one token for the decoding ones."""
     with self._lock:
-      for request in self._running:
-        if request is not None and request.cancelled:
+      for request in [*self._running, *self._waiting]:
+        if request is not None and request.cancelled and not request.finished:
           self._finish(request, "cancelled")
+      self._waiting = [r for r in self._waiting if not r.finished]
       while self._waiting and None in self._running:
         request = self._waiting.pop(0)
-        if request.cancelled:
-          self._finish(request, "cancelled")
-          continue
         request._slot = self._running.index(None)
         self._running[request._slot] = request
     if self._cache is None and any(self._running):
@@ -385,7 +391,11 @@ class Engine:
     request.tokens.append(token)
     request.logprobs.append(logprob)
     if self.tokenizer is not None:
-      request.text = self.tokenizer.decode(request.tokens)
+      try:
+        request.text = self.tokenizer.decode(request.tokens)
+      except Exception as e:  # pylint: disable=broad-except  # An id past the tokenizer's.
+        logging.warning("A completion's tokens do not decode (%s); it ends with 'error'", e)
+        return self._finish(request, "error")
       cuts = [i for i in (request.text.find(s) for s in sampling.stop) if i >= 0]
       if cuts:
         request.text = request.text[:min(cuts)]
@@ -393,16 +403,14 @@ class Engine:
     if (len(request.tokens) >= sampling.max_tokens
         or len(request.prompt) + len(request.tokens) >= self.max_len):
       return self._finish(request, "length")
-    if request.listener:
-      request.listener(request)
+    _notify(request)
 
   def _finish(self, request: Request, reason: str) -> None:
     request.finish_reason = reason
     if request._slot >= 0 and self._running[request._slot] is request:
       self._running[request._slot] = None
     request._done.set()
-    if request.listener:
-      request.listener(request)
+    _notify(request)
 
   # The compiled steps.
   def _compile(self, rows: int | None, attended: int):
@@ -450,9 +458,9 @@ class Engine:
     mesh = self._batch_sharding.mesh
     # The logical axis rules in context (the partitioner's activation_context); without them,
     # the batch sharding's axes and whole heads.
-    batch_axes, heads_axes = (nn.logical_to_mesh_axes(("batch", "heads")) or
-                              (self._batch_sharding.spec[0] if self._batch_sharding.spec else None,
-                               None))
+    batch_axes, heads_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    if batch_axes is None and heads_axes is None:
+      batch_axes = self._batch_sharding.spec[0] if self._batch_sharding.spec else None
     abstract = jax.eval_shape(self._model.init, jax.random.key(0),
                               jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
 
@@ -471,6 +479,15 @@ class Engine:
     if self._cache_shardings is None:
       return jax.jit(zeros)()
     return jax.jit(zeros, out_shardings=self._cache_shardings)()
+
+
+def _notify(request: Request) -> None:
+  """Calls the request's listener; one that fails (a server shutting down) fails alone."""
+  if request.listener:
+    try:
+      request.listener(request)
+    except Exception:  # pylint: disable=broad-except
+      logging.exception("A request's listener failed")
 
 
 def _bucket(n: int, cap: int, minimum: int) -> int:

@@ -127,7 +127,7 @@ class Server:
     sampling = SamplingParams(
         max_tokens=max_tokens or self.engine.max_len, temperature=body.temperature,
         top_k=body.top_k, top_p=body.top_p,
-        seed=uuid.uuid4().int % 2**32 if body.seed is None else body.seed,
+        seed=(uuid.uuid4().int if body.seed is None else body.seed) % 2**32,
         stop=tuple(s for s in stop if s), stop_ids=stop_ids)
     try:
       sampling.check(self.engine.model_cfg.vocab_size)
@@ -149,6 +149,8 @@ class Server:
     """n requests per prompt (request i with seed + i), queued on the engine, each change of
     theirs put on `changed`; all refused, or none."""
     vocab = self.engine.model_cfg.vocab_size
+    if not prompts:
+      raise ApiError(400, "prompt is empty", "prompt")
     for prompt in prompts:
       if len(prompt) >= self.engine.max_len:
         raise ApiError(400, f"This model's context is {self.engine.max_len} tokens, and the "
@@ -260,16 +262,33 @@ async def _respond(server: Server, http: fastapi.Request, body: _Sampled,
   include_usage = bool((body.stream_options or {}).get("include_usage"))
 
   async def events():
-    sent = [0] * len(requests)
-    async for index, request in updates:
+    sent, closed = [0] * len(requests), [False] * len(requests)
+
+    def chunk(index: int, request: Request):
+      """The text since the last chunk, and the finish reason once it has finished."""
       text = _settled(request)
       delta, sent[index] = text[sent[index]:], len(text)
-      if delta or request.finished:
-        finish = _reason(request) if request.finished else None
-        choice = ({"index": index, "delta": {"role": "assistant", "content": delta},
-                   "finish_reason": finish} if chat
-                  else {"index": index, "text": delta, "finish_reason": finish})
-        yield _event({**chunk_head, "choices": [choice]})
+      closed[index] = request.finished
+      if not (delta or request.finished):
+        return None
+      finish = _reason(request) if request.finished else None
+      choice = ({"index": index, "delta": {"role": "assistant", "content": delta},
+                 "finish_reason": finish} if chat
+                else {"index": index, "text": delta, "finish_reason": finish})
+      return _event({**chunk_head, "choices": [choice]})
+    async with contextlib.aclosing(updates) as changes:
+      async for index, request in changes:
+        if not closed[index] and (event := chunk(index, request)):
+          yield event
+    if not all(r.finished for r in requests):
+      return  # The client is gone.
+    if any(r.finish_reason == "error" for r in requests):
+      yield _event({"error": {"message": "generation failed; the server's log says why",
+                              "type": "server_error", "param": None, "code": None}})
+      return
+    for index, request in enumerate(requests):  # Those whose last change came after the end.
+      if not closed[index] and (event := chunk(index, request)):
+        yield event
     if include_usage:
       yield _event({**chunk_head, "choices": [], "usage": _usage(requests)})
     yield "data: [DONE]\n\n"
@@ -287,6 +306,7 @@ def _settled(request: Request) -> str:
 
 
 def _choice(server: Server, index: int, request: Request, chat: bool, logprobs) -> dict:
+  logprobs = logprobs is not None and logprobs is not False  # Completions' 0: chosen tokens'.
   pieces = [server.tokenizer.decode([t]) for t in request.tokens] if logprobs else []
   if chat:
     return {"index": index, "finish_reason": _reason(request),
