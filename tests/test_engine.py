@@ -16,7 +16,8 @@ from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
 from test_hf import HF_CONFIGS, hf_model
-from test_sample import MODELS
+from levanter_flax.models.mistral import MistralConfig
+from test_sample import MODELS, full_forward_greedy
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 PROMPTS = [[3, 14, 15, 9, 26], [8, 9], [1, 2, 3, 4, 5, 6, 7], [40]]
@@ -52,6 +53,44 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
                          pad_token_id=0)[0, len(prompt):].tolist()
     assert request.tokens == said, family
     assert request.finish_reason == "length"
+
+
+@pytest.mark.parametrize("family,scan_layers", [("gemma3", False), ("gemma3", True),
+                                                ("mistral", True)])
+def test_sliding_window_layers_cache_only_their_window(family, scan_layers, tmp_path):
+  """Layers with a window of 4 (Gemma 3's local ones, all of Mistral's) keep a ring of 4
+  positions, global ones all 16; prefill chunks of 6 (longer than the window) and completions
+  past it still give transformers' greedy tokens, scanned or not."""
+  hf = hf_model(family)
+  hf.save_pretrained(tmp_path)
+  cfg, params = snapshot.load(tmp_path, scan_layers=scan_layers)
+  engine = Engine(cfg, params, slots=2, prefill_chunk=6)
+  prompts = [[3, 14, 15, 9, 26, 5, 35], [8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]]
+  got = engine.generate(prompts, dataclasses.replace(GREEDY, max_tokens=5))
+  for prompt, request in zip(prompts, got):
+    with torch.no_grad():
+      said = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    assert request.tokens == said
+  lengths = [leaf.shape[-2] for path, leaf in jax.tree_util.tree_leaves_with_path(engine._cache)
+             if path[-1].key == "keys"]
+  windowed = [not g for g in cfg.global_layers] if family == "gemma3" else [True]
+  assert lengths == [4 if w else 16 for w in windowed]
+
+
+def test_a_window_longer_than_the_shortest_attended_bucket():
+  """A window of 80: the first steps attend to 64 positions (the ring's first 64 slots, before
+  it wraps), later ones to the whole ring as it wraps; greedy equals the full forward's."""
+  cfg = MistralConfig(vocab_size=50, seq_len=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                      hidden_dim=16, intermediate_dim=24, sliding_window=80)
+  model = models.build(cfg)
+  params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, model.init(
+      jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"])
+  prompt = np.random.default_rng(0).integers(0, 50, 50).tolist()
+  engine = Engine(cfg, params, slots=2, prefill_chunk=16)
+  got = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=60))[0].tokens
+  assert got == full_forward_greedy(model, params, prompt, 60)
 
 
 def test_32_requests_on_4_slots_equal_each_alone():

@@ -3,7 +3,7 @@ position in one KV cache. `sample`, the lm-eval harness and the OpenAI server al
 through it.
 
 The cache is per slot, not paged: [slots, max_len] rows, written at each slot's own index
-(models/attention.append_to_cache). A request takes a free slot, its prompt is prefilled in
+(models/attention.append_to_cache; a sliding-window layer's rows are a ring of its window). A request takes a free slot, its prompt is prefilled in
 chunks of `prefill_chunk` tokens (waiting requests prefilled together, as a group of rows of
 the cache), then each step decodes one token for every decoding slot; a request that stops
 frees its slot for the next at once. Paging would let short requests lend their rows to long

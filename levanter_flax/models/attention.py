@@ -8,7 +8,7 @@ executes one). Training calls it on whole sequences. Decoding (`decode=True`) ke
 layer's keys and values in the "cache" collection: the first call with a sequence as long as
 the cache creates it, then each call writes each row's tokens at that row's index and attends
 to everything written before them (generate/engine.py: each row is a slot, at its own
-position).
+position). A layer whose window always applies caches only the window, a ring.
 
 Packed training windows hold several documents; with `segment_ids` (document
 masking) each token attends within its own document only, and the models
@@ -99,43 +99,90 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
   """Writes `entries` (name: [batch, length, ...], the new tokens') into `module`'s "cache"
   collection (per-head ones heads-major, [batch, heads, cache, d]), each row at its own index
   (`index` [batch]: a row is a generation engine's slot, at its own position), and moves each
-  row's index past its real tokens (token_mask [batch, length], by default all). A row's padding comes after its real tokens and is not written,
-  nor is anything past the cache's end. Returns (the cache's entries, whole; the mask [batch,
-  1, length, cache] of the slots each new token sees: causal, within `window` where
-  `windowed`), or (None, None) while model.init creates the cache."""
+  row's index past its real tokens (token_mask [batch, length], by default all). A row's
+  padding comes after its real tokens and is not written, nor is anything past the cache's end.
+
+  Returns (the entries to attend to, the mask [batch, 1, length, their positions] of those each
+  new token sees: causal, within `window` where `windowed`), or (None, None) while model.init
+  creates the cache. A layer whose window always applies (`windowed` True, not traced) keeps
+  only its last `window` positions, a ring (_ring_append); any other keeps whole rows and
+  returns them, written."""
   first = next(iter(entries.values()))
   batch, length = first.shape[:2]
+  ring = window if window and windowed is True else 0
   creating = not module.has_variable("cache", next(iter(entries)))
-  cache = {name: module.variable("cache", name, jnp.zeros, _cached_shape(value.shape), value.dtype)
+  cache = {name: module.variable("cache", name, jnp.zeros, _cached_shape(value.shape, ring),
+                                 value.dtype)
            for name, value in entries.items()}
   index = module.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
   if creating:
     return None, None
   start = index.value
-  query_slots = start[:, None] + jnp.arange(length)[None]  # [batch, length]
+  real = (jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool))
+  index.value = start + real.sum(axis=1, dtype=jnp.int32)
+  if ring:
+    return _ring_append(cache, entries, start, real, ring)
+  query_positions = start[:, None] + jnp.arange(length)[None]  # [batch, length]
   slots = jnp.arange(_cache_length(cache[next(iter(entries))].value))
-  # Out of bounds, so dropped: padding, and whatever falls past the cache's end.
-  written = query_slots if token_mask is None else jnp.where(token_mask, query_slots, len(slots))
-  rows = jnp.arange(batch)[:, None]
+  _write(cache, entries, jnp.where(real, query_positions, len(slots)))
+  visible = slots <= query_positions[..., None]  # [batch, length, cache]: causal.
+  if window:
+    near = slots > query_positions[..., None] - window
+    visible &= near if isinstance(windowed, bool) else near | ~windowed
+  return {name: variable.value for name, variable in cache.items()}, visible[:, None]
+
+
+def _ring_append(cache: dict, entries: dict[str, jax.Array], start: jax.Array, real: jax.Array,
+                 window: int) -> tuple[dict[str, jax.Array], jax.Array]:
+  """append_to_cache for a sliding-window layer whose cache is a ring of `window` positions
+  (or fewer: the engine may pass only the first ones, when every position so far is below
+  their count): position p lies in slot p % window. The new tokens attend to the ring as it
+  was, then to themselves, so that a chunk longer than the window still sees each of its own
+  tokens; then each row's last `window` real tokens are written (earlier ones would share
+  their slots)."""
+  length = real.shape[1]
+  query_positions = start[:, None] + jnp.arange(length)[None]  # [batch, length]
+  slots = jnp.arange(_cache_length(cache[next(iter(entries))].value))
+  # The position each slot held before these tokens: the latest below `start` of its residue
+  # (negative: none yet, or a former request's, which a reused slot must not see).
+  held = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - slots[None], window)  # [batch, ring]
+  before = {name: variable.value for name, variable in cache.items()}
+  last = real & (jnp.arange(length)[None] >= real.sum(axis=1, keepdims=True) - window)
+  _write(cache, entries, jnp.where(last, jnp.mod(query_positions, window), len(slots)))
+  key_positions = jnp.concatenate([held, query_positions], axis=1)  # [batch, ring + length]
+  keys_at = key_positions[:, None, :]
+  visible = ((keys_at <= query_positions[..., None]) & (keys_at > query_positions[..., None] - window)
+             & jnp.concatenate([held >= 0, real], axis=1)[:, None, :])
+  attended = {name: jnp.concatenate([before[name], _as_cached(entries[name], before[name].dtype)],
+                                    axis=2 if entries[name].ndim == 4 else 1)
+              for name in entries}
+  return attended, visible[:, None]
+
+
+def _write(cache: dict, entries: dict[str, jax.Array], written: jax.Array) -> None:
+  """Each row's new entries into the cache at positions `written` [batch, length]; those out of
+  its bounds are dropped."""
+  rows = jnp.arange(written.shape[0])[:, None]
   for name, value in entries.items():
     stored = cache[name].value
     # Per-head entries [batch, length, heads, d] go to [batch, heads, cache, d]: the indexed
     # positions come first in the update, as the new tokens' entries lie.
     where = (rows, slice(None), written) if value.ndim == 4 else (rows, written)
     cache[name].value = stored.at[where].set(value.astype(stored.dtype), mode="drop")
-  real = length if token_mask is None else token_mask.sum(axis=1, dtype=jnp.int32)
-  index.value = start + real
-  visible = slots <= query_slots[..., None]  # [batch, length, cache]: causal.
-  if window:
-    near = slots > query_slots[..., None] - window
-    visible &= near if isinstance(windowed, bool) else near | ~windowed
-  return {name: variable.value for name, variable in cache.items()}, visible[:, None]
 
 
-def _cached_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+def _as_cached(value: jax.Array, dtype) -> jax.Array:
+  """New tokens' entries [batch, length, ...] laid out as the cache's (_cached_shape)."""
+  return (value.transpose(0, 2, 1, 3) if value.ndim == 4 else value).astype(dtype)
+
+
+def _cached_shape(shape: tuple[int, ...], ring: int = 0) -> tuple[int, ...]:
   """How an entry of `shape` [batch, length, ...] is cached: per-head ones ([batch, length,
-  heads, d]) heads-major, [batch, heads, length, d]; others as they are."""
-  return (shape[0], shape[2], shape[1], shape[3]) if len(shape) == 4 else shape
+  heads, d]) heads-major, [batch, heads, length, d]; others as they are. A ring keeps at most
+  `ring` positions."""
+  length = min(shape[1], ring) if ring else shape[1]
+  return ((shape[0], shape[2], length, shape[3]) if len(shape) == 4
+          else (shape[0], length, *shape[2:]))
 
 
 def _cache_length(stored: jax.Array) -> int:

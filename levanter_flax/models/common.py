@@ -193,7 +193,9 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
 
   per_layer: where the layers differ (Gemma 3's local and global layers), one value a layer,
   passed as layer(x, shared, value): the Python value itself to an unrolled layer (static: it
-  may choose the code), its element of jnp.asarray(per_layer) to a scanned one (traced).
+  may choose the code), its element of jnp.asarray(per_layer) to a scanned one (traced). In
+  decode mode such layers run unrolled even on stacked params (_UnrolledOnStack), so that each
+  keeps a cache of its own shape (a local layer only its window).
 
   layers, unrolled_name: a model of two kinds of layer (DeepSeek-V3's dense ones, then its
   mixtures) stacks each kind apart: `layers` the indices of this kind (by default all), named
@@ -206,6 +208,10 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   static = () if per_layer is None or cfg.compute.scan_layers else (3,)  # self, x, shared, value.
   layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
                                                      static_argnums=static)
+  if cfg.compute.scan_layers and decode and per_layer is not None:
+    stacked = nn.map_variables(_UnrolledOnStack, "params", _unstacked, _stacked,
+                               mutable=True)
+    return stacked(layer, cfg, tuple(per_layer[i] for i in layers), name=name)(x, shared)
   if cfg.compute.scan_layers:
     scanned = dict(variable_axes={name: 0 for name in ("params", "cache", *SOWN_COLLECTIONS)},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
@@ -223,3 +229,35 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
     extra = () if per_layer is None else (per_layer[i],)
     x = layer(cfg, decode, name=f"{unrolled_name or name}_{i}")(x, shared, *extra)
   return x
+
+
+class _UnrolledOnStack(nn.Module):
+  """Layers called one by one, layer_<i> the i-th, on params that map_variables keeps stacked
+  (as the scanned model's: _unstacked and _stacked)."""
+  layer: Any
+  config: Any
+  per_layer: tuple
+
+  @nn.compact
+  def __call__(self, x: jax.Array, shared) -> jax.Array:
+    for i, value in enumerate(self.per_layer):
+      x = self.layer(self.config, True, name=f"layer_{i}")(x, shared, value)
+    return x
+
+
+def _unstacked(variables: dict) -> dict:
+  """{collection: a stack [layers, ...]} as {collection: {layer_<i>: the i-th}}."""
+  def unstack(tree):
+    if not tree:  # Initialising: nothing yet.
+      return tree
+    count = jax.tree.leaves(tree)[0].shape[0]
+    return {f"layer_{i}": jax.tree.map(lambda x, i=i: x[i], tree) for i in range(count)}
+  return {collection: unstack(tree) for collection, tree in variables.items()}
+
+
+def _stacked(variables: dict) -> dict:
+  """_unstacked's inverse."""
+  def stack(tree):
+    layers = [tree[f"layer_{i}"] for i in range(len(tree))]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layers else tree
+  return {collection: stack(tree) for collection, tree in variables.items()}
