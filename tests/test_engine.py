@@ -79,18 +79,35 @@ def test_sliding_window_layers_cache_only_their_window(family, scan_layers, tmp_
   assert lengths == [4 if w else 16 for w in windowed]
 
 
-def test_a_window_longer_than_the_shortest_attended_bucket():
-  """A window of 80: the first steps attend to 64 positions (the ring's first 64 slots, before
-  it wraps), later ones to the whole ring as it wraps; greedy equals the full forward's."""
+def windowed_model():
+  """A window of 80 in a context of 160: longer than the shortest rows (64)."""
   cfg = MistralConfig(vocab_size=50, seq_len=160, num_layers=2, num_heads=4, num_kv_heads=2,
                       hidden_dim=16, intermediate_dim=24, sliding_window=80)
   model = models.build(cfg)
   params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, model.init(
       jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"])
-  prompt = np.random.default_rng(0).integers(0, 50, 50).tolist()
+  return cfg, model, params
+
+
+def test_the_cache_grows_and_shrinks_with_the_live_requests():
+  """Rows of 64 (the ring's first 64 slots), grown to 128 (the whole ring of 80, wrapping) for a
+  long request, cut back to 64 once it ends while a short one goes on: greedy equals the full
+  forward's for both."""
+  cfg, model, params = windowed_model()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 50, 100).tolist(), rng.integers(0, 50, 10).tolist()]
   engine = Engine(cfg, params, slots=2, prefill_chunk=16)
-  got = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=60))[0].tokens
-  assert got == full_forward_greedy(model, params, prompt, 60)
+  requests = [engine.submit(prompts[0], dataclasses.replace(GREEDY, max_tokens=10)),
+              engine.submit(prompts[1], dataclasses.replace(GREEDY, max_tokens=40))]
+  lengths = []
+  while engine.busy:
+    engine.step()
+    lengths.append(engine._length)
+  assert lengths[0] == 64 and 128 in lengths and lengths[-1] == 64
+  assert [leaf.shape[-2] for leaf in jax.tree.leaves(engine._cache) if leaf.ndim == 4] == [64] * 4
+  for prompt, request in zip(prompts, requests):
+    assert request.tokens == full_forward_greedy(model, params, prompt, len(request.tokens))
+  assert [len(r.tokens) for r in requests] == [10, 40]
 
 
 def test_32_requests_on_4_slots_equal_each_alone():

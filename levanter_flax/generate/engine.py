@@ -2,14 +2,18 @@
 position in one KV cache. `sample`, the lm-eval harness and the OpenAI server all generate
 through it.
 
-The cache is per slot, not paged: [slots, max_len] rows, written at each slot's own index
-(models/attention.append_to_cache; a sliding-window layer's rows are a ring of its window). A request takes a free slot, its prompt is prefilled in
-chunks of `prefill_chunk` tokens (waiting requests prefilled together, as a group of rows of
-the cache), then each step decodes one token for every decoding slot; a request that stops
-frees its slot for the next at once. Paging would let short requests lend their rows to long
-ones; with whole rows the cache's shape is fixed and a step's attention reads only a bucket of
-rows long enough for its slots (a power of two), so memory is slots x max_len and a step's
-time follows the longest live request, not max_len.
+The cache is per slot, not paged: a row per slot, written at each slot's own index
+(models/attention.append_to_cache; a sliding-window layer's rows are a ring of its window). A
+request takes a free slot, its prompt is prefilled in chunks of `prefill_chunk` tokens
+(waiting requests prefilled together, as a group of rows of the cache), then each step decodes
+one token for every decoding slot; a request that stops frees its slot for the next at once.
+
+The rows are as long as the longest live request needs, rounded up to a power of two (at
+least 64, at most max_len): the cache grows (or shrinks) by one copy when that bucket changes,
+and every step attends to whole rows. Cutting a max_len cache to a bucket at each step
+instead would copy the bucket in every layer at every step (on the CPU, a 100M model's
+16-slot step took 2.5 times as long). Paging would let short requests lend their rows to long
+ones; whole rows keep a few shapes, compiled once each, and memory at most slots x max_len.
 
 Sampling is per request: temperature (0: greedy), top-k, top-p, a seed, stop token ids, stop
 strings (on the text, with the engine's tokenizer), max_tokens, and the log-probability of
@@ -38,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from levanter_flax import models
 from levanter_flax.core.errors import UserError
 
-# Shortest attended length: below it, more buckets would cost more compiles than they save.
+# The shortest rows: below it, more buckets would cost more compiles than they save.
 _MIN_BUCKET = 64
 
 
@@ -172,12 +176,15 @@ class Engine:
     self._min_rows = 1 if batch_sharding is None else _axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
-    self._cache = None  # Allocated at the first step; reset drops it.
+    self._cache = None  # [slots, self._length] rows, allocated at the first step; reset drops it.
+    self._length = 0
     self._waiting: list[Request] = []
     self._running: list[Request | None] = [None] * slots
     self._lock = threading.Condition()
-    self._prefill = {}  # (rows, attended) -> jitted prefill.
-    self._decode = {}  # attended -> jitted decode.
+    self._prefill = {}  # (rows, cache length) -> jitted prefill.
+    self._decode = {}  # cache length -> jitted decode.
+    # Not donated: the new rows' shape differs, so the old ones could not hold them.
+    self._resize = jax.jit(self._resized, static_argnums=1, **self._cache_placement())
 
   # The public interface.
   def use_params(self, params: Any) -> None:
@@ -260,24 +267,23 @@ class Engine:
         self.reset("error")
 
   def warm_up(self) -> int:
-    """Compiles every step shape now (each prefill's rows and attended length, each decode's
-    attended length), by steps that write nothing, rather than at a request's first need of it:
+    """Compiles every step shape now (each prefill's rows and cache length, each decode's
+    cache length), by steps that write nothing, rather than at a request's first need of it:
     a server's times to first token then hold from its first request. Returns how many."""
     with self._lock:
       assert not self.busy, "warm_up with requests held"
-      if self._cache is None:
-        self._cache = self._new_cache()
       lengths = sorted({_bucket(n, self.max_len, _MIN_BUCKET) for n in range(1, self.max_len + 1)})
       rows = sorted({_bucket(n, self.slots, self._min_rows) for n in range(1, self.slots + 1)})
       none = self._settings([None] * self.slots)
-      for attended in lengths:
+      for length in lengths:
+        self._resize_to(length)
         for count in rows:
-          fn = self._prefill.get((count, attended)) or self._compile(count, attended)
+          fn = self._prefill.get((count, length)) or self._compile(count, length)
           self._cache, *_ = fn(self.params, self._cache, np.arange(count, dtype=np.int32),
                                np.zeros((count, self.prefill_chunk), np.int32),
                                np.zeros(count, np.int32), np.zeros(count, np.int32),
                                *(x[:count] for x in none))
-        fn = self._decode.get(attended) or self._compile(None, attended)
+        fn = self._decode.get(length) or self._compile(None, length)
         zeros = np.zeros(self.slots, np.int32)
         self._cache, *_ = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
                              zeros[:, None], zeros, zeros, *none)
@@ -298,7 +304,7 @@ class Engine:
           self._finish(request, reason)
       self._running = [None] * self.slots
       self._waiting.clear()
-      self._cache = None
+      self._cache, self._length = None, 0
 
   def wake(self) -> None:
     with self._lock:
@@ -316,9 +322,12 @@ class Engine:
         request = self._waiting.pop(0)
         request._slot = self._running.index(None)
         self._running[request._slot] = request
-    if self._cache is None and any(self._running):
-      self._cache = self._new_cache()
     prefilling = [r for r in self._running if r is not None and r._prefilled < len(r.prompt)]
+    # Rows long enough for every live request's tokens by the end of this step.
+    needed = [min(r._prefilled + self.prefill_chunk, len(r.prompt)) if r in prefilling
+              else len(r.prompt) + len(r.tokens) for r in self._running if r is not None]
+    if needed:
+      self._resize_to(_bucket(max(needed), self.max_len, _MIN_BUCKET))
     if prefilling:
       self._prefill_chunk(prefilling)
     decoding = [r for r in self._running if r is not None and r._prefilled == len(r.prompt)
@@ -340,9 +349,8 @@ class Engine:
       piece = r.prompt[r._prefilled:r._prefilled + chunk]
       starts[row], counts[row] = r._prefilled, len(piece)
       tokens[row, :len(piece)] = piece
-    attended = _bucket(int((starts + counts).max()), self.max_len, _MIN_BUCKET)
     settings = self._settings(requests + [None] * (rows - len(requests)))
-    fn = self._prefill.get((rows, attended)) or self._compile(rows, attended)
+    fn = self._prefill.get((rows, self._length)) or self._compile(rows, self._length)
     self._cache, new, logprobs = fn(self.params, self._cache, slot_ids, tokens, starts, counts,
                                     *settings)
     new, logprobs = jax.device_get((new, logprobs))
@@ -361,8 +369,7 @@ class Engine:
       last[r._slot], positions[r._slot] = r.tokens[-1], len(r.prompt) + len(r.tokens) - 1
       active[r._slot] = True
       per_slot[r._slot] = r
-    attended = _bucket(int(positions.max()) + 1, self.max_len, _MIN_BUCKET)
-    fn = self._decode.get(attended) or self._compile(None, attended)
+    fn = self._decode.get(self._length) or self._compile(None, self._length)
     self._cache, new, logprobs = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
                                     last, positions[:, 0], active[:, 0].astype(np.int32),
                                     *self._settings(per_slot))
@@ -413,18 +420,17 @@ class Engine:
     _notify(request)
 
   # The compiled steps.
-  def _compile(self, rows: int | None, attended: int):
+  def _compile(self, rows: int | None, length: int):
     """The prefill of `rows` slots' chunks (rows None: the decode step of every slot, one token
-    each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), attending
-    to the cache's first `attended` positions. Returns (cache, tokens drawn [rows], their
-    log-probabilities [rows])."""
-    model, axes, lengths = self._model, self._batch_axes, self._length_axes
+    each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), on a cache
+    of rows `length` long. Returns (cache, tokens drawn [rows], their log-probabilities
+    [rows])."""
+    model, axes = self._model, self._batch_axes
 
     def run(params, cache, slot_ids, tokens, starts, counts, temperature, top_k, top_p, seeds,
             drawn):
       rows_of = None if rows is None else slot_ids  # Decoding: every slot, in order.
-      part = jax.tree.map(lambda c, a, n: _take_rows(c, a, n, rows_of, attended), cache, axes,
-                          lengths)
+      part = jax.tree.map(lambda c, a: _take_rows(c, a, rows_of), cache, axes)
       part = _with_index(part, starts)
       length = tokens.shape[1]
       # Clipped: a chunk's padding past the context must still index the positions' table.
@@ -433,14 +439,14 @@ class Engine:
           {"params": params, "cache": part}, tokens, positions=positions,
           token_mask=jnp.arange(length) < counts[:, None],
           logits_at=jnp.maximum(counts - 1, 0)[:, None], mutable=["cache"])
-      cache = jax.tree.map(lambda c, p, a, n: _put_rows(c, p, a, n, rows_of), cache,
-                           variables["cache"], axes, lengths)
+      cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
+                           variables["cache"], axes)
       new, logprobs = sample_tokens(logits[:, 0], temperature, top_k, top_p, _keys(seeds, drawn))
       return cache, new, logprobs
 
     compiled = jax.jit(run, donate_argnums=1, **self._jit_shardings())
     (self._decode if rows is None else self._prefill)[
-        attended if rows is None else (rows, attended)] = compiled
+        length if rows is None else (rows, length)] = compiled
     return compiled
 
   def _jit_shardings(self) -> dict:
@@ -461,8 +467,7 @@ class Engine:
     batch_axes, heads_axes = nn.logical_to_mesh_axes(("batch", "heads"))
     if batch_axes is None and heads_axes is None:
       batch_axes = self._batch_sharding.spec[0] if self._batch_sharding.spec else None
-    abstract = jax.eval_shape(self._model.init, jax.random.key(0),
-                              jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
+    abstract = self._abstract_cache(self.max_len)
 
     def spec(leaf, axis):
       entries = [None] * leaf.ndim
@@ -472,13 +477,35 @@ class Engine:
       return NamedSharding(mesh, PartitionSpec(*entries))
     return jax.tree.map(spec, abstract, self._batch_axes)
 
-  def _new_cache(self):
-    abstract = jax.eval_shape(self._model.init, jax.random.key(0),
-                              jnp.zeros((self.slots, self.max_len), jnp.int32))["cache"]
-    zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
-    if self._cache_shardings is None:
-      return jax.jit(zeros)()
-    return jax.jit(zeros, out_shardings=self._cache_shardings)()
+  def _resize_to(self, length: int) -> None:
+    """The cache with rows `length` long (allocated, or grown or cut by one copy)."""
+    if self._cache is None:
+      abstract = self._abstract_cache(length)
+      zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
+      self._cache = jax.jit(zeros, **self._cache_placement())()
+    elif length != self._length:
+      self._cache = self._resize(self._cache, length)
+    self._length = length
+
+  def _resized(self, cache, length: int):
+    """`cache` with rows `length` long: zeros after its rows, or its rows' first positions (a
+    window's ring: as long as the window at most). Every live request's tokens lie within."""
+    def fit(leaf, shape, axis):
+      if axis < 0 or leaf.shape[axis] == shape[axis]:
+        return leaf
+      if leaf.shape[axis] > shape[axis]:
+        return jax.lax.slice_in_dim(leaf, 0, shape[axis], axis=axis)
+      return jnp.pad(leaf, [(0, shape[axis] - leaf.shape[axis]) if i == axis else (0, 0)
+                            for i in range(leaf.ndim)])
+    shapes = jax.tree.map(lambda x: x.shape, self._abstract_cache(length))
+    return jax.tree.map(fit, cache, shapes, self._length_axes)
+
+  def _cache_placement(self) -> dict:
+    return {} if self._cache_shardings is None else {"out_shardings": self._cache_shardings}
+
+  def _abstract_cache(self, length: int):
+    return jax.eval_shape(self._model.init, jax.random.key(0),
+                          jnp.zeros((self.slots, length), jnp.int32))["cache"]
 
 
 def _notify(request: Request) -> None:
@@ -515,29 +542,17 @@ def _axes(model: nn.Module, shape: Callable[[int], tuple[int, int]]):
                                          if x != y), -1), one, two)
 
 
-def _take_rows(leaf: jax.Array, axis: int, length_axis: int, rows: jax.Array | None,
-               attended: int) -> jax.Array:
-  """`rows` of a cache entry along its slot axis (None: all), and its first `attended`
-  positions (where it has them)."""
-  taken = leaf if rows is None else jnp.take(leaf, rows, axis=axis)
-  if length_axis >= 0 and attended < leaf.shape[length_axis]:
-    taken = jax.lax.slice_in_dim(taken, 0, attended, axis=length_axis)
-  return taken
+def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None) -> jax.Array:
+  """`rows` of a cache entry along its slot axis (None: all)."""
+  return leaf if rows is None else jnp.take(leaf, rows, axis=axis)
 
 
-def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, length_axis: int,
-              rows: jax.Array | None) -> jax.Array:
+def _put_rows(leaf: jax.Array, part: jax.Array, axis: int, rows: jax.Array | None) -> jax.Array:
   """_take_rows' inverse: `part` written back into `leaf`."""
-  if rows is None:  # Whole, or the first positions: written back in place.
-    return part if part.shape == leaf.shape else jax.lax.dynamic_update_slice(
-        leaf, part, (0,) * leaf.ndim)
-  if length_axis < 0:
-    return jnp.moveaxis(jnp.moveaxis(leaf, axis, 0).at[rows].set(jnp.moveaxis(part, axis, 0)),
-                        0, axis)
-  moved = jnp.moveaxis(leaf, (axis, length_axis), (0, 1))
-  moved = moved.at[rows, :part.shape[length_axis]].set(
-      jnp.moveaxis(part, (axis, length_axis), (0, 1)))
-  return jnp.moveaxis(moved, (0, 1), (axis, length_axis))
+  if rows is None:
+    return part
+  return jnp.moveaxis(jnp.moveaxis(leaf, axis, 0).at[rows].set(jnp.moveaxis(part, axis, 0)),
+                      0, axis)
 
 
 def _with_index(cache, starts: jax.Array):
