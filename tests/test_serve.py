@@ -230,6 +230,7 @@ def test_sigterm_finishes_the_running_requests_then_exits_0(hf, tmp_path):
   assert finished.choices[0].finish_reason in ("stop", "length")
   _, stderr = process.communicate(timeout=60)
   assert process.returncode == 0, stderr[-3000:]
+  assert f"Serving {MODEL} on {url}/v1" in stderr
   with pytest.raises(httpx.HTTPError):
     httpx.get(f"{url}/v1/models", timeout=2)
 

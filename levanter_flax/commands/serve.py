@@ -39,7 +39,6 @@ def main(argv: list[str]) -> None:
         prefill_chunk=flag.prefill_chunk, tensor_parallel=flag.tensor_parallel)
   except UserError as e:
     exit_with_error(str(e))
-  logging.info("Serving %s on http://%s:%d/v1", server.model_name, flag.host, flag.port)
   serving.serve(server, flag.host, flag.port, flag.warm_up)
 
 

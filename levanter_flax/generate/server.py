@@ -385,7 +385,18 @@ def _optional(load, template_file: str):
 
 class _Uvicorn(uvicorn.Server):
   """uvicorn's server, but a SIGTERM or SIGINT it ended on gracefully is not raised again once
-  it has: the process exits 0, its requests answered."""
+  it has: the process exits 0, its requests answered. It says where it serves once it does
+  (not when a busy port stops it)."""
+
+  def __init__(self, config: uvicorn.Config, model_name: str):
+    super().__init__(config)
+    self.model_name = model_name
+
+  async def startup(self, sockets=None) -> None:
+    await super().startup(sockets)
+    if self.started:
+      host, port = self.servers[0].sockets[0].getsockname()[:2]
+      logging.info("Serving %s on http://%s:%d/v1", self.model_name, host, port)
 
   def handle_exit(self, sig, frame) -> None:
     super().handle_exit(sig, frame)
@@ -398,6 +409,6 @@ def serve(server: Server, host: str, port: int, warm_up: bool = True) -> None:
   server.start(warm_up)
   try:
     _Uvicorn(uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=None)).run()
+                            timeout_graceful_shutdown=None), server.model_name).run()
   finally:
     server.stop()
