@@ -82,7 +82,9 @@ setuptools.setup(
                  # import-linter: `lint-imports` checks .importlinter's layers (tests/test_layers.py).
                  "import-linter>=2.1,<3",
                  # tests/test_serve.py: the server, and the official client talking to it.
-                 "fastapi>=0.115,<1", "uvicorn>=0.30,<1", "openai>=1.50,<4"],
+                 "fastapi>=0.115,<1", "uvicorn>=0.30,<1", "openai>=1.50,<4",
+                 # tests/test_grpo.py: GRPO's loss against TRL's GRPOTrainer's; the maths reward.
+                 "trl==1.16.0", "math-verify==0.9.0"],
         # config.trainer.wandb: logging to Weights & Biases, imported only by a run that names a
         # project. Pinned to the minor version whose offline run files tests/test_wandb.py reads.
         "wandb": ["wandb>=0.31,<0.32"],
@@ -94,6 +96,8 @@ setuptools.setup(
         "eval": ["lm-eval==0.4.13"],
         # `levanter-flax serve`: the OpenAI-compatible HTTP API (generate/server.py).
         "serve": ["fastapi>=0.115,<1", "uvicorn>=0.30,<1"],
+        # The math_answer reward (objectives/rewards.py): answers compared as maths.
+        "rl": ["math-verify==0.9.0"],
         # `python -m levanter_flax.launch ... --executor=xm`.
         "xm": ["xmanager"],
         "gpu": ["jax[cuda12]>=0.10,<0.12"],

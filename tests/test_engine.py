@@ -164,8 +164,9 @@ def test_stop_ids_stop_strings_and_the_context_end():
   assert free.finish_reason == "length" and free.text == ByteText().decode(free.tokens)
   by_id = engine.generate([PROMPTS[0]], dataclasses.replace(GREEDY, max_tokens=10,
                                                             stop_ids=(free.tokens[3],)))[0]
-  assert by_id.finish_reason == "stop"
+  assert by_id.finish_reason == "stop" and by_id.stop_id == free.tokens[3]
   assert by_id.tokens == free.tokens[:free.tokens.index(free.tokens[3])]  # Left out.
+  assert free.stop_id is None
   stop = free.text[4:6]
   by_text = engine.generate([PROMPTS[0]], dataclasses.replace(GREEDY, max_tokens=10,
                                                               stop=("zzzz", stop)))[0]

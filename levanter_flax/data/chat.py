@@ -192,7 +192,7 @@ def recorded_template(tokenizer_spec: str, record: dict, dataset: str) -> ChatTe
   return template
 
 
-def _checked_messages(record: dict, where: str) -> list:
+def checked_messages(record: dict, where: str) -> list:
   messages = record.get("messages")
   if not isinstance(messages, list) or not all(
       isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -256,7 +256,7 @@ class Encoder:
 
   def __call__(self, record: dict, where: str) -> Optional[tuple[str, np.ndarray, np.ndarray]]:
     if self._kind == "chat":
-      messages = _checked_messages(record, where)
+      messages = checked_messages(record, where)
       if not any(m["role"] == "assistant" for m in messages):
         return None
       text, spans = assistant_spans(self._template, messages, where)

@@ -90,6 +90,7 @@ class Request:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   text: str = ""  # With a tokenizer: the completion's text, cut at a stop string.
   finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" once finished.
+  stop_id: int | None = None  # The stop id that ended it (not in tokens), if one did.
   cancelled: bool = False
   _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
   _slot: int = -1
@@ -394,6 +395,7 @@ class Engine:
     max_tokens, the context's end)."""
     sampling = request.sampling
     if token in sampling.stop_ids:
+      request.stop_id = token
       return self._finish(request, "stop")
     request.tokens.append(token)
     request.logprobs.append(logprob)

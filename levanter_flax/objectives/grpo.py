@@ -1,0 +1,107 @@
+"""Group relative policy optimization (GRPO, Shao et al. 2024): the advantages of a group of
+completions of one prompt, and the clipped policy loss on them, as TRL's GRPOTrainer computes
+both.
+
+Each prompt's `group_size` completions are scored (objectives/rewards.py). A completion's
+advantage is its reward less its group's mean, divided by the group's standard deviation
+(Bessel-corrected) + 1e-4; Dr. GRPO (Liu et al. 2025) leaves the division out
+(scale_rewards "none"). Per completion token, with r = exp(log pi - log pi_old):
+
+    loss = -min(r A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A) + beta kl,
+    kl = exp(ref - log pi) - (ref - log pi) - 1   (the k3 estimator, against the reference)
+
+and the batch's loss aggregates the tokens as TRL's loss_type does:
+  grpo: each completion's mean over its tokens, then the mean over completions;
+  bnpo: the mean over every completion token of the batch;
+  dr_grpo: the sum over completion tokens / (completions x max_completion_tokens).
+May import core.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from levanter_flax.core import checks
+from levanter_flax.core.schema import FREE, setting
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+SCALINGS = ("group", "none")
+_STD_FLOOR = 1e-4  # TRL's: a group whose rewards are all equal gets advantages of 0, not NaN.
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoLossConfig:
+  """How GRPO turns rewards into a loss (TRL's GRPOConfig names where they match)."""
+  epsilon_low: float = setting(0.2, "GRPO: a token's probability ratio is clipped below at "
+                               "1 - this (PPO's epsilon)", FREE)
+  epsilon_high: float = setting(0.2, "GRPO: ... and above at 1 + this (DAPO's clip-higher "
+                                "raises it alone)", FREE)
+  beta: float = setting(0.0, "GRPO: the weight of the KL to the reference model (the k3 "
+                        "estimator); 0: no KL, and no reference model is run", FREE)
+  loss_type: str = setting("grpo", "GRPO: how token losses aggregate: grpo (per completion's "
+                           "mean, then the mean), bnpo (the mean over the batch's tokens), "
+                           "dr_grpo (the sum / (completions x max completion tokens))", FREE)
+  scale_rewards: str = setting("group", "GRPO: group (advantages divided by the group's reward "
+                               "std) or none (Dr. GRPO: not divided)", FREE)
+
+  def __post_init__(self):
+    checks.ranges(self, "rl", {
+        "epsilon_low": (lambda e: 0 <= e < 1, "in [0, 1)"),
+        "epsilon_high": checks.at_least(0),
+        "beta": checks.at_least(0),
+        "loss_type": (lambda t: t in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
+        "scale_rewards": (lambda s: s in SCALINGS, f"one of {', '.join(SCALINGS)}")})
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str) -> np.ndarray:
+  """Advantages [completions] of rewards [completions], each group_size consecutive ones a
+  prompt's group."""
+  grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+  advantages = grouped - grouped.mean(axis=1, keepdims=True)
+  if scale_rewards == "group":
+    advantages = advantages / (grouped.std(axis=1, ddof=1, keepdims=True) + _STD_FLOOR)
+  return advantages.reshape(-1).astype(np.float32)
+
+
+def token_losses(log_probs: jax.Array, old_log_probs: jax.Array,
+                 reference_log_probs: jax.Array | None, advantages: jax.Array,
+                 cfg: GrpoLossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(loss per completion token [completions, tokens], per-token metrics of the same shape:
+  kl, and the clip indicators TRL logs). log_probs: the policy's, of each completion token;
+  old_log_probs: the sampling policy's (constants); reference_log_probs: the reference
+  model's (needed when cfg.beta > 0); advantages [completions]."""
+  advantages = advantages[:, None]
+  ratio = jnp.exp(log_probs - old_log_probs)
+  clipped = jnp.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+  losses = -jnp.minimum(ratio * advantages, clipped * advantages)
+  low = (ratio < 1 - cfg.epsilon_low) & (advantages < 0)
+  high = (ratio > 1 + cfg.epsilon_high) & (advantages > 0)
+  metrics = {"clip_low": low, "clip_high": high, "clip_region": low | high}
+  if cfg.beta:
+    difference = reference_log_probs - log_probs
+    kl = jnp.exp(difference) - difference - 1
+    losses = losses + cfg.beta * kl
+    metrics["kl"] = kl
+  return losses, {name: value.astype(jnp.float32) for name, value in metrics.items()}
+
+
+def aggregate(losses: jax.Array, mask: jax.Array, loss_type: str,
+              max_completion_tokens: int) -> jax.Array:
+  """The batch's loss from token losses [completions, tokens] and the completion tokens' mask
+  (cfg.loss_type's aggregation, as TRL's; a completion of no tokens counts one token)."""
+  mask = mask.astype(losses.dtype)
+  masked = losses * mask
+  if loss_type == "grpo":
+    return (masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)).mean()
+  if loss_type == "bnpo":
+    return masked.sum() / jnp.maximum(mask.sum(), 1)
+  if loss_type == "dr_grpo":
+    return masked.sum() / (losses.shape[0] * max_completion_tokens)
+  raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """The mean of per-token values over the completion tokens (the metrics' reduction)."""
+  mask = mask.astype(jnp.float32)
+  return (values * mask).sum() / jnp.maximum(mask.sum(), 1)
