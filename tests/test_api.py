@@ -125,7 +125,8 @@ def test_a_config_by_name_and_bad_input_are_named(tmp_path, monkeypatch):
 
 
 def test_a_cpu_split_jax_cannot_take_is_refused(tiny_config, tmp_path):
-  """This process's jax already runs on 8 CPU devices (conftest)."""
+  """This process's jax already runs on 8 CPU devices (conftest's flags)."""
+  assert jax.device_count() == 8  # Started here, whatever ran before in this process.
   tiny_config.trainer.cpu_devices = 3
   with pytest.raises(UserError, match=r"config.trainer.cpu_devices is 3, but jax already runs "
                                       r"in this process with 8 CPU devices"):

@@ -350,17 +350,21 @@ def test_rope_frequencies_are_transformers_own_at_full_size(rope, tmp_path):
 
 @pytest.mark.parametrize("name, changes, message", [
     ("llama", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 500.0}},
-     r"Llama config rope_parameters.rope_type='longrope' is not supported \(only default, "
+     r": rope_parameters.rope_type='longrope' is not supported \(only default, "
      r"linear, llama3, yarn\)"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5.0}},
      r"lacks 'original_max_position_embeddings' for LlamaForCausalLM"),
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
-     r"Llama config rope_scaling.type='dynamic' is not supported"),
+     r": rope_scaling.type='dynamic' is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5.0}},
      r"lacks 'rope_parameters.low_freq_factor' for LlamaForCausalLM"),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": "4", "rope_theta": 5.0}},
      r"rope_parameters.factor must be a positive number, got '4'"),
-    ("llama", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
+    ("llama", {"partial_rotary_factor": 0.5},
+     r": partial_rotary_factor=0.5 is not supported"),
+    # Read for every family of Llama's kind: the message names no family.
+    ("qwen2", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 5.0}},
+     r": rope_parameters.rope_type='longrope' is not supported"),
     ("llama", {"hidden_act": "gelu"}, r"Llama config hidden_act='gelu' is not supported"),
     ("llama", {"attention_bias": True}, r"Llama config attention_bias=True is not supported"),
     ("llama", {"tie_word_embeddings": "yes"}, r"tie_word_embeddings must be true or false"),

@@ -407,12 +407,12 @@ def _rope_from_hf(hf: dict, seq_len: int) -> dict[str, Any]:
   rope_type = rope.get(type_key, "default")
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
   if partial != 1:
-    raise UserError(f"Llama config partial_rotary_factor={partial!r} is not supported (only 1.0)")
+    raise UserError(f"partial_rotary_factor={partial!r} is not supported (only 1.0)")
   theta = hf_keys.number(rope, "rope_theta", None, where) or hf_keys.number(hf, "rope_theta", 10000.0)
   if rope_type == "default":
     return {"rope_theta": theta}
   if rope_type not in ROPE_TYPES:
-    raise UserError(f"Llama config {where}{type_key}={rope_type!r} is not supported (only "
+    raise UserError(f"{where}{type_key}={rope_type!r} is not supported (only "
                     f"{', '.join(ROPE_TYPES)})")
   if rope_type == "yarn":
     return {"rope_theta": theta, "rope_type": rope_type, **_yarn_from_hf(hf, rope, where, seq_len)}
