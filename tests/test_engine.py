@@ -12,10 +12,12 @@ import torch
 
 from levanter_flax import models
 from levanter_flax.core.errors import UserError
+from levanter_flax.generate import engine as engine_lib
 from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
 from test_hf import HF_CONFIGS, hf_model
+from levanter_flax.models import common
 from levanter_flax.models.mistral import MistralConfig
 from test_sample import MODELS, full_forward_greedy
 
@@ -55,15 +57,18 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
     assert request.finish_reason == "length"
 
 
-@pytest.mark.parametrize("family,scan_layers", [("gemma3", False), ("gemma3", True),
-                                                ("mistral", True)])
-def test_sliding_window_layers_cache_only_their_window(family, scan_layers, tmp_path):
+@pytest.mark.parametrize("family,scan_layers,remat", [
+    ("gemma3", False, "none"), ("gemma3", True, "none"), ("gemma3", True, "full"),
+    ("mistral", True, "none")])
+def test_sliding_window_layers_cache_only_their_window(family, scan_layers, remat, tmp_path):
   """Layers with a window of 4 (Gemma 3's local ones, all of Mistral's) keep a ring of 4
   positions, global ones all 16; prefill chunks of 6 (longer than the window) and completions
-  past it still give transformers' greedy tokens, scanned or not."""
+  past it still give transformers' greedy tokens, scanned or not, with the training config's
+  remat or not."""
   hf = hf_model(family)
   hf.save_pretrained(tmp_path)
   cfg, params = snapshot.load(tmp_path, scan_layers=scan_layers)
+  cfg = common.with_compute(cfg, remat=remat)
   engine = Engine(cfg, params, slots=2, prefill_chunk=6)
   prompts = [[3, 14, 15, 9, 26, 5, 35], [8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]]
   got = engine.generate(prompts, dataclasses.replace(GREEDY, max_tokens=5))
@@ -194,20 +199,20 @@ def test_a_cancelled_request_frees_its_slot_at_once():
 
 
 def test_warm_up_compiles_every_shape_and_writes_nothing():
-  """After warm_up, requests of every length and count compile nothing, and generate what a
-  cold engine does."""
-  cfg, params = random_model()
+  """After warm_up, requests of every length and count compile nothing (no step, no resize of
+  the rows), and generate what a cold engine does."""
+  cfg, _, params = windowed_model()
   rng = np.random.default_rng(1)
-  prompts = [rng.integers(0, cfg.vocab_size, rng.integers(1, 20)).tolist() for _ in range(7)]
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (150, 3, 70, 20, 130, 5, 40)]
   sampling = SamplingParams(max_tokens=4, temperature=0.5, seed=3)
-  warm = Engine(cfg, params, slots=4, prefill_chunk=4)
-  # One attended length (the whole context of 24, under the shortest bucket of 64); prefills
-  # of 1, 2 and 4 rows, and the decode.
-  assert warm.warm_up() == 3 + 1
-  compiled = warm._compiled()  # pylint: disable=protected-access
+  warm = Engine(cfg, params, slots=4, prefill_chunk=32)
+  # Rows of 64, 128 and 160 (the context); prefills of 1, 2 and 4 rows, and the decode.
+  assert warm.warm_up() == 3 * (3 + 1)
+  compiled = lambda: (warm._compiled(), engine_lib._fitted._cache_size())  # pylint: disable=protected-access
+  before = compiled()
   tokens = [r.tokens for r in warm.generate(prompts, sampling.apart(7))]
-  assert warm._compiled() == compiled  # pylint: disable=protected-access
-  cold = Engine(cfg, params, slots=4, prefill_chunk=4)
+  assert compiled() == before
+  cold = Engine(cfg, params, slots=4, prefill_chunk=32)
   assert tokens == [r.tokens for r in cold.generate(prompts, sampling.apart(7))]
 
 

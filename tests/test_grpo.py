@@ -81,7 +81,8 @@ def test_the_loss_and_its_gradient_equal_trls(loss_type, beta):
   ours, our_gradient, our_metrics = our_loss(cfg, *inputs)
   assert abs(ours - theirs) < 1e-6
   np.testing.assert_allclose(our_gradient, their_gradient, atol=1e-7)
-  assert their_metrics["clip_ratio/low_mean"][0] > 0 and their_metrics["clip_ratio/high_mean"][0] > 0
+  assert their_metrics["clip_ratio/low_mean"][0] > 0
+  assert their_metrics["clip_ratio/high_mean"][0] > 0
   for ours_name, their_name in [("clip_low", "clip_ratio/low_mean"),
                                 ("clip_high", "clip_ratio/high_mean"),
                                 ("clip_region", "clip_ratio/region_mean")] + (
@@ -111,6 +112,8 @@ def test_group_advantages_are_the_groups_standardized_rewards():
       assert got[4 * g + i] == pytest.approx((reward - mean) / (stdev + 1e-4), abs=1e-6)
       assert unscaled[4 * g + i] == pytest.approx(reward - mean, abs=1e-6)
   assert not got[4:8].any()
+  with pytest.raises(UserError, match=r"^rl.group_size must be at least 2: .*; got 1$"):
+    grpo.group_advantages(np.array(rewards_), 1, "group")
   # TRL's own standard deviation (Bessel-corrected, as statistics.stdev).
   their_std = trl.trainer.utils.nanstd(torch.tensor(rewards_).view(-1, 4), dim=1).numpy()
   np.testing.assert_allclose(their_std, [statistics.stdev(rewards_[i:i + 4])
@@ -138,7 +141,8 @@ def _module(**functions):
 
 
 @pytest.mark.parametrize("function,message", [
-    (lambda completions, **_: 1 / 0, "reward user_rewards:f raised ZeroDivisionError: division by zero"),
+    (lambda completions, **_: 1 / 0,
+     "reward user_rewards:f raised ZeroDivisionError: division by zero"),
     (lambda completions, **_: [float("nan")] * len(completions),
      "reward user_rewards:f returned nan for completion 0: rewards must be finite"),
     (lambda completions, **_: [1.0], "reward user_rewards:f returned 1 values for 2 completions"),
@@ -146,6 +150,9 @@ def _module(**functions):
      "reward user_rewards:f returned 'yes' (str) for completion 1: not a number"),
     (lambda completions, **_: 3.0, "reward user_rewards:f returned float, not one number per "
                                    "completion"),
+    (lambda completions, **_: np.array([1.0, 1j]),
+     "reward user_rewards:f returned np.complex128(1+0j) (complex128) for completion 0: not a "
+     "number"),
 ])
 def test_a_reward_that_fails_is_one_line_naming_it(function, message):
   _module(f=function)
@@ -187,6 +194,14 @@ def test_records_must_have_the_fields_their_rewards_take(tmp_path):
   assert [r.text for r in records] == ["1+1=", "<|im_start|>user\n2+2?<|im_end|>\n"
                                        "<|im_start|>assistant\n"]
   assert records[1].fields == {"answer": "4", "difficulty": 2}
+  # A parameter with a default is given where the records have it, and not required.
+  def matches(completions, answer=None):
+    return [float(c == answer_) for c, answer_ in zip(completions, answer)]
+  _module(matches=matches)
+  optional = rewards.load("user_rewards:matches")
+  assert optional.fields == () and optional.parameters == ("answer",)
+  assert rewards.score([optional], ["x", "y"], ["p", "q"], {"answer": ["x", "z"]})[0].tolist() == [
+      1.0, 0.0]
   # A function with **kwargs gets every field; one without gets only those it names.
   total, _ = rewards.score([reward], ["a"], ["p"], {"answer": ["x"], "difficulty": [3],
                                                       "other": [0]})
@@ -212,12 +227,15 @@ def test_a_bad_prompt_record_is_one_line_naming_its_line(line, message, tmp_path
   assert str(raised.value) == f"{path} line 2: {message}"
 
 
-def test_a_missing_or_empty_prompts_file_is_one_line(tmp_path):
+def test_a_missing_empty_or_undecodable_prompts_file_is_one_line(tmp_path):
   with pytest.raises(UserError, match=f"^the prompts file {tmp_path}/none.jsonl does not exist$"):
     rl_prompts.read(str(tmp_path / "none.jsonl"), None)
   (tmp_path / "empty.jsonl").write_text("\n\n")
   with pytest.raises(UserError, match="holds no records$"):
     rl_prompts.read(str(tmp_path / "empty.jsonl"), None)
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(UserError, match=r"latin1.jsonl line 2: not UTF-8 text \(byte 0xe9\)$"):
+    rl_prompts.read(str(tmp_path / "latin1.jsonl"), None)
   (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "x"}]}')
   with pytest.raises(UserError, match="line 1: a chat record needs a chat template"):
     rl_prompts.read(str(tmp_path / "chat.jsonl"), None)

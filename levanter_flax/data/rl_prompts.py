@@ -33,8 +33,14 @@ def read(path: str, template: chat.ChatTemplate | None,
   file = epath.Path(path)
   if not file.is_file():
     raise UserError(f"the prompts file {path} does not exist")
+  raw = file.read_bytes()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    raise UserError(f"{path} line {line}: not UTF-8 text (byte {raw[e.start]:#04x})") from None
   records = []
-  for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+  for number, line in enumerate(text.splitlines(), start=1):
     if line.strip():
       records.append(_record(line, f"{path} line {number}", template, rewards))
   if not records:

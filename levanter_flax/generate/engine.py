@@ -13,7 +13,8 @@ least 64, at most max_len): the cache grows (or shrinks) by one copy when that b
 and every step attends to whole rows. Cutting a max_len cache to a bucket at each step
 instead would copy the bucket in every layer at every step (on the CPU, a 100M model's
 16-slot step took 2.5 times as long). Paging would let short requests lend their rows to long
-ones; whole rows keep a few shapes, compiled once each, and memory at most slots x max_len.
+ones; whole rows keep a few shapes, compiled once each, and memory at most slots x max_len
+(and one layer's entry more while the rows change).
 
 Sampling is per request: temperature (0: greedy), top-k, top-p, a seed, stop token ids, stop
 strings (on the text, with the engine's tokenizer), max_tokens, and the log-probability of
@@ -29,6 +30,7 @@ and value heads over the heads' axes.
 It imports models and core only; the tokenizer is any object with decode(ids) -> str.
 """
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -184,8 +186,6 @@ class Engine:
     self._lock = threading.Condition()
     self._prefill = {}  # (rows, cache length) -> jitted prefill.
     self._decode = {}  # cache length -> jitted decode.
-    # Not donated: the new rows' shape differs, so the old ones could not hold them.
-    self._resize = jax.jit(self._resized, static_argnums=1, **self._cache_placement())
 
   # The public interface.
   def use_params(self, params: Any) -> None:
@@ -288,6 +288,10 @@ class Engine:
         zeros = np.zeros(self.slots, np.int32)
         self._cache, *_ = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
                              zeros[:, None], zeros, zeros, *none)
+      for length in lengths:  # Every resize between them, from the longest rows now.
+        for other in [n for n in lengths if n != length]:
+          self._resize_to(other)
+          self._resize_to(length)
       jax.block_until_ready(self._cache)
       return len(lengths) * (len(rows) + 1)
 
@@ -480,30 +484,26 @@ class Engine:
     return jax.tree.map(spec, abstract, self._batch_axes)
 
   def _resize_to(self, length: int) -> None:
-    """The cache with rows `length` long (allocated, or grown or cut by one copy)."""
+    """The cache with rows `length` long: allocated, or each entry grown (zeros after its rows)
+    or cut (its rows' first positions: every live request's tokens lie within) by a copy of
+    its own. The old entry is let go before the next is copied, so a resize holds one entry
+    twice at most, not the whole cache."""
+    abstract = self._abstract_cache(length)
+    shardings = (jax.tree.map(lambda _: None, abstract) if self._cache_shardings is None
+                 else self._cache_shardings)
     if self._cache is None:
-      abstract = self._abstract_cache(length)
-      zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
-      self._cache = jax.jit(zeros, **self._cache_placement())()
+      self._cache = jax.tree.map(lambda x, sharding: jnp.zeros(x.shape, x.dtype, device=sharding),
+                                 abstract, shardings)
     elif length != self._length:
-      self._cache = self._resize(self._cache, length)
+      leaves, structure = jax.tree.flatten(self._cache)
+      self._cache = None
+      for i, (shape, axis, sharding) in enumerate(zip(
+          [x.shape for x in jax.tree.leaves(abstract)], jax.tree.leaves(self._length_axes),
+          jax.tree.leaves(shardings, is_leaf=lambda x: x is None))):
+        if axis >= 0 and leaves[i].shape[axis] != shape[axis]:
+          leaves[i] = _fitted(leaves[i], shape[axis], axis, sharding)
+      self._cache = structure.unflatten(leaves)
     self._length = length
-
-  def _resized(self, cache, length: int):
-    """`cache` with rows `length` long: zeros after its rows, or its rows' first positions (a
-    window's ring: as long as the window at most). Every live request's tokens lie within."""
-    def fit(leaf, shape, axis):
-      if axis < 0 or leaf.shape[axis] == shape[axis]:
-        return leaf
-      if leaf.shape[axis] > shape[axis]:
-        return jax.lax.slice_in_dim(leaf, 0, shape[axis], axis=axis)
-      return jnp.pad(leaf, [(0, shape[axis] - leaf.shape[axis]) if i == axis else (0, 0)
-                            for i in range(leaf.ndim)])
-    shapes = jax.tree.map(lambda x: x.shape, self._abstract_cache(length))
-    return jax.tree.map(fit, cache, shapes, self._length_axes)
-
-  def _cache_placement(self) -> dict:
-    return {} if self._cache_shardings is None else {"out_shardings": self._cache_shardings}
 
   def _abstract_cache(self, length: int):
     return jax.eval_shape(self._model.init, jax.random.key(0),
@@ -542,6 +542,17 @@ def _axes(model: nn.Module, shape: Callable[[int], tuple[int, int]]):
                              )["cache"] for n in (1, 3))
   return jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape))
                                          if x != y), -1), one, two)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fitted(leaf: jax.Array, length: int, axis: int, sharding) -> jax.Array:
+  """A cache entry with its positions' axis `length` long: cut, or zeros after."""
+  if leaf.shape[axis] > length:
+    fitted = jax.lax.slice_in_dim(leaf, 0, length, axis=axis)
+  else:
+    fitted = jnp.pad(leaf, [(0, length - leaf.shape[axis]) if i == axis else (0, 0)
+                            for i in range(leaf.ndim)])
+  return fitted if sharding is None else jax.lax.with_sharding_constraint(fitted, sharding)
 
 
 def _take_rows(leaf: jax.Array, axis: int, rows: jax.Array | None) -> jax.Array:

@@ -135,14 +135,23 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
 def _ring_append(cache: dict, entries: dict[str, jax.Array], start: jax.Array, real: jax.Array,
                  window: int) -> tuple[dict[str, jax.Array], jax.Array]:
   """append_to_cache for a sliding-window layer whose cache is a ring of `window` positions
-  (or fewer: the engine may pass only the first ones, when every position so far is below
-  their count): position p lies in slot p % window. The new tokens attend to the ring as it
-  was, then to themselves, so that a chunk longer than the window still sees each of its own
-  tokens; then each row's last `window` real tokens are written (earlier ones would share
-  their slots)."""
+  (or fewer, while every position so far is below their count): position p lies in slot
+  p % window.
+
+  One token (a decode step) is written first and attends to the ring: it overwrites position
+  p - window, which its window has just left, and the write is in place. Several would
+  overwrite positions the earlier of them still see, so they attend to the ring as it was,
+  then to themselves (a chunk longer than the window sees each of its own tokens), and then
+  each row's last `window` real tokens are written (earlier ones would share their slots)."""
   length = real.shape[1]
   query_positions = start[:, None] + jnp.arange(length)[None]  # [batch, length]
   slots = jnp.arange(_cache_length(cache[next(iter(entries))].value))
+  if length == 1:
+    _write(cache, entries, jnp.where(real, jnp.mod(query_positions, window), len(slots)))
+    # The position each slot holds now: the latest up to the token's of its residue.
+    held = query_positions - jnp.mod(query_positions - slots[None], window)  # [batch, ring]
+    return ({name: variable.value for name, variable in cache.items()},
+            (held >= 0)[:, None, None, :])
   # The position each slot held before these tokens: the latest below `start` of its residue
   # (negative: none yet, or a former request's, which a reused slot must not see).
   held = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - slots[None], window)  # [batch, ring]
@@ -151,7 +160,8 @@ def _ring_append(cache: dict, entries: dict[str, jax.Array], start: jax.Array, r
   _write(cache, entries, jnp.where(last, jnp.mod(query_positions, window), len(slots)))
   key_positions = jnp.concatenate([held, query_positions], axis=1)  # [batch, ring + length]
   keys_at = key_positions[:, None, :]
-  visible = ((keys_at <= query_positions[..., None]) & (keys_at > query_positions[..., None] - window)
+  queries_at = query_positions[..., None]
+  visible = ((keys_at <= queries_at) & (keys_at > queries_at - window)
              & jnp.concatenate([held >= 0, real], axis=1)[:, None, :])
   attended = {name: jnp.concatenate([before[name], _as_cached(entries[name], before[name].dtype)],
                                     axis=2 if entries[name].ndim == 4 else 1)

@@ -206,8 +206,10 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
     return x
   remat = cfg.compute.remat
   static = () if per_layer is None or cfg.compute.scan_layers else (3,)  # self, x, shared, value.
-  layer = layer_cls if remat == "none" else nn.remat(layer_cls, policy=REMAT_POLICIES[remat],
-                                                     static_argnums=static)
+  # Decoding has no backward pass to save memory for; and a rematerialised layer's per_layer
+  # value would be traced, hiding a local layer's kind from its cache.
+  layer = layer_cls if remat == "none" or decode else nn.remat(
+      layer_cls, policy=REMAT_POLICIES[remat], static_argnums=static)
   if cfg.compute.scan_layers and decode and per_layer is not None:
     stacked = nn.map_variables(_UnrolledOnStack, "params", _unstacked, _stacked,
                                mutable=True)

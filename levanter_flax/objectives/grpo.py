@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.core import checks
+from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, setting
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
@@ -57,6 +58,9 @@ class GrpoLossConfig:
 def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str) -> np.ndarray:
   """Advantages [completions] of rewards [completions], each group_size consecutive ones a
   prompt's group."""
+  if group_size < 2:  # One completion has nothing to be compared with (its std is NaN).
+    raise UserError(f"rl.group_size must be at least 2: a completion's advantage compares it "
+                    f"with the others of its group; got {group_size}")
   grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
   advantages = grouped - grouped.mean(axis=1, keepdims=True)
   if scale_rewards == "group":

@@ -2,10 +2,11 @@
 
 A reward is `module:function` (or `module.function`), called as TRL calls its reward
 functions: function(completions=[str], prompts=[str], **fields) -> one number per completion,
-where fields are the prompt records' other fields ("answer", ...), one value per completion.
-The fields a function names as parameters (`Reward.fields`) must be in every record
-(data/rl_prompts.py checks); a function with **kwargs is given them all. Built in: `exact_match` (the completion, stripped,
-equals the answer) and `math_answer` (math-verify's verdict on the answer in the completion).
+where fields are the prompt records' other fields ("answer", ...), one value per completion;
+prompts and fields only where the function names them or takes **kwargs. The fields it names
+without a default (`Reward.fields`) must be in every record (data/rl_prompts.py checks). Built
+in: `exact_match` (the completion, stripped, equals the answer) and `math_answer` (math-verify's
+verdict on the answer in the completion).
 
 Everything a reward does wrong ends in one line naming it: it cannot be imported, it
 raises, or it returns the wrong count, a non-number or NaN. May import core.
@@ -22,8 +23,6 @@ import numpy as np
 
 from levanter_flax.core.errors import UserError
 
-# What every call passes, not a record's field.
-_PASSED = ("completions", "prompts")
 BUILT_IN = "levanter_flax.objectives.rewards"
 
 
@@ -54,12 +53,19 @@ class Reward:
   weight: float = 1.0
 
   @property
+  def parameters(self) -> tuple[str, ...]:
+    """What the function names besides completions (prompts, record fields): each given
+    where there is such a thing."""
+    return tuple(p.name for p in inspect.signature(self.function).parameters.values()
+                 if p.name != "completions"
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+  @property
   def fields(self) -> tuple[str, ...]:
-    """The record fields the function names: each record must have them."""
-    parameters = inspect.signature(self.function).parameters.values()
-    return tuple(p.name for p in parameters if p.name not in _PASSED
-                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                 and p.default is p.empty)
+    """The record fields the function names without a default: each record must have them."""
+    parameters = inspect.signature(self.function).parameters
+    return tuple(name for name in self.parameters if name != "prompts"
+                 and parameters[name].default is inspect.Parameter.empty)
 
   @property
   def takes_every_field(self) -> bool:
@@ -97,9 +103,11 @@ def score(rewards: Sequence[Reward], completions: Sequence[str], prompts: Sequen
   total = np.zeros(len(completions), np.float64)
   each = {}
   for reward in rewards:
-    given = fields if reward.takes_every_field else {f: fields[f] for f in reward.fields}
+    available = {"prompts": prompts, **fields}
+    given = available if reward.takes_every_field else {
+        name: available[name] for name in reward.parameters if name in available}
     try:
-      values = reward.function(completions=list(completions), prompts=list(prompts),
+      values = reward.function(completions=list(completions),
                                **{k: list(v) for k, v in given.items()})
     except UserError:
       raise
@@ -120,7 +128,7 @@ def _numbers(name: str, values: Any, count: int) -> np.ndarray:
   if len(values) != count:
     raise UserError(f"reward {name} returned {len(values)} values for {count} completions")
   for i, value in enumerate(values):
-    if not isinstance(value, (numbers.Real, np.number)):
+    if not isinstance(value, numbers.Real):  # numpy's floats and ints are; complex is not.
       raise UserError(f"reward {name} returned {value!r} ({type(value).__name__}) for "
                       f"completion {i}: not a number")
     if not math.isfinite(value):

@@ -40,16 +40,16 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   """The rollouts of `prompts` (their tokens; `records` their text and fields; `positions`
   their places in the run's order of prompts), group_size completions each."""
   for record, prompt in zip(records, prompts, strict=True):
-    if len(prompt) + sampling.max_tokens > seq_len:
+    if len(prompt) + sampling.max_tokens > engine.max_len:
       raise UserError(f"{record.where}: a prompt of {len(prompt)} tokens leaves no room for "
                       f"{sampling.max_tokens} completion tokens (rl.max_completion_tokens) in "
-                      f"the context of {seq_len} tokens")
+                      f"the context of {engine.max_len} tokens")
   samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j))
                for p in positions for j in range(group_size)]
   started = time.perf_counter()
   requests = engine.generate([list(p) for p in prompts for _ in range(group_size)], samplings)
   seconds = time.perf_counter() - started
-  completions = [_completion(r) for r in requests]
+  completions = [_completion(r, records[i // group_size]) for i, r in enumerate(requests)]
   total, each = rewards_lib.score(
       rewards, [r.text for r in requests], [rec.text for rec in records for _ in range(group_size)],
       {name: [rec.fields[name] for rec in records for _ in range(group_size)]
@@ -75,10 +75,11 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   return Rollouts(tokens, weights, advantages, total, metrics)
 
 
-def _completion(request: Request) -> list[int]:
+def _completion(request: Request, record: PromptRecord) -> list[int]:
   """The completion's tokens, with the stop id that ended it."""
-  if request.finish_reason not in ("stop", "length"):
-    raise RuntimeError(f"a rollout ended with finish_reason {request.finish_reason!r}")
+  if request.finish_reason not in ("stop", "length"):  # The engine logged why.
+    raise UserError(f"{record.where}: a completion of this prompt failed (finish_reason "
+                    f"{request.finish_reason!r}); the log above says why")
   return request.tokens + ([] if request.stop_id is None else [request.stop_id])
 
 
