@@ -175,6 +175,7 @@ class Engine:
       self.use_params(params)
     self._batch_axes = _axes(self._model, lambda n: (n, max_len))
     self._length_axes = _axes(self._model, lambda n: (2, n))
+    self._abstract_caches = {}  # Rows' length -> _abstract_cache's.
     # A prefill's rows split over the batch's axes as its activations do.
     self._min_rows = 1 if batch_sharding is None else _axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
@@ -488,13 +489,15 @@ class Engine:
     or cut (its rows' first positions: every live request's tokens lie within) by a copy of
     its own. The old entry is let go before the next is copied, so a resize holds one entry
     twice at most, not the whole cache."""
+    if self._cache is not None and length == self._length:  # Most steps.
+      return
     abstract = self._abstract_cache(length)
     shardings = (jax.tree.map(lambda _: None, abstract) if self._cache_shardings is None
                  else self._cache_shardings)
     if self._cache is None:
       self._cache = jax.tree.map(lambda x, sharding: jnp.zeros(x.shape, x.dtype, device=sharding),
                                  abstract, shardings)
-    elif length != self._length:
+    else:
       leaves, structure = jax.tree.flatten(self._cache)
       self._cache = None
       for i, (shape, axis, sharding) in enumerate(zip(
@@ -506,8 +509,11 @@ class Engine:
     self._length = length
 
   def _abstract_cache(self, length: int):
-    return jax.eval_shape(self._model.init, jax.random.key(0),
-                          jnp.zeros((self.slots, length), jnp.int32))["cache"]
+    """The cache's entries' shapes and dtypes for rows `length` long (an init traced once)."""
+    if length not in self._abstract_caches:
+      self._abstract_caches[length] = jax.eval_shape(
+          self._model.init, jax.random.key(0), jnp.zeros((self.slots, length), jnp.int32))["cache"]
+    return self._abstract_caches[length]
 
 
 def _notify(request: Request) -> None:
