@@ -42,7 +42,7 @@ def main():
   partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
                                          run.sharding)
   with partitioner.activation_context():
-    steps = step.build(run, partitioner, eos_id=0, preference=True)
+    steps = step.build(run, partitioner, eos_id=0, objective=dpo.Dpo(run.dpo))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(steps.abstract_state.params))
     before = bytes_in_use()
     state = jax.block_until_ready(steps.init(jax.random.key(0)))

@@ -183,8 +183,8 @@ def test_a_dpo_plan_holds_and_runs_the_reference_model():
   pytest.importorskip("libtpu")
   run = nano()
   plain = planner.plan(run, "v5e:2x2", compiler_costs=False)
-  dpo = planner.plan(run, "v5e:2x2", compiler_costs=False, preference=True)
-  assert (plain["objective"], dpo["objective"]) == ("next-token", "dpo")
+  dpo = planner.plan(run, "v5e:2x2", compiler_costs=False, objective_name="dpo")
+  assert (plain["objective"], dpo["objective"]) == ("next_token", "dpo")
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   # Replicated as the params are (nano's mesh is data-parallel): a whole copy per chip.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import prepare_texts, random_documents, read_metrics
+from levanter_flax.objectives import next_token
 from levanter_flax.training import step
 from levanter_flax.config import to_run_config
 from levanter_flax.data import loader, dataset_writer, sources, tfrecord
@@ -37,6 +38,8 @@ CHATML_MARKED = (
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+WEIGHTED = next_token.NextToken(weighted=True)
 
 
 def make_tokenizer(directory: pathlib.Path, template: str | None = CHATML,
@@ -310,7 +313,8 @@ def test_the_masked_loss_and_gradient_are_numpys(num_microbatches, eos_id):
   expected_grads = pullback(jnp.asarray(reference_logit_gradient(logits, tokens, weights),
                                         jnp.float32))[0]
   parts, grads = jax.jit(lambda p, t, w: step.accumulated_loss_and_grads(
-      model, p, t, num_microbatches, eos_id, w))(params, tokens, weights)
+      model, p, {"tokens": t, "loss_weights": w}, num_microbatches, eos_id, WEIGHTED))(
+          params, tokens, weights)
   assert float(parts["loss"]) == pytest.approx(reference_loss(logits, tokens, weights), rel=1e-5)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
@@ -324,9 +328,10 @@ def test_all_weights_one_is_the_unweighted_loss():
   model = GPT2LMHeadModel(TINY)
   tokens = jax.random.randint(jax.random.key(1), (8, TINY.seq_len), 0, TINY.vocab_size)
   params = model.init(jax.random.key(0), tokens)["params"]
-  plain, _ = step.accumulated_loss_and_grads(model, params, tokens, 2)
-  ones, _ = step.accumulated_loss_and_grads(model, params, tokens, 2, None,
-                                            jnp.ones(tokens.shape, jnp.float32))
+  plain, _ = step.accumulated_loss_and_grads(model, params, {"tokens": tokens}, 2)
+  ones, _ = step.accumulated_loss_and_grads(
+      model, params, {"tokens": tokens, "loss_weights": jnp.ones(tokens.shape, jnp.float32)}, 2,
+      objective=WEIGHTED)
   assert float(ones["loss"]) == pytest.approx(float(plain["loss"]), rel=1e-6)
 
 
@@ -365,7 +370,7 @@ def test_abstract_inputs_carry_the_weights_the_train_step_takes(tiny_config):
   run = to_run_config(tiny_config)
   partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
                                          run.sharding)
-  steps = step.build(run, partitioner, loss_weights=True)
+  steps = step.build(run, partitioner, objective=WEIGHTED)
   with partitioner.activation_context():
     state, batch = steps.abstract_inputs(8)
     assert batch["loss_weights"].shape == batch["tokens"].shape

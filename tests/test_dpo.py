@@ -70,11 +70,11 @@ def test_the_dpo_loss_is_numpys_and_exact_under_accumulation(smoothing):
   logits = lambda p: model.apply({"params": p}, jnp.asarray(tokens), segment_ids=segments)
   cfg = dpo.DpoConfig(beta=0.5, label_smoothing=smoothing)
   expected = numpy_dpo(logits(params), logits(reference), tokens, codes, cfg.beta, smoothing)
-  preference = step.Preference(cfg, model, reference)
   grads = {}
   for microbatches in (1, 2, 4):
     parts, grads[microbatches] = jax.jit(lambda p, t, w, n=microbatches: (
-        step.accumulated_loss_and_grads(model, p, t, n, EOS, w, preference=preference)))(
+        step.accumulated_loss_and_grads(model, p, {"tokens": t, "loss_weights": w}, n, EOS,
+                                        dpo.Dpo(cfg), reference=step.Reference(model, reference))))(
             params, tokens, codes)
     for name, value in expected.items():
       assert float(parts[name]) == pytest.approx(value, rel=1e-4, abs=1e-6), (name, microbatches)
@@ -82,8 +82,8 @@ def test_the_dpo_loss_is_numpys_and_exact_under_accumulation(smoothing):
     for got, want in zip(jax.tree.leaves(grads[microbatches]), jax.tree.leaves(grads[1])):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
   # The eval step scores each pair alike.
-  pairs = step.make_dpo_eval_step(model, cfg, EOS)((params, reference),
-                                                   {"tokens": tokens, "loss_weights": codes})
+  pairs = step.make_eval_step(model, EOS, dpo.Dpo(cfg))((params, reference),
+                                                         {"tokens": tokens, "loss_weights": codes})
   assert float(pairs["loss"].mean()) == pytest.approx(expected["loss"], rel=1e-4)
 
 
@@ -232,7 +232,7 @@ def test_lora_dpo_takes_the_base_as_reference_without_a_copy(tiny_config, byte_p
   run = to_run_config(config)
   partitioner = partitioning.Partitioner(partitioning.make_mesh(run.trainer.device_mesh),
                                          run.sharding)
-  state = step.build(run, partitioner, EOS, preference=True).abstract_state
+  state = step.build(run, partitioner, EOS, dpo.Dpo()).abstract_state
   assert state.reference is None and state.frozen is not None
   assert jax.tree.structure(state.reference_params) == jax.tree.structure(state.frozen)
   train_and_evaluate(run, tmp_path / "run")
@@ -269,8 +269,8 @@ def test_a_run_refuses_preference_data_it_cannot_train_on(tiny_config, byte_pair
   train_and_evaluate(to_run_config(config), tmp_path / "next_token")
   config.data.dataset, config.data.restart_changed_datasets = str(byte_pairs), True
   config.trainer.num_train_steps = 2
-  with pytest.raises(UserError, match=r"trained by next-token loss, and its data is now "
-                                      r"preference data"):
+  with pytest.raises(UserError, match=r"trains by next_token, and this start would train "
+                                      r"by dpo"):
     train_and_evaluate(to_run_config(config), tmp_path / "next_token")
 
 
@@ -284,4 +284,17 @@ def test_the_batch_search_compiles_the_step_with_its_reference_model(tiny_config
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   plain = batch_search.step_bytes(run, partitioner, 2)
-  assert batch_search.step_bytes(run, partitioner, 2, preference=True) >= plain + param_bytes
+  assert batch_search.step_bytes(run, partitioner, 2,
+                                 objective=dpo.Dpo()) >= plain + param_bytes
+
+
+def test_checkpoints_record_the_objective_and_read_older_ones_dpo_flag():
+  from levanter_flax.data.position import DataPosition
+  from levanter_flax.training import restore
+  saved = restore.Progress(DataPosition(3, {"a": 3}), objective="grpo").to_json()
+  assert restore.Progress.from_json(saved).objective == "grpo"
+  older = {k: v for k, v in saved.items() if k != "objective"}
+  assert restore.Progress.from_json({**older, "dpo": True}).objective == "dpo"
+  assert restore.Progress.from_json(older).objective == "next_token"
+  with pytest.raises(ValueError, match="objective is not a name"):
+    restore.Progress.from_json({**saved, "objective": 1})

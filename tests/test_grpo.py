@@ -36,7 +36,7 @@ def batch(seed=0):
   return log_probs, old, reference, advantages, mask
 
 
-def trl_loss(cfg: grpo.GrpoLossConfig, log_probs, old, reference, advantages, mask):
+def trl_loss(cfg: grpo.GrpoConfig, log_probs, old, reference, advantages, mask):
   """TRL's GRPOTrainer._compute_loss on these log-probabilities (its model call replaced), and
   its gradient with respect to them."""
   policy = torch.tensor(log_probs, dtype=torch.float64, requires_grad=True)
@@ -65,7 +65,7 @@ def trl_loss(cfg: grpo.GrpoLossConfig, log_probs, old, reference, advantages, ma
 
 def our_loss(cfg, log_probs, old, reference, advantages, mask):
   def loss(log_probs):
-    losses, metrics = grpo.token_losses(log_probs, old, reference, advantages, cfg)
+    losses, metrics = grpo.per_token_losses(log_probs, old, reference, advantages, cfg)
     return grpo.aggregate(losses, mask, cfg.loss_type, MAX_TOKENS), metrics
   (value, metrics), gradient = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(log_probs))
   return float(value), np.asarray(gradient), {k: float(grpo.token_mean(v, mask))
@@ -75,7 +75,7 @@ def our_loss(cfg, log_probs, old, reference, advantages, mask):
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_the_loss_and_its_gradient_equal_trls(loss_type, beta):
-  cfg = grpo.GrpoLossConfig(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28)
+  cfg = grpo.GrpoConfig(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28)
   inputs = batch()
   theirs, their_gradient, their_metrics = trl_loss(cfg, *inputs)
   ours, our_gradient, our_metrics = our_loss(cfg, *inputs)
@@ -94,9 +94,64 @@ def test_the_loss_types_differ_and_a_clip_changes_it():
   """So that the parity above could fail: each aggregation gives another number, and so does
   another clip."""
   inputs = batch(1)
-  values = {t: our_loss(grpo.GrpoLossConfig(loss_type=t), *inputs)[0] for t in grpo.LOSS_TYPES}
+  values = {t: our_loss(grpo.GrpoConfig(loss_type=t), *inputs)[0] for t in grpo.LOSS_TYPES}
   assert len({round(v, 6) for v in values.values()}) == 3
-  assert our_loss(grpo.GrpoLossConfig(epsilon_high=0.5), *inputs)[0] != values["grpo"]
+  assert our_loss(grpo.GrpoConfig(epsilon_high=0.5), *inputs)[0] != values["grpo"]
+
+
+def rollout_rows(rows: int, seq_len: int, rng: np.random.Generator):
+  """Rows of a prompt then a completion of 1 to seq_len - 3 tokens (zeros after), with their
+  completion mask as loss weights."""
+  tokens = rng.integers(1, 64, (rows, seq_len)).astype(np.int32)
+  weights = np.zeros((rows, seq_len), np.float32)
+  for row in range(rows):
+    start, length = rng.integers(1, 3), rng.integers(1, seq_len - 3)
+    weights[row, start:start + length] = 1
+    tokens[row, start + length:] = 0
+  return tokens, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_the_step_trains_grpo_as_numpy_states_it_and_exactly_under_accumulation(loss_type):
+  """The train step's GRPO loss on a model's log-probabilities (from NumPy's log-softmax of its
+  logits) is aggregate's of per_token_losses', and accumulation changes neither it nor the
+  gradient: each microbatch divides by the whole batch's completions and tokens."""
+  from levanter_flax.models.gpt2 import GPT2LMHeadModel
+  from levanter_flax.training import step
+  from test_dpo import TINY
+  rng = np.random.default_rng(0)
+  model = GPT2LMHeadModel(TINY)
+  tokens, weights = rollout_rows(8, TINY.seq_len, rng)
+  params = model.init(jax.random.key(0), jnp.asarray(tokens))["params"]
+  reference = model.init(jax.random.key(1), jnp.asarray(tokens))["params"]
+  logits = lambda p: np.asarray(model.apply({"params": p}, jnp.asarray(tokens)), np.float64)
+  log_probs = lambda p: np.take_along_axis(
+      jax.nn.log_softmax(logits(p)[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+  old = (log_probs(params) + rng.normal(0, 0.2, tokens[:, 1:].shape)).astype(np.float32)
+  advantages = rng.normal(0, 1, 8).astype(np.float32)
+  batch = {"tokens": tokens, "loss_weights": weights, "advantages": advantages,
+           "old_log_probs": old}
+  objective = grpo.Grpo(grpo.GrpoConfig(loss_type=loss_type, beta=0.04, max_completion_tokens=12))
+  mask = weights[:, 1:]
+  losses, metrics = grpo.per_token_losses(jnp.asarray(log_probs(params), jnp.float32), old,
+                                          jnp.asarray(log_probs(reference), jnp.float32),
+                                          advantages, objective.cfg)
+  expected = float(grpo.aggregate(losses, mask, loss_type, 12))
+  grads = {}
+  for microbatches in (1, 2, 4):
+    parts, grads[microbatches] = jax.jit(lambda p, b, n=microbatches: (
+        step.accumulated_loss_and_grads(model, p, b, n, objective=objective,
+                                        reference=step.Reference(model, reference))))(
+            params, batch)
+    assert float(parts["loss"]) == pytest.approx(expected, rel=1e-4, abs=1e-6), microbatches
+    for name, values in metrics.items():
+      assert float(parts[f"grpo/{name}"]) == pytest.approx(
+          float(grpo.token_mean(values, mask)), rel=1e-4, abs=1e-6), (name, microbatches)
+  assert float(parts["grpo/kl"]) > 0
+  for microbatches in (2, 4):
+    for got, want in zip(jax.tree.leaves(grads[microbatches]), jax.tree.leaves(grads[1])):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
 
 
 def test_group_advantages_are_the_groups_standardized_rewards():

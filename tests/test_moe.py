@@ -221,7 +221,8 @@ def test_the_balancing_bias_moves_by_its_rule_outside_the_gradient():
                                  cfg.moe.bias_update_rate * np.sign(load.mean() - load), atol=1e-7)
       biased += 1
     assert biased == cfg.num_layers - cfg.first_dense_layers
-  grads = jax.jit(lambda p, t: step.accumulated_loss_and_grads(model, p, t, 1)[1])(params, tokens)
+  grads = jax.jit(lambda p, t: step.accumulated_loss_and_grads(model, p, {"tokens": t}, 1)[1])(
+      params, tokens)
   assert all(not np.any(g) for path, g in jax.tree_util.tree_leaves_with_path(grads)
              if path[-1].key == moe.BIAS)
 

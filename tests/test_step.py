@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from levanter_flax.objectives import dpo
+from levanter_flax.objectives import dpo, next_token
 from levanter_flax.core import flops
 from levanter_flax.monitoring import metrics
 from levanter_flax import models
@@ -32,8 +32,8 @@ def params_and_tokens(cfg: GPT2Config, batch_size: int = 8):
 
 def loss_and_grads(cfg: GPT2Config, num_microbatches: int = 1):
   params, tokens = params_and_tokens(cfg)
-  fn = jax.jit(lambda p, t: step.accumulated_loss_and_grads(GPT2LMHeadModel(cfg), p, t,
-                                                            num_microbatches))
+  fn = jax.jit(lambda p, t: step.accumulated_loss_and_grads(GPT2LMHeadModel(cfg), p,
+                                                            {"tokens": t}, num_microbatches))
   parts, grads = fn(params, tokens)
   return parts["loss"], grads
 
@@ -74,8 +74,8 @@ def test_gradients_kept_apart_over_an_axis_until_the_step_end_are_the_same(weigh
   def run(unreduced):
     with partitioner.activation_context():
       return jax.jit(lambda p, t, w: step.accumulated_loss_and_grads(
-          model, p, t, 4, loss_weights=w if weighted else None, unreduced=unreduced))(
-              params, tokens, weights)
+          model, p, {"tokens": t, "loss_weights": w} if weighted else {"tokens": t}, 4,
+          objective=next_token.NextToken(weighted), unreduced=unreduced))(params, tokens, weights)
   (parts, grads), (apart, apart_grads) = run(None), run(("data", 4))
   assert float(apart["loss"]) == pytest.approx(float(parts["loss"]), rel=1e-6)
   assert_trees_close(apart_grads, grads, 1e-5)
@@ -110,7 +110,7 @@ def test_scanning_the_layers_leaves_the_run_unchanged(family):
   for c in (cfg, scanned_cfg):
     params = models.init_params(c, jax.random.key(0))
     results.append((params, *jax.jit(lambda p, t, c=c: step.accumulated_loss_and_grads(
-        models.build(c), p, t, 1))(params, tokens)))
+        models.build(c), p, {"tokens": t}, 1))(params, tokens)))
   (params, parts, grads), (scanned_params, scanned_parts, scanned_grads) = results
   assert_trees_close(models.unstack_layers(cfg, scanned_params), params, 0)
   # Sigmoid routing's loads per expert, by block: a scanned stack's [layers, experts] at once.
@@ -216,7 +216,8 @@ def test_flops_per_token_matches_xlas_count_of_the_compiled_step(family):
   cfg, batch = FLOPS_CONFIGS[family], 4
   params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
-  loss_and_grads = jax.jit(lambda p, t: step.accumulated_loss_and_grads(models.build(cfg), p, t, 1))
+  loss_and_grads = jax.jit(lambda p, t: step.accumulated_loss_and_grads(models.build(cfg), p,
+                                                                        {"tokens": t}, 1))
   cost = loss_and_grads.lower(params, tokens).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
   ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False)
@@ -231,7 +232,8 @@ def test_dpo_flops_count_the_reference_forward_as_xla_does():
   tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
   model = models.build(cfg)
   loss_and_grads = jax.jit(lambda p, r, t, w: step.accumulated_loss_and_grads(
-      model, p, t, 1, loss_weights=w, preference=step.Preference(dpo.DpoConfig(), model, r)))
+      model, p, {"tokens": t, "loss_weights": w}, 1, objective=dpo.Dpo(),
+      reference=step.Reference(model, r)))
   cost = loss_and_grads.lower(params, params, tokens, jax.ShapeDtypeStruct(
       tokens.shape, jnp.float32)).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]

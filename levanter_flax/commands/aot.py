@@ -13,6 +13,7 @@ import json
 
 from absl import app, flags
 
+from levanter_flax import objectives
 from levanter_flax.config import define_config_flag, parse_flags, run_config_of_flags
 from levanter_flax.core.errors import UserError, exit_with_error
 from levanter_flax.plan import planner
@@ -24,8 +25,10 @@ flags.DEFINE_string("topology", None, "The TPU slice to compile for: a Cloud TPU
                     f"jax's, e.g. {EXAMPLES}.")
 flags.DEFINE_integer("num_slices", 1, "Slices, joined by the data-center network.")
 flags.DEFINE_string("output", None, "Also write the plan to this JSON file.")
-flags.DEFINE_bool("dpo", False, "Plan the step as DPO trains it, with its reference model "
-                  "(in training, preference data decides; aot reads no data).")
+flags.DEFINE_enum("objective", "next_token", list(objectives.OBJECTIVES),
+                  "Plan the step as this objective trains it: its batch, and its reference model "
+                  "for dpo, or grpo with config.rl.beta > 0 (in training, the data decides; aot "
+                  "reads no data).")
 flags.DEFINE_bool("compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned "
                   "layers, two more compiles (2 and 4 layers unrolled), as long as the first")
 flags.mark_flags_as_required(["config", "topology"])
@@ -37,7 +40,7 @@ def main(argv):
   try:
     run = run_config_of_flags()
     result = planner.plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices,
-                          flags.FLAGS.compiler_costs, flags.FLAGS.dpo)
+                          flags.FLAGS.compiler_costs, flags.FLAGS.objective)
   except UserError as e:
     exit_with_error(str(e))
   print(planner.describe(result))

@@ -13,6 +13,7 @@ from levanter_flax.checkpoint.store import CheckpointConfig
 from levanter_flax.data import DataConfig
 from levanter_flax.parallel.distributed import DistributedConfig
 from levanter_flax.objectives.dpo import DpoConfig
+from levanter_flax.objectives.grpo import GrpoConfig
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.monitoring.wandb_config import WandbConfig
@@ -192,6 +193,7 @@ class RunConfig:
   batch_search: BatchSearchConfig = setting(BatchSearchConfig(), "What trainer.batch_size=auto "
                                             "searches for")
   dpo: DpoConfig = setting(DpoConfig(), "DPO's loss, for runs on preference data")
+  rl: GrpoConfig = setting(GrpoConfig(), "GRPO: reinforcement learning from rewards")
 
 
 def sections(architecture: str) -> dict[str, type]:

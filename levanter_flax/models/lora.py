@@ -12,7 +12,7 @@ as peft's target_parameters does: so their input can have no dropout.
 The step trains the adapters alone: `split` cuts a model's params into the frozen base and the
 adapters, `merged` joins them again for the forward pass. The base model alone (a reference
 model, as DPO's) is the family's module for `without_lora(cfg)` applied to the frozen half:
-step.objective(models.build(without_lora(cfg)), state.frozen, tokens).
+step.loss_and_parts(models.build(without_lora(cfg)), state.frozen, batch).
 """
 import dataclasses
 import re

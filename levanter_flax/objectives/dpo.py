@@ -14,12 +14,14 @@ is DPO's. The batch's loss is the mean over its pairs, so equal-sized microbatch
 it exactly.
 """
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from levanter_flax.core import checks
 from levanter_flax.core.schema import FREE, setting
+from levanter_flax.objectives import base
 
 CHOSEN, REJECTED = 1, 2  # The loss weight codes of a preference row's targets.
 
@@ -63,3 +65,35 @@ def pair_metrics(policy: tuple[jax.Array, jax.Array], reference: tuple[jax.Array
           "dpo/margin": margin,
           "dpo/chosen_reward": chosen_reward,
           "dpo/rejected_reward": rejected_reward}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dpo(base.Objective):
+  """DPO on preference rows, whose "loss_weights" are the codes, against the reference model."""
+  cfg: DpoConfig = DpoConfig()
+  name = "dpo"
+  reads = "pairs"
+
+  @classmethod
+  def of_run(cls, run: Any, loss_weights: bool) -> "Dpo":
+    return cls(run.dpo)
+
+  def batch_entries(self, seq_len: int) -> dict:
+    return {"loss_weights": ((seq_len,), jnp.float32)}
+
+  @property
+  def needs_reference(self) -> bool:
+    return True
+
+  def totals(self, batch: base.Batch) -> jax.Array:
+    return jnp.float32(batch["tokens"].shape[0])  # The pairs: the loss is their mean.
+
+  def loss(self, token_losses, reference_token_losses, batch, totals):
+    pairs = self.eval_rows(token_losses, reference_token_losses, batch)
+    sums = {name: value.sum() / totals for name, value in pairs.items()}
+    return sums.pop("loss"), sums
+
+  def eval_rows(self, token_losses, reference_token_losses, batch):
+    codes = batch["loss_weights"]
+    return pair_metrics(reply_log_probs(token_losses, codes),
+                        reply_log_probs(reference_token_losses, codes), self.cfg)

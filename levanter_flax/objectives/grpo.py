@@ -17,6 +17,7 @@ and the batch's loss aggregates the tokens as TRL's loss_type does:
 May import core.
 """
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 from levanter_flax.core import checks
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, setting
+from levanter_flax.objectives import base
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 SCALINGS = ("group", "none")
@@ -32,8 +34,11 @@ _STD_FLOOR = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 
 
 
 @dataclasses.dataclass(frozen=True)
-class GrpoLossConfig:
-  """How GRPO turns rewards into a loss (TRL's GRPOConfig names where they match)."""
+class GrpoConfig:
+  """GRPO (config.rl): how it turns rewards into a loss (TRL's GRPOConfig names where they
+  match)."""
+  max_completion_tokens: int = setting(64, "GRPO: the most tokens a sampled completion has "
+                                       "(dr_grpo divides its loss by it)", FREE)
   epsilon_low: float = setting(0.2, "GRPO: a token's probability ratio is clipped below at "
                                "1 - this (PPO's epsilon)", FREE)
   epsilon_high: float = setting(0.2, "GRPO: ... and above at 1 + this (DAPO's clip-higher "
@@ -48,6 +53,7 @@ class GrpoLossConfig:
 
   def __post_init__(self):
     checks.ranges(self, "rl", {
+        "max_completion_tokens": checks.above(0),
         "epsilon_low": (lambda e: 0 <= e < 1, "in [0, 1)"),
         "epsilon_high": checks.at_least(0),
         "beta": checks.at_least(0),
@@ -68,9 +74,9 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str) -
   return advantages.reshape(-1).astype(np.float32)
 
 
-def token_losses(log_probs: jax.Array, old_log_probs: jax.Array,
+def per_token_losses(log_probs: jax.Array, old_log_probs: jax.Array,
                  reference_log_probs: jax.Array | None, advantages: jax.Array,
-                 cfg: GrpoLossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 cfg: GrpoConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(loss per completion token [completions, tokens], per-token metrics of the same shape:
   kl, and the clip indicators TRL logs). log_probs: the policy's, of each completion token;
   old_log_probs: the sampling policy's (constants); reference_log_probs: the reference
@@ -90,22 +96,65 @@ def token_losses(log_probs: jax.Array, old_log_probs: jax.Array,
   return losses, {name: value.astype(jnp.float32) for name, value in metrics.items()}
 
 
-def aggregate(losses: jax.Array, mask: jax.Array, loss_type: str,
-              max_completion_tokens: int) -> jax.Array:
+def aggregate(losses: jax.Array, mask: jax.Array, loss_type: str, max_completion_tokens: int,
+              totals: dict[str, jax.Array] | None = None) -> jax.Array:
   """The batch's loss from token losses [completions, tokens] and the completion tokens' mask
-  (cfg.loss_type's aggregation, as TRL's; a completion of no tokens counts one token)."""
+  (cfg.loss_type's aggregation, as TRL's; a completion of no tokens counts one token).
+  totals: the whole batch's (`batch_totals`) where these are a microbatch of it: the
+  microbatches' losses then sum to the batch's."""
   mask = mask.astype(losses.dtype)
   masked = losses * mask
+  totals = totals or batch_totals(mask)
   if loss_type == "grpo":
-    return (masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)).mean()
+    return (masked.sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)).sum() / totals["rows"]
   if loss_type == "bnpo":
-    return masked.sum() / jnp.maximum(mask.sum(), 1)
+    return masked.sum() / totals["tokens"]
   if loss_type == "dr_grpo":
-    return masked.sum() / (losses.shape[0] * max_completion_tokens)
+    return masked.sum() / (totals["rows"] * max_completion_tokens)
   raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def batch_totals(mask: jax.Array) -> dict[str, jax.Array]:
+  """A batch's completions, and its completion tokens (at least 1), from their mask."""
+  return {"rows": jnp.float32(mask.shape[0]),
+          "tokens": jnp.maximum(mask.astype(jnp.float32).sum(), 1)}
 
 
 def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   """The mean of per-token values over the completion tokens (the metrics' reduction)."""
   mask = mask.astype(jnp.float32)
   return (values * mask).sum() / jnp.maximum(mask.sum(), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grpo(base.Objective):
+  """GRPO on rollouts: each row a prompt and one sampled completion, whose targets weigh 1
+  ("loss_weights"), with its advantage ("advantages") and the sampling policy's log-probability
+  of each of tokens[:, 1:] ("old_log_probs", 0 outside the completion)."""
+  cfg: GrpoConfig = GrpoConfig()
+  name = "grpo"
+  reads = "rollouts"
+
+  @classmethod
+  def of_run(cls, run: Any, loss_weights: bool) -> "Grpo":
+    return cls(run.rl)
+
+  def batch_entries(self, seq_len: int) -> dict:
+    return {"loss_weights": ((seq_len,), jnp.float32), "advantages": ((), jnp.float32),
+            "old_log_probs": ((seq_len - 1,), jnp.float32)}
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.cfg.beta > 0
+
+  def totals(self, batch: base.Batch) -> dict[str, jax.Array]:
+    return batch_totals(batch["loss_weights"][:, 1:])
+
+  def loss(self, token_losses, reference_token_losses, batch, totals):
+    reference = None if reference_token_losses is None else -reference_token_losses
+    losses, per_token = per_token_losses(-token_losses, batch["old_log_probs"], reference,
+                                     batch["advantages"], self.cfg)
+    mask = batch["loss_weights"][:, 1:]
+    loss = aggregate(losses, mask, self.cfg.loss_type, self.cfg.max_completion_tokens, totals)
+    return loss, {f"grpo/{name}": (value * mask).sum() / totals["tokens"]
+                  for name, value in per_token.items()}

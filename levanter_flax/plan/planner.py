@@ -21,10 +21,12 @@ from typing import Any
 import jax
 from absl import logging
 
+from levanter_flax import objectives
 from levanter_flax.config import settings
 from levanter_flax.core import progress
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import common
+from levanter_flax.objectives.base import Objective
 from levanter_flax.parallel import partitioning
 from levanter_flax.plan.hlo import collective_bytes
 from levanter_flax.plan.slices import GIB, HBM_BYTES, devices
@@ -51,10 +53,10 @@ def _costs(compiled, chip_count: int) -> Costs:
 
 
 def _steps(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-           preference: bool) -> step.ShardedSteps:
-  """The step as the run trains it; `preference`: by DPO, with its reference model."""
+           objective: Objective) -> step.ShardedSteps:
+  """The step as the run trains it by `objective`."""
   return step.build(run, partitioner, eos_id=0 if run.data.document_masking else None,
-                    preference=preference)
+                    objective=objective)
 
 
 def _compile(run: settings.RunConfig, partitioner: partitioning.Partitioner,
@@ -73,7 +75,7 @@ def _compiler_error(error: Exception) -> str:
 
 
 def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-               compiled, preference: bool = False) -> Costs:
+               compiled, objective: Objective = step.NEXT_TOKEN) -> Costs:
   """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
   extrapolated from unrolled compiles of 2 and 4 layers."""
   chip_count = partitioner.mesh.size
@@ -85,19 +87,21 @@ def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
                                 num_layers=depth)
     logging.info("Compiling %d unrolled layers to count the scanned step's costs", depth)
     shallow_run = dataclasses.replace(run, model=model)
-    shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, preference))
+    shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, objective))
     unrolled.append(_costs(shallow, chip_count))
   return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
 
 
 def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
-         compiler_costs: bool = True, preference: bool = False) -> dict[str, Any]:
+         compiler_costs: bool = True, objective_name: str = "next_token") -> dict[str, Any]:
   """Compiles the run's train step for the topology; the plan's figures, JSON-ready.
 
   compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers);
-  else those are None for scanned layers. preference: the step as DPO trains it (preference
-  data decides that in training), its reference model held and run forward too.
+  else those are None for scanned layers. objective_name: the step as that objective
+  (objectives.OBJECTIVES) trains it, its batch entries and any reference model (in training,
+  the data decides).
   """
+  objective = objectives.of_run(objective_name, run)
   target = devices(topology_name, num_slices)
   # A compile-only executable cannot be read back from the persistent cache: do not write it.
   jax.config.update("jax_enable_compilation_cache", False)
@@ -113,12 +117,12 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
   searched = {}  # The search's compiled steps: the chosen one is not compiled again.
   if run.trainer.batch_size == "auto":
     run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
-                                                                searched, preference=preference))
+                                                                searched, objective=objective))
   trainer = run.trainer
   partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
   logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
                num_slices, len(target), trainer.batch_size)
-  steps = _steps(run, partitioner, preference)
+  steps = _steps(run, partitioner, objective)
   tokens = trainer.batch_size * run.model.seq_len
   result = {
       "topology": topology_name,
@@ -128,7 +132,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "mesh": dict(mesh.shape),
       "batch_size": trainer.batch_size,
       "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
-      "objective": "dpo" if preference else "next-token",
+      "objective": objective.name,
       "hbm_per_chip_bytes": capacity,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * steps.flops_per_token(run.model),
@@ -141,7 +145,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
   if not planned["fits"]:
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
-                                                                      preference=preference)
+                                                                      objective=objective)
   return planned
 
 
@@ -168,7 +172,7 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
-  costs = (step_costs(run, partitioner, compiled, steps.preference)
+  costs = (step_costs(run, partitioner, compiled, steps.objective)
            if compiler_costs or not run.model.compute.scan_layers else None)
   return {
       "bytes_per_chip": needed,

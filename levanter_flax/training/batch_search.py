@@ -29,6 +29,7 @@ from levanter_flax.training import step
 from levanter_flax.config import settings
 from levanter_flax.config.settings import BatchSearchConfig
 from levanter_flax.core.errors import UserError, exit_with_error
+from levanter_flax.objectives.base import Objective
 
 
 def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int = 0) -> int:
@@ -46,19 +47,20 @@ def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int =
 
 
 def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner, per_device: int,
-               accumulation: int = 1, executables: Optional[dict] = None, **data) -> int:
+               accumulation: int = 1, executables: Optional[dict] = None,
+               objective: Objective = step.NEXT_TOKEN) -> int:
   """Per-device bytes of the train step as it will run: `accumulation` microbatches of `per_device`.
 
   Built by step.build, as loop.py builds it, so that the accumulator and the whole batch
-  (per_device x data-parallel size x accumulation sequences) are counted. `data`: what the
-  run's datasets make of the step (step.build's loss_weights, preference). `executables`: where
+  (per_device x data-parallel size x accumulation sequences) are counted. `objective`: what
+  the run trains by (its batch entries, its reference model). `executables`: where
   given, gets the compiled step under (per_device, accumulation), for a caller that needs the
   chosen one's program (plan/planner.py) and need not compile it again.
   """
   trainer = dataclasses.replace(run.trainer, gradient_accumulation_steps=accumulation)
   # The document mask costs the same whichever token is EOS.
   steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner,
-                     eos_id=0 if run.data.document_masking else None, **data)
+                     eos_id=0 if run.data.document_masking else None, objective=objective)
   inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
   with partitioner.activation_context():
     lowered = steps.train_step.lower(*inputs)
@@ -145,11 +147,11 @@ def smallest_fitting_accumulation(fits: Callable[[int, int], bool], target: int,
 
 
 def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-            capacity: int = 0, executables: Optional[dict] = None, **data
-            ) -> "settings.TrainerConfig":
+            capacity: int = 0, executables: Optional[dict] = None,
+            objective: Objective = step.NEXT_TOKEN) -> "settings.TrainerConfig":
   """The trainer config with batch_size and gradient_accumulation_steps chosen to fit the
   partitioner's devices (of `capacity` bytes each, where they cannot say). `executables` and
-  `data`: step_bytes'."""
+  `objective`: step_bytes'."""
   trainer, search = run.trainer, run.batch_search
   budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
   data_parallel = partitioner.data_parallel_size
@@ -157,7 +159,7 @@ def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
 
   def fits(per_device: int, accumulation: int) -> bool:
     needs[per_device] = step_bytes(run, partitioner, per_device, accumulation, executables,
-                                   **data)
+                                   objective)
     logging.info("batch search: microbatch %d per device (%d global) needs %s bytes per device "
                  "with gradient_accumulation_steps=%d (%d sequences per step); budget %s",
                  per_device, per_device * data_parallel, f"{needs[per_device]:,}", accumulation,

@@ -5,7 +5,7 @@ trainer.batch_size "auto" (batch_search) and the reader groups for data.reader_g
 (position.default_reader_groups). config.json keeps the choice, and a resume keeps it from
 there by config.keep_chosen, the rule the launcher applies too (launch/local.py), so a resumed
 run reads the batches it would have read uninterrupted, whatever it would choose now. The data
-chooses the objective: preference data trains by DPO.
+chooses the objective (objective_name): preference data trains by DPO.
 """
 import dataclasses
 from typing import Callable, Optional
@@ -22,12 +22,13 @@ from levanter_flax.data.position import default_reader_groups
 from levanter_flax.parallel import partitioning
 
 
-def trains_by_dpo(run: RunConfig, sources: list[PreparedDataset]) -> bool:
-  """Whether the run trains by DPO: its datasets are preference data, all or none, each pair
-  one row of config.model.seq_len, read with document masking."""
+def objective_name(run: RunConfig, sources: list[PreparedDataset]) -> str:
+  """What the run trains by (objectives.OBJECTIVES): "dpo" if its datasets are preference
+  data, all or none, each pair one row of config.model.seq_len, read with document masking;
+  else "next_token"."""
   pairs = [s for s in sources if s.preference_seq_len]
   if not pairs:
-    return False
+    return "next_token"
   if len(pairs) < len(sources):
     others = [s.name for s in sources if not s.preference_seq_len]
     names = ", ".join(s.name for s in pairs)
@@ -41,7 +42,7 @@ def trains_by_dpo(run: RunConfig, sources: list[PreparedDataset]) -> bool:
   if not run.data.document_masking:
     raise UserError("config.data.document_masking must be True for preference data (DPO): the "
                     "rejected reply must not attend to the chosen one in its row")
-  return True
+  return "dpo"
 
 
 def batch(run: RunConfig, kept: dict, saved: Optional[dict],

@@ -137,9 +137,7 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
     checkpointer = opened.enter_context(contextlib.closing(
         Checkpointer(workdir / "checkpoints", run.checkpoint, before_save=lock.check_all)))
     start = resolve(run, workdir, partitioner, checkpointer)
-    steps = step.build(start.run, partitioner, start.eos_id,
-                       loss_weights=loader.has_loss_weights(start.sources),
-                       preference=start.preference)
+    steps = step.build(start.run, partitioner, start.eos_id, start.objective)
     num_params = sum(x.size for x in jax.tree.leaves(steps.abstract_state.model_params))
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
@@ -228,7 +226,7 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
     results, params = {}, steps.eval_params(state)
     for windows in eval_sets:
       prefix = "eval" if len(sources) == 1 else f"eval/{windows.source.name}"
-      if steps.preference:
+      if steps.objective.reads == "pairs":
         means, stderr = eval_set.evaluate_pairs(windows, steps.eval_step, params, batch_size,
                                                 steps.batch_sharding)
         results |= {f"{prefix}/{name}": value for name, value in means.items()}

@@ -24,36 +24,41 @@ from levanter_flax.training.start import Start
 @dataclasses.dataclass(frozen=True)
 class Progress:
   """The checkpoint's `data` item: where the input stream is, the skipped-step counts
-  (trainer.nan_policy='skip'), which a restart must not reset, and whether the run trains by
-  DPO (its data decides, so a resume on data of the other kind must not switch silently)."""
+  (trainer.nan_policy='skip'), which a restart must not reset, and the objective the run trains
+  by (objectives.OBJECTIVES' name: its data decides, so a resume on data of another kind must
+  not switch silently)."""
   position: DataPosition
   skipped_steps: int = 0
   consecutive_skipped_steps: int = 0
-  dpo: bool = False
+  objective: str = "next_token"
   # spike_policy=rollback: the spikes within the last spike_window steps, (step, windows).
   recent_spikes: tuple[tuple[int, int], ...] = ()
 
   def to_json(self) -> dict:
     return self.position.to_json() | {"skipped_steps": self.skipped_steps,
                                       "consecutive_skipped_steps": self.consecutive_skipped_steps,
-                                      "dpo": self.dpo,
+                                      "objective": self.objective,
                                       "recent_spikes": [list(s) for s in self.recent_spikes]}
 
   @classmethod
   def from_json(cls, value: dict) -> "Progress":
-    """Raises ValueError for anything but what to_json writes (the counts: 0 if absent; dpo:
-    False, as every run before DPO)."""
+    """Raises ValueError for anything but what to_json writes (the counts: 0 if absent; the
+    objective: next_token, as every run before DPO, or "dpo" where an older run wrote dpo:
+    true)."""
     position = DataPosition.from_json(value)
     counts = [value.get(key, 0) for key in ("skipped_steps", "consecutive_skipped_steps")]
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
       raise ValueError(f"not a count of skipped steps: {counts}")
     if not isinstance(value.get("dpo", False), bool):
       raise ValueError(f"dpo is not a boolean: {value['dpo']!r}")
+    objective = value.get("objective", "dpo" if value.get("dpo") else "next_token")
+    if not isinstance(objective, str):
+      raise ValueError(f"objective is not a name: {objective!r}")
     spikes = value.get("recent_spikes", [])
     if not (isinstance(spikes, list) and all(
         isinstance(s, list) and len(s) == 2 and all(type(n) is int for n in s) for s in spikes)):
       raise ValueError(f"not a list of recent spikes: {spikes!r}")
-    return cls(position, *counts, dpo=value.get("dpo", False),
+    return cls(position, *counts, objective=objective,
                recent_spikes=tuple(tuple(s) for s in spikes))
 
 
@@ -85,21 +90,23 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   if restored:
     saved, progress = restored
     logging.info("Resuming from checkpoint at step %d; %s", int(saved["step"]), progress)
-    resume_checks.check_objective(workdir, progress.dpo, steps.preference)
+    resume_checks.check_objective(workdir, progress.objective, steps.objective.name)
     frozen = None
     if abstract.frozen is not None:  # LoRA: the base the run saved when it started.
       frozen = restore_frozen(workdir / FROZEN_BASE, abstract.frozen)
     reference = None
-    if abstract.reference is not None:  # DPO: the reference the run saved when it started.
+    if abstract.reference is not None:  # The reference model the run saved when it started.
       reference = restore_frozen(workdir / REFERENCE, abstract.reference, _REFERENCE)
     return step.TrainState.from_checkpointed(saved, frozen, reference), progress
   resume_checks.warn_if_logged_before(workdir, checkpointer)
   state, progress = _initial_state(run, steps, sources, abstract)
-  progress = dataclasses.replace(progress, dpo=steps.preference)  # Whatever another run did.
+  # Whatever another run did.
+  progress = dataclasses.replace(progress, objective=steps.objective.name)
   if state.frozen is not None:  # LoRA: the base, saved once; the checkpoints hold the rest.
     checkpointer.before_save()
     save_frozen(workdir / FROZEN_BASE, state.frozen)
-  if abstract.reference is not None:  # DPO: where the policy starts (init, or loaded), saved once.
+  # The reference model: where the policy starts (init, or loaded), saved once.
+  if abstract.reference is not None:
     copy = jax.jit(step.copied, out_shardings=steps.state_shardings.reference)
     state = state.replace(reference=copy(state.params))
     checkpointer.before_save()
@@ -107,7 +114,7 @@ def _restored_or_initial_state(run: RunConfig, workdir: epath.Path, steps: step.
   return state, progress
 
 
-_REFERENCE = "the reference model of this DPO run (its initial params)"
+_REFERENCE = "the reference model of this run (its initial params)"
 
 
 def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[PreparedDataset],
@@ -129,7 +136,7 @@ def _initial_state(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
     return fresh
   saved, data = load_other_run(paths.resolve(load.load_path, "config.checkpoint.load_path"),
                                abstract.checkpointed)
-  # DPO: the caller copies the reference from the loaded params.
+  # A reference model: the caller copies it from the loaded params.
   state = step.TrainState.from_checkpointed(saved)
   logging.info("Starting from %s of %s", load.load_items, load.load_path)
   if load.load_items == "state":

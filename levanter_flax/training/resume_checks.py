@@ -81,18 +81,19 @@ def save_config(run: RunConfig, workdir: epath.Path) -> None:
     raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def check_objective(workdir: epath.Path, trained_by_dpo: bool, preference: bool) -> None:
-  """The data decides whether a run trains by DPO (preference data) or by next-token loss; a
-  resume on data of the other kind would switch objective silently."""
-  if trained_by_dpo and not preference:
+def check_objective(workdir: epath.Path, trained_by: str, objective: str) -> None:
+  """The run's objective (objectives.OBJECTIVES' names) is what its checkpoints record: a
+  resume that would train by another (the data decides between next-token and DPO) would
+  switch silently."""
+  if trained_by == objective:
+    return
+  if trained_by == "dpo" and objective == "next_token":
     raise UserError(f"the run in {workdir} trains by DPO, but its data is no longer preference "
                     f"data (prepare --source=preference); point config.data at its preference "
                     f"data, or use a new --workdir")
-  if preference and not trained_by_dpo:
-    raise UserError(f"the run in {workdir} trained by next-token loss, and its data is now "
-                    f"preference data, which trains by DPO: start DPO in a new --workdir from "
-                    f"this run (config.checkpoint.load_path, or its export as "
-                    f"config.trainer.init_from_hf)")
+  raise UserError(f"the run in {workdir} trains by {trained_by}, and this start would train "
+                  f"by {objective}: start {objective} in a new --workdir from this run "
+                  f"(config.checkpoint.load_path, or its export as config.trainer.init_from_hf)")
 
 
 def _logged_history(workdir: epath.Path) -> Optional[history.Run]:

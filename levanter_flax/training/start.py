@@ -9,12 +9,13 @@ from typing import Optional
 import jax
 from etils import epath
 
-from levanter_flax import config
+from levanter_flax import config, objectives
 from levanter_flax.checkpoint.store import Checkpointer
 from levanter_flax.config.settings import RunConfig
 from levanter_flax.data import eval_set, loader
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import ReaderGroups
+from levanter_flax.objectives.base import Objective
 from levanter_flax.parallel import partitioning
 from levanter_flax.training import batch_search, choices, resume_checks
 
@@ -27,7 +28,7 @@ class Start:
   eos_id: Optional[int]  # The token that ends a document, for data.document_masking; else None.
   reader_groups: ReaderGroups  # This process's.
   config_changes: list[str]  # "key old -> new" against config.json, named if a restore fails.
-  preference: bool = False  # The datasets are preference data: the run trains by DPO.
+  objective: Objective  # What it trains by: its data decides (choices.objective_name).
 
 
 def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Partitioner,
@@ -38,10 +39,10 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   kept = config.keep_chosen(config.flat_dict(run), saved)
   sources = loader.load_datasets(run.data)
   choices.check_vocab(sources[0], run.model.vocab_size)
-  preference = choices.trains_by_dpo(run, sources)
+  objective = objectives.of_run(choices.objective_name(run, sources), run,
+                                loss_weights=loader.has_loss_weights(sources))
   # The step the search compiles is the one the run trains: DPO's reference, the loss weights.
-  search = functools.partial(batch_search.resolve, run, partitioner,
-                             loss_weights=loader.has_loss_weights(sources), preference=preference)
+  search = functools.partial(batch_search.resolve, run, partitioner, objective=objective)
   trainer = choices.batch(run, kept, saved, search, workdir)
   choices.check_batch_size(trainer, partitioner)
   for source in sources:  # A split too small to evaluate: said now, not after the first steps.
@@ -56,6 +57,6 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   groups.rows_per_group(trainer.batch_size // jax.process_count(), "config.trainer.batch_size")
   config_changes = resume_checks.check_resumed_config(run, saved, workdir)
   eos_id = sources[0].manifest["tokenizer"]["eos_id"] if run.data.document_masking else None
-  return Start(run, sources, eos_id, groups, config_changes, preference)
+  return Start(run, sources, eos_id, groups, config_changes, objective)
 
 

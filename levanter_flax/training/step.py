@@ -1,4 +1,5 @@
-"""The jitted train and eval steps: next-token loss, gradients, optimizer update."""
+"""The jitted train and eval steps: the model's token losses, the objective's loss on them
+(objectives/), gradients, optimizer update. Nothing here depends on which objective trains."""
 import collections
 import concurrent.futures
 import dataclasses
@@ -11,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from levanter_flax.objectives import dpo
 from levanter_flax import models
+from levanter_flax.objectives import base as objective_base, next_token
 from levanter_flax.optim import optimizers, spikes
 from levanter_flax.parallel import partitioning
 from levanter_flax.models import common, lora, moe
@@ -29,8 +30,9 @@ class TrainState:
   """`params` are what trains. With LoRA (config.model.lora) they are the adapters, and the
   base model's params are `frozen`: no gradient, no optimizer state, and not in the
   checkpoints (`checkpointed`), which would repeat them every time; the run saves them once
-  (restore.py). A DPO run without LoRA keeps its reference model, the initial params, as
-  `reference`, saved once the same way; with LoRA its reference is the base, `frozen`."""
+  (restore.py). An objective that needs a reference model (DPO) keeps it without LoRA as
+  `reference`, the initial params, saved once the same way; with LoRA its reference is the
+  base, `frozen`."""
   step: jax.Array
   params: Any
   opt_state: Any
@@ -44,7 +46,7 @@ class TrainState:
 
   @property
   def reference_params(self) -> Any:
-    """DPO's reference model's params (applied by the model without LoRA): the frozen copy of
+    """The reference model's params (applied by the model without LoRA): the frozen copy of
     the initial params, or LoRA's base; None if neither."""
     return self.frozen if self.reference is None else self.reference
 
@@ -61,15 +63,16 @@ class TrainState:
 
 
 def init_state(model: nn.Module, optimizer: optax.GradientTransformation,
-               rng: jax.Array, preference: bool = False) -> TrainState:
-  """Fresh state; with LoRA the base is frozen and only the adapters train. `preference` (DPO)
-  without LoRA: a copy of the params is the reference (ShardedSteps.init leaves it out)."""
+               rng: jax.Array, keep_reference: bool = False) -> TrainState:
+  """Fresh state; with LoRA the base is frozen and only the adapters train. keep_reference
+  (the objective needs a reference model) without LoRA: a copy of the params is the reference
+  (ShardedSteps.init leaves it out)."""
   params = models.init_params(model.config, rng)
   frozen = reference = None
   if model.config.lora.rank:
     lora.check_targets(model.config, params)
     frozen, params = lora.split(params)
-  elif preference:
+  elif keep_reference:
     reference = copied(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params), frozen=frozen, reference=reference)
@@ -80,14 +83,15 @@ def copied(params: Any) -> Any:
   return jax.tree.map(jnp.copy, params)
 
 
+NEXT_TOKEN = next_token.NextToken()
+
+
 @dataclasses.dataclass(frozen=True)
-class Preference:
-  """DPO's loss in place of the next-token loss (dpo.py): the batch's loss weights are a
-  preference row's codes, and the reference model is `reference_model` (the model without
-  LoRA) on `reference_params` (TrainState.reference_params), held constant."""
-  cfg: dpo.DpoConfig
-  reference_model: nn.Module
-  reference_params: Any
+class Reference:
+  """The reference model an objective compares the policy with: `model` (the model without
+  LoRA) on `params` (TrainState.reference_params), held constant."""
+  model: nn.Module
+  params: Any
 
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
@@ -137,7 +141,7 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
 def next_token_loss(model: nn.Module, params, tokens: jax.Array,
                     eos_id: int | None = None) -> jax.Array:
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in float32."""
-  return objective(model, params, tokens, eos_id)[1]["loss"]
+  return loss_and_parts(model, params, {"tokens": tokens}, eos_id)[1]["loss"]
 
 
 def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
@@ -147,65 +151,41 @@ def segment_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
   return jnp.cumsum(tokens == eos_id, axis=1)
 
 
-def total_weight(loss_weights: jax.Array) -> jax.Array:
-  """The weight of a batch's targets (tokens[:, 1:]), or 1 if none weighs: the divisor of its
-  weighted mean, which is then 0."""
-  total = loss_weights[:, 1:].sum()
-  return jnp.where(total > 0, total, 1.0)
-
-
-def objective(model: nn.Module, params, tokens: jax.Array, eos_id: int | None = None,
-              loss_weights: jax.Array | None = None, weight_total: jax.Array | None = None,
-              auxiliary_share: float = 1.0, rngs: dict | None = None,
-              preference: Preference | None = None) -> tuple[jax.Array, Metrics]:
-  """(the training loss, its parts): "loss", the next-token cross-entropy, and each auxiliary
-  loss the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged
-  over the layers that sow it, and the router's metrics (moe.py: "router/..."). The training
-  loss adds each auxiliary loss times its weight (moe.loss_coefficients) to the cross-entropy.
+def loss_and_parts(model: nn.Module, params, batch: Batch, eos_id: int | None = None,
+                   objective: objective_base.Objective = NEXT_TOKEN, totals: Any = None,
+                   auxiliary_share: float = 1.0, rngs: dict | None = None,
+                   reference: Reference | None = None) -> tuple[jax.Array, Metrics]:
+  """(the training loss, its parts): "loss", the objective's loss on the model's token losses
+  (and the reference's, where it needs them), the objective's metrics, and each auxiliary loss
+  the model sows into its "losses" collection (a mixture's "router_aux_loss"), averaged over
+  the layers that sow it, and the router's metrics (moe.py: "router/..."). The training loss
+  adds each auxiliary loss times its weight (moe.loss_coefficients) to the objective's.
 
   With an eos_id (data.document_masking), each document of a window is computed as if alone:
   attention within it, positions from 0. rngs: the model's ("dropout": LoRA's in training).
 
-  With loss_weights (float32, tokens' shape: each token's weight as a target, so that of
-  tokens[:, 0] is never read: chat data weighs the assistant's tokens only), "loss" is the
-  weighted sum of the cross-entropies over `weight_total`, by default these tokens'
-  (`total_weight`): their weighted mean. A microbatch passes its whole batch's total weight and
-  its share of the batch (`auxiliary_share`, which scales the auxiliary losses), so that the
-  microbatches' objectives sum to the batch's, however its weight falls among them.
-
-  With `preference`, "loss" is DPO's, the mean over the rows (pairs; loss_weights their codes),
-  and the parts add the dpo/ metrics, means over the rows too.
+  A microbatch passes its whole batch's `totals` (objective.totals) and its share of the batch
+  (`auxiliary_share`, which scales the auxiliary losses), so that the microbatches' losses and
+  parts sum to the batch's, however its weight falls among them.
   """
+  tokens = batch["tokens"]
   losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
+  reference_losses = None
+  if reference is not None:
+    reference_losses = _token_losses(reference.model, jax.lax.stop_gradient(reference.params),
+                                     tokens, eos_id)[0]
+  loss, metrics = objective.loss(losses, reference_losses, batch,
+                                 objective.totals(batch) if totals is None else totals)
   auxiliary = {**_sown_losses(sown), **_router_metrics(sown), **_expert_loads(sown)}
-  coefficients = moe.loss_coefficients(model.config)
-  if preference is not None:
-    pairs = _pair_metrics(losses, tokens, loss_weights, eos_id, preference)
-    parts = {name: value.mean() for name, value in pairs.items()}
-    return parts["loss"] + _weighted(auxiliary, coefficients), {**parts, **auxiliary}
-  if loss_weights is None:
-    loss = losses.mean()
-  else:
-    if weight_total is None:
-      weight_total = total_weight(loss_weights)
-    loss = (losses * loss_weights[:, 1:]).sum() / weight_total
-    auxiliary = jax.tree.map(lambda value: value * auxiliary_share, auxiliary)
-  return loss + _weighted(auxiliary, coefficients), {"loss": loss, **auxiliary}
+  auxiliary = jax.tree.map(lambda value: value * auxiliary_share, auxiliary)
+  return (loss + _weighted(auxiliary, moe.loss_coefficients(model.config)),
+          {"loss": loss, **metrics, **auxiliary})
 
 
 def _weighted(auxiliary: Metrics, coefficients: dict[str, float]) -> jax.Array:
   """The sum of the auxiliary losses times their weights; metrics without one add nothing."""
   return sum(coefficients[name] * value for name, value in auxiliary.items()
              if name in coefficients)
-
-
-def _pair_metrics(losses: jax.Array, tokens: jax.Array, codes: jax.Array, eos_id: int | None,
-                  preference: Preference) -> Metrics:
-  """dpo.pair_metrics of each row, from the policy's token losses and the reference's."""
-  reference_params = jax.lax.stop_gradient(preference.reference_params)
-  reference_losses = _token_losses(preference.reference_model, reference_params, tokens, eos_id)[0]
-  return dpo.pair_metrics(dpo.reply_log_probs(losses, codes),
-                          dpo.reply_log_probs(reference_losses, codes), preference.cfg)
 
 
 def _token_losses(model: nn.Module, params, tokens: jax.Array,
@@ -265,24 +245,22 @@ def _layer_index(path) -> int:
   return int(name.rsplit("_", 1)[-1])
 
 
-def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_microbatches: int,
-                               eos_id: int | None = None, loss_weights: jax.Array | None = None,
-                               frozen=None, dropout_key: jax.Array | None = None,
-                               preference: Preference | None = None,
+def accumulated_loss_and_grads(model: nn.Module, params, batch: Batch, num_microbatches: int,
+                               eos_id: int | None = None,
+                               objective: objective_base.Objective = NEXT_TOKEN, frozen=None,
+                               dropout_key: jax.Array | None = None,
+                               reference: Reference | None = None,
                                unreduced: tuple[str, int] | None = None):
-  """The batch's mean loss parts (objective's) and the training loss's gradient, summed over
+  """The batch's loss parts (loss_and_parts') and the training loss's gradient, summed over
   microbatches by a lax.scan.
 
   The gradient is of `params` alone: a LoRA model's `frozen` base is applied with them but
   gets none. dropout_key: LoRA's dropout, folded with each microbatch's index.
 
-  Microbatch i is rows i, i + n, i + 2n, ... so that each one is spread over
-  every device of the batch axis, and peak activation memory is that of one
-  microbatch. Equal-sized microbatches make the mean of means the batch mean.
-  With loss_weights the microbatches weigh what their tokens weigh: each sums
-  its weighted losses over the whole batch's total weight (see objective), and
-  the sums are the batch's weighted mean, as without accumulation. With `preference` (DPO:
-  loss_weights are codes) each microbatch's loss is the mean over its pairs, as without weights.
+  Microbatch i is rows i, i + n, i + 2n, ... of every batch entry, so that each one is spread
+  over every device of the batch axis, and peak activation memory is that of one microbatch.
+  Each divides its sums by what the whole batch holds (objective.totals), so the microbatches'
+  losses and gradients add up to the batch's, as without accumulation.
 
   unreduced: (mesh axis, its size) of the batch over which the gradients of the microbatches
   are kept apart, one per shard of the axis, until the last microbatch: one reduction over it
@@ -290,52 +268,54 @@ def accumulated_loss_and_grads(model: nn.Module, params, tokens: jax.Array, num_
   carries one reduction whatever the accumulation). Each shard then computes its share of a
   microbatch as a vmapped batch of its own; a mixture's router loss is its share's.
   """
-  weighted = loss_weights is not None and preference is None
-  weight_total = total_weight(loss_weights) if weighted else None
+  totals = objective.totals(batch)
   shares = unreduced[1] if unreduced and num_microbatches > 1 else 1
 
-  def parts_and_grads(p, t, w, index=0):
+  def parts_and_grads(p, b, index=0):
     rngs = None if dropout_key is None else {"dropout": jax.random.fold_in(dropout_key, index)}
     (_, parts), grads = jax.value_and_grad(
-        lambda p: objective(model, lora.merged(frozen, p), t, eos_id, w, weight_total,
-                            1 / (num_microbatches * shares), rngs, preference),
+        lambda p: loss_and_parts(model, lora.merged(frozen, p), b, eos_id, objective, totals,
+                                 1 / (num_microbatches * shares), rngs, reference),
         has_aux=True)(p)
     return parts, grads
   if num_microbatches == 1:
-    return parts_and_grads(params, tokens, loss_weights)
+    return parts_and_grads(params, batch)
   if shares > 1:
     parts_and_grads = _per_share(parts_and_grads, *unreduced)
-  batch, length = tokens.shape
 
   def split(rows):
-    microbatches = rows.reshape(batch // num_microbatches, num_microbatches, length).swapaxes(0, 1)
-    return nn.with_logical_constraint(microbatches, (None, "batch", "length"))
-  microbatches = (split(tokens), None if loss_weights is None else split(loss_weights))
+    microbatches = rows.reshape(rows.shape[0] // num_microbatches, num_microbatches,
+                                *rows.shape[1:]).swapaxes(0, 1)
+    return nn.with_logical_constraint(microbatches, (None, "batch", *_within_row(rows)))
+  microbatches = jax.tree.map(split, batch)
 
-  def add(totals, indexed):
+  def add(sums, indexed):
     index, microbatch = indexed
-    return jax.tree.map(jnp.add, totals, parts_and_grads(params, *microbatch, index)), None
+    return jax.tree.map(jnp.add, sums, parts_and_grads(params, microbatch, index)), None
   zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-      parts_and_grads, params, *jax.tree.map(lambda m: m[0], microbatches)))
-  totals, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
+      parts_and_grads, params, jax.tree.map(lambda m: m[0], microbatches)))
+  sums, _ = jax.lax.scan(add, zeros, (jnp.arange(num_microbatches), microbatches))
   if shares > 1:  # The one reduction over the unreduced axis.
-    totals = jax.tree.map(lambda total: total.sum(axis=0) / (1 if weighted else shares), totals)
-  if weighted:  # Each microbatch's share is in its sums already.
-    return totals
-  return jax.tree.map(lambda total: total / num_microbatches, totals)
+    sums = jax.tree.map(lambda total: total.sum(axis=0), sums)
+  return sums
+
+
+def _within_row(rows: jax.Array) -> tuple[str, ...]:
+  """The logical axes of a batch entry after its rows: a sequence's ("length"), or none."""
+  return ("length",) * (rows.ndim - 1)
 
 
 def _per_share(parts_and_grads, axis: str, shares: int):
   """parts_and_grads on a microbatch cut into `shares` equal blocks of rows, each computed
   apart on its shard of mesh axis `axis` (vmapped over it): their results stacked, unreduced.
   A block's rows are those the batch sharding already puts there, so no row moves."""
-  def per_share(p, t, w, index=0):
-    split = lambda rows: None if rows is None else nn.with_logical_constraint(
+  def per_share(p, b, index=0):
+    split = lambda rows: nn.with_logical_constraint(
         rows.reshape(shares, rows.shape[0] // shares, *rows.shape[1:]),
-        ("unreduced", "batch", "length"))
+        ("unreduced", "batch", *_within_row(rows)))
     with nn.logical_axis_rules(_rules_within_share(axis)):
-      return jax.vmap(parts_and_grads, in_axes=(None, 0, 0, None), spmd_axis_name=axis)(
-          p, split(t), split(w), index)
+      return jax.vmap(parts_and_grads, in_axes=(None, 0, None), spmd_axis_name=axis)(
+          p, jax.tree.map(split, b), index)
   return per_share
 
 
@@ -352,16 +332,17 @@ def _rules_within_share(axis: str) -> tuple:
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, num_microbatches: int = 1,
                     eos_id: int | None = None, seed: int = 0,
-                    dpo_cfg: dpo.DpoConfig | None = None,
+                    objective: objective_base.Objective = NEXT_TOKEN,
                     unreduced: tuple[str, int] | None = None
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-  """eos_id: mask attention per document (see objective). seed: of LoRA's dropout, whose
+  """eos_id: mask attention per document (see loss_and_parts). seed: of LoRA's dropout, whose
   key is folded with the step, so that a resumed run drops what an uninterrupted one would.
-  dpo_cfg: train by DPO on preference batches, against TrainState.reference_params.
-  unreduced: see accumulated_loss_and_grads."""
+  objective: what the loss is, on batches of its entries (against TrainState.reference_params
+  where it needs a reference model). unreduced: see accumulated_loss_and_grads."""
   uses_dropout = bool(model.config.lora.rank and model.config.lora.dropout)
   bias_update_rate = moe.bias_update_rate(model.config)
-  reference_model = models.build(lora.without_lora(model.config)) if dpo_cfg else None
+  reference_model = _reference_model(model, objective)
+  own_metric = lambda name: name.startswith(f"{objective.name}/")
 
   def train_step(state: TrainState, batch: Batch):
     """One update; a non-finite loss or gradient leaves params and optimizer state as they were.
@@ -371,26 +352,23 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
     trainer.spike_policy=skip the optimizer (spikes.py) gives a spike a zero update, counted
     in train/spike_skipped_steps.
     """
-    weights = batch.get("loss_weights")
     dropout_key = (jax.random.fold_in(jax.random.key(seed), state.step) if uses_dropout
                    else None)
-    preference = (Preference(dpo_cfg, reference_model, state.reference_params) if dpo_cfg
-                  else None)
-    parts, grads = accumulated_loss_and_grads(model, state.params, batch["tokens"],
-                                              num_microbatches, eos_id, weights, state.frozen,
-                                              dropout_key, preference, unreduced)
+    reference = reference_model and Reference(reference_model, state.reference_params)
+    parts, grads = accumulated_loss_and_grads(model, state.params, batch, num_microbatches,
+                                              eos_id, objective, state.frozen, dropout_key,
+                                              reference, unreduced)
     parts = dict(parts)
     expert_loads = parts.pop(moe.BALANCE, None)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(parts["loss"]) & jnp.isfinite(grad_norm)
     # Microbatch 0 (rows 0, n, 2n, ...: on every device), for optimizers that probe the loss.
-    hessian_tokens = batch["tokens"][::num_microbatches]
-    hessian_weights = None if weights is None else weights[::num_microbatches]
+    hessian_batch = jax.tree.map(lambda rows: rows[::num_microbatches], batch)
     updates, opt_state = optimizer.update(
         grads, state.opt_state, state.params, loss=parts["loss"],
-        loss_fn=lambda params: objective(model, lora.merged(state.frozen, params),
-                                         hessian_tokens, eos_id, hessian_weights,
-                                         preference=preference)[0])
+        loss_fn=lambda params: loss_and_parts(model, lora.merged(state.frozen, params),
+                                              hessian_batch, eos_id, objective,
+                                              reference=reference)[0])
     params = optax.apply_updates(state.params, updates)
     if expert_loads is not None and bias_update_rate:  # A frozen base (LoRA) keeps its biases.
       params = moe.updated_biases(params, expert_loads, bias_update_rate)
@@ -399,8 +377,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                               params=jax.tree.map(if_finite, params, state.params),
                               opt_state=jax.tree.map(if_finite, opt_state, state.opt_state))
     metrics = {
-        **{name if name.startswith("dpo/") else f"train/{name}": value
-           for name, value in parts.items()},
+        **{name if own_metric(name) else f"train/{name}": value for name, value in parts.items()},
         "train/grad_norm": grad_norm,
         "train/param_norm": optax.tree.norm(new_state.params),
         "train/update_norm": optax.tree.norm(updates),
@@ -426,31 +403,27 @@ def loss_tokens(batch: Batch) -> jax.Array:
   return jnp.float32(rows * (length - 1))
 
 
-def make_eval_step(model: nn.Module, eos_id: int | None = None) -> Callable[[Any, Batch], Any]:
-  """(params, batch) -> each window's mean next-token loss, float32[batch]: the host averages
-  the windows of its eval set, leaving out the rows that only pad the last batch. A batch with
-  "loss_weights" gives (each window's weighted sum of losses, its weight), float32[batch] each:
-  its windows weigh differently. The params are the model's whole (TrainState.model_params)."""
-  def eval_step(params, batch: Batch):
-    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
-    if "loss_weights" not in batch:
-      return losses.mean(axis=1)
-    weights = batch["loss_weights"][:, 1:]
-    return (losses * weights).sum(axis=1), weights.sum(axis=1)
-  return eval_step
+def _reference_model(model: nn.Module, objective: objective_base.Objective) -> nn.Module | None:
+  """The model the objective's reference params are applied with (without LoRA), or None."""
+  return models.build(lora.without_lora(model.config)) if objective.needs_reference else None
 
 
-def make_dpo_eval_step(model: nn.Module, dpo_cfg: dpo.DpoConfig,
-                       eos_id: int | None = None) -> Callable[[Any, Batch], Metrics]:
-  """((params, reference params), batch of preference rows) -> dpo.pair_metrics of each row
-  ("loss" and the dpo/ metrics, float32[batch] each)."""
-  reference_model = models.build(lora.without_lora(model.config))
+def make_eval_step(model: nn.Module, eos_id: int | None = None,
+                   objective: objective_base.Objective = NEXT_TOKEN
+                   ) -> Callable[[Any, Batch], Any]:
+  """(params, batch) -> objective.eval_rows: per window, what the host averages over its eval
+  set, leaving out the rows that only pad the last batch. The params are the model's whole
+  (TrainState.model_params); with a reference model, (those, the reference's)."""
+  reference_model = _reference_model(model, objective)
 
   def eval_step(params, batch: Batch):
-    params, reference_params = params
+    reference_losses = None
+    if reference_model:
+      params, reference_params = params
+      reference_losses = _token_losses(reference_model, reference_params, batch["tokens"],
+                                       eos_id)[0]
     losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
-    return _pair_metrics(losses, batch["tokens"], batch["loss_weights"], eos_id,
-                         Preference(dpo_cfg, reference_model, reference_params))
+    return objective.eval_rows(losses, reference_losses, batch)
   return eval_step
 
 
@@ -461,8 +434,7 @@ class ShardedSteps:
   state_shardings: TrainState  # NamedShardings.
   batch_sharding: jax.sharding.NamedSharding
   seq_len: int  # Tokens per sequence of a batch.
-  loss_weights: bool  # Whether a batch has "loss_weights" (a dataset of the run has them).
-  preference: bool  # DPO on preference rows: eval_step takes eval_params(state).
+  objective: objective_base.Objective  # What the batches hold, and the loss.
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
@@ -471,24 +443,25 @@ class ShardedSteps:
   def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
     """train_step's arguments as ShapeDtypeStructs with their shardings, for global batches of
     `batch_size` sequences: what an ahead-of-time compile takes, allocating nothing."""
-    shape = (batch_size, self.seq_len)
-    batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
-    if self.loss_weights:
-      batch["loss_weights"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.batch_sharding)
-    return self.abstract_state, batch
+    entries = {"tokens": ((self.seq_len,), jnp.int32),
+               **self.objective.batch_entries(self.seq_len)}
+    return self.abstract_state, {
+        name: jax.ShapeDtypeStruct((batch_size, *shape), dtype, sharding=self.batch_sharding)
+        for name, (shape, dtype) in entries.items()}
 
   def eval_params(self, state: TrainState) -> Any:
-    """What eval_step takes of the state: the model's params; with DPO, and the reference's."""
-    if self.preference:
+    """What eval_step takes of the state: the model's params; with a reference model, and the
+    reference's."""
+    if self.objective.needs_reference:
       return state.model_params, state.reference_params
     return state.model_params
 
   def flops_per_token(self, cfg) -> float:
     """The model FLOPs of a trained token in this step (models.flops_per_token): LoRA's frozen
-    base gets no weight gradient, and DPO runs its reference model forward too."""
+    base gets no weight gradient, and a reference model runs forward too."""
     state = self.abstract_state
     return models.flops_per_token(cfg, state.model_params, frozen=state.frozen,
-                                  reference=self.preference)
+                                  reference=self.objective.needs_reference)
 
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.model_params,
@@ -498,8 +471,8 @@ class ShardedSteps:
 
 
 def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
-          eos_id: int | None = None, loss_weights: bool = False,
-          preference: bool = False) -> ShardedSteps:
+          eos_id: int | None = None,
+          objective: objective_base.Objective = NEXT_TOKEN) -> ShardedSteps:
   """The run's init, train and eval steps, laid out with `partitioner` and jitted with
   explicit shardings.
 
@@ -508,10 +481,9 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   and run.sharding: call (and trace) the functions inside its activation_context().
 
   eos_id: mask attention per document, each ending at this token (data.document_masking;
-  see objective); None: no mask. loss_weights: the batches carry "loss_weights" (a dataset of
-  the run has them: loader.has_loss_weights); abstract_inputs says so. preference: the run's
-  data is preference data (loader.is_preference): it trains and evaluates by DPO (run.dpo),
-  its batches' loss weights being codes, against a reference model (TrainState).
+  see loss_and_parts); None: no mask. objective: what the run trains by (objectives.of_run):
+  its batches' entries (abstract_inputs), its loss and eval, and whether the state keeps a
+  reference model.
 
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
@@ -526,7 +498,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   optimizer = optimizers.make_optimizer(run.optimizer, schedule)
   if run.trainer.spike_policy != "none":
     optimizer = spikes.skip_spikes(optimizer, run.trainer.spike_window, run.trainer.spike_threshold)
-  init = functools.partial(init_state, model, optimizer, preference=preference)
+  init = functools.partial(init_state, model, optimizer,
+                           keep_reference=objective.needs_reference)
   shapes = jax.eval_shape(init, jax.random.key(0))
   frozen_shardings = lambda tree: None if tree is None else partitioner.param_shardings(tree)
   shardings = TrainState(
@@ -536,30 +509,26 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       frozen=frozen_shardings(shapes.frozen), reference=frozen_shardings(shapes.reference))
   batch = partitioner.batch_sharding()
   replicated = partitioner.replicated
-  dpo_cfg = run.dpo if preference else None
   train_step = make_train_step(model, optimizer, schedule, run.trainer.gradient_accumulation_steps,
-                               eos_id, run.trainer.seed, dpo_cfg,
+                               eos_id, run.trainer.seed, objective,
                                _cross_slice_batch_axis(run, partitioner, shardings.params))
   eval_params = shardings.model_params
-  eval_step = make_eval_step(model, eos_id)
-  if preference:
+  if objective.needs_reference:
     eval_params = (eval_params, shardings.reference_params)
-    eval_step = make_dpo_eval_step(model, dpo_cfg, eos_id)
   return ShardedSteps(
       abstract_state=jax.tree.map(
           lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings),
       state_shardings=shardings,
       batch_sharding=batch,
       seq_len=run.model.seq_len,
-      loss_weights=loss_weights or preference,
-      preference=preference,
-      # Without DPO's reference: the caller copies it from whatever params the run starts on
+      objective=objective,
+      # Without the reference: the caller copies it from whatever params the run starts on
       # (restore.py), so a start holds the params at most twice (policy and reference).
       init=jax.jit(lambda rng: init(rng).replace(reference=None),
                    out_shardings=shardings.replace(reference=None)),
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
-      eval_step=jax.jit(eval_step, in_shardings=(eval_params, batch), out_shardings=replicated),
+      eval_step=jax.jit(make_eval_step(model, eos_id, objective), in_shardings=(eval_params, batch), out_shardings=replicated),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
 
