@@ -78,5 +78,5 @@ def test_a_prompt_too_long_for_its_completion_is_one_line(engine):
   with pytest.raises(UserError) as raised:
     sample(engine, [2], sampling=SamplingParams(max_tokens=20))
   assert str(raised.value) == ("prompts.jsonl line 3: a prompt of 6 tokens leaves no room for 20 "
-                               "completion tokens (rl.max_completion_tokens) in the context of 24 "
+                               "completion tokens (config.rl.max_completion_tokens) in the context of 24 "
                                "tokens")

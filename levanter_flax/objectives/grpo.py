@@ -35,8 +35,20 @@ _STD_FLOOR = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 
 
 @dataclasses.dataclass(frozen=True)
 class GrpoConfig:
-  """GRPO (config.rl): how it turns rewards into a loss (TRL's GRPOConfig names where they
-  match)."""
+  """GRPO (config.rl): what it samples, how it scores and how it turns rewards into a loss
+  (TRL's GRPOConfig names where they match). Each generation samples trainer.batch_size /
+  group_size prompts' groups, and updates_per_batch steps train on it."""
+  prompts: str = setting("", "GRPO: the JSON-lines prompts file, {\"prompt\" or \"messages\", "
+                         "\"answer\", ...} a line", FREE)
+  rewards: str = setting("exact_match", "GRPO: the rewards, summed: module:function[=weight], "
+                         "comma-separated (built in: exact_match, math_answer)", FREE)
+  group_size: int = setting(4, "GRPO: completions sampled per prompt, whose rewards are "
+                            "compared (trainer.batch_size must be a multiple)", FREE)
+  updates_per_batch: int = setting(1, "GRPO: optimizer steps on each generated batch (TRL's "
+                                   "num_iterations); the ratio's old policy is the sampling one",
+                                   FREE)
+  temperature: float = setting(1.0, "GRPO: the sampling temperature", FREE)
+  top_p: float = setting(1.0, "GRPO: nucleus sampling's probability mass; 1: all tokens", FREE)
   max_completion_tokens: int = setting(64, "GRPO: the most tokens a sampled completion has "
                                        "(dr_grpo divides its loss by it)", FREE)
   epsilon_low: float = setting(0.2, "GRPO: a token's probability ratio is clipped below at "
@@ -53,12 +65,31 @@ class GrpoConfig:
 
   def __post_init__(self):
     checks.ranges(self, "rl", {
+        "group_size": (lambda g: g >= 2, "at least 2: a completion's advantage compares it "
+                       "with the others of its group"),
+        "updates_per_batch": checks.above(0),
+        "temperature": checks.at_least(0),
+        "top_p": (lambda p: 0 < p <= 1, "in (0, 1]"),
         "max_completion_tokens": checks.above(0),
         "epsilon_low": (lambda e: 0 <= e < 1, "in [0, 1)"),
         "epsilon_high": checks.at_least(0),
         "beta": checks.at_least(0),
         "loss_type": (lambda t: t in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
         "scale_rewards": (lambda s: s in SCALINGS, f"one of {', '.join(SCALINGS)}")})
+
+
+def parse_rewards(value: str) -> list[tuple[str, float]]:
+  """config.rl.rewards as (name, weight) pairs: "exact_match,my.mod:fn=0.5"."""
+  pairs = []
+  for item in (part.strip() for part in value.split(",")):
+    name, _, weight = item.partition("=")
+    try:
+      pairs.append((name.strip(), float(weight) if weight else 1.0))
+    except ValueError:
+      raise UserError(f"config.rl.rewards: {item!r} is not name=weight with a number") from None
+    if not name.strip():
+      raise UserError(f"config.rl.rewards {value!r}: name each reward, module:function[=weight]")
+  return pairs
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str) -> np.ndarray:

@@ -23,9 +23,11 @@ from levanter_flax.parallel import partitioning
 
 
 def objective_name(run: RunConfig, sources: list[PreparedDataset]) -> str:
-  """What the run trains by (objectives.OBJECTIVES): "dpo" if its datasets are preference
-  data, all or none, each pair one row of config.model.seq_len, read with document masking;
-  else "next_token"."""
+  """What the run trains by (objectives.OBJECTIVES): "grpo" if config.rl names prompts (and
+  then it reads no datasets); "dpo" if its datasets are preference data, all or none, each pair
+  one row of config.model.seq_len, read with document masking; else "next_token"."""
+  if run.rl.prompts:
+    return "grpo"
   pairs = [s for s in sources if s.preference_seq_len]
   if not pairs:
     return "next_token"

@@ -15,7 +15,8 @@ from clu import periodic_actions
 from etils import epath
 
 from levanter_flax import config
-from levanter_flax.training import callbacks as callbacks_lib, restore, resume_checks, step
+from levanter_flax.training import (callbacks as callbacks_lib, restore, resume_checks, rollouts,
+                                    step)
 from levanter_flax.training.start import Start, resolve
 from levanter_flax.parallel import distributed, partitioning
 from levanter_flax.core import flops, locks, paths
@@ -211,7 +212,7 @@ def _make_evaluate(run: RunConfig, steps: step.ShardedSteps, sources: list[Prepa
   the whole conversations'). Preference data (DPO): eval/loss is DPO's over the pairs, with
   the dpo/ metrics, eval/dpo/..., and the pairs scored."""
   evaluated = [s for s in sources if s.has_validation]
-  if not evaluated:
+  if sources and not evaluated:
     logging.warning("No dataset has a validation split: no eval metrics")
   # Each process reads its own share: damage found in one is every process's error.
   eval_sets = distributed.agreed(lambda: [
@@ -268,14 +269,49 @@ def _harness_of_state(run_harness):
   return lambda state: run_harness(state.model_params)
 
 
-def _data_metrics(position: DataPosition, batches: loader.TrainBatches,
-                  tokens_per_window: int) -> dict[str, float]:
-  """Tokens drawn from each source so far (all processes), and records lost to corruption."""
-  metrics_ = {f"data/tokens/{name}": float(windows * tokens_per_window)
-              for name, windows in position.per_source.items()}
-  metrics_["data/tokens"] = float(position.windows * tokens_per_window)
-  metrics_["data/corrupt_records_skipped"] = float(batches.corrupt_records_skipped)
-  return metrics_
+class _Windows:
+  """The input of an objective that reads windows or pairs: the run's datasets' batches
+  (loader.TrainBatches), less those earlier rollbacks took out. RolloutBatches is the other
+  input (objectives that read rollouts); the loop takes either."""
+
+  def __init__(self, start: Start, steps: step.ShardedSteps, position: DataPosition,
+               rolled_back: set):
+    run = start.run
+    self._batches = loader.TrainBatches(
+        start.sources, run.data, seq_len=run.model.seq_len, seed=run.trainer.seed,
+        position=position, local_batch_size=run.trainer.batch_size // jax.process_count(),
+        sharding=steps.batch_sharding, vocab_size=run.model.vocab_size, groups=start.reader_groups)
+    self._rolled_back = rolled_back
+    self._tokens_per_window = run.model.seq_len * self._batches.groups.count
+
+  def next(self, step_num: int, state) -> tuple[dict, DataPosition, dict]:
+    del step_num, state  # The stream alone decides.
+    batch, position = next(self._batches)
+    while position.windows in self._rolled_back:
+      batch, position = next(self._batches)
+    return batch, position, {}
+
+  def ends_generation(self, step_num: int) -> bool:
+    del step_num
+    return True
+
+  def metrics(self, position: DataPosition) -> dict[str, float]:
+    """Tokens drawn from each source so far (all processes), and records lost to corruption."""
+    metrics_ = {f"data/tokens/{name}": float(windows * self._tokens_per_window)
+                for name, windows in position.per_source.items()}
+    metrics_["data/tokens"] = float(position.windows * self._tokens_per_window)
+    metrics_["data/corrupt_records_skipped"] = float(self._batches.corrupt_records_skipped)
+    return metrics_
+
+  def close(self) -> None:
+    self._batches.close()
+
+
+def _train_input(start: Start, steps: step.ShardedSteps, position: DataPosition, rolled_back: set):
+  """What the objective reads: sampled rollouts, or the datasets' windows."""
+  if steps.objective.reads == "rollouts":
+    return rollouts.RolloutBatches.for_run(start.run, steps)
+  return _Windows(start, steps, position, rolled_back)
 
 
 class _FlaggedSteps:
@@ -363,12 +399,9 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
   watching = run.monitoring
   profile = watch.ProfileWindow(workdir, watching.profiler_start_step,
                                 watching.profiler_num_steps if watching.profiler else 0)
-  history, data_wait, steps_running, last_metrics = [], 0.0, 0, {}
+  history, input_history, data_wait, steps_running, last_metrics = [], [], 0.0, 0, {}
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
-  with contextlib.closing(loader.TrainBatches(
-      sources, run.data, seq_len=run.model.seq_len, seed=trainer.seed, position=position,
-      local_batch_size=trainer.batch_size // jax.process_count(), sharding=steps.batch_sharding,
-      vocab_size=run.model.vocab_size, groups=start.reader_groups)) as train_batches, \
+  with contextlib.closing(_train_input(start, steps, position, rolled_back)) as train_input, \
       _metric_writer(run, workdir, lock) as writer, \
       watch.HangWatchdog(watching.hang_watchdog_seconds) as watchdog:
     writer.write_scalars(start_step, {RUN_START: start_step})
@@ -384,15 +417,15 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
       with jax.profiler.StepTraceAnnotation("train", step_num=step_num):
         wait_start = time.perf_counter()
         with jax.profiler.TraceAnnotation("data_wait"):
-          batch, position = next(train_batches)
-          while position.windows in rolled_back:
-            batch, position = next(train_batches)
+          batch, position, input_metrics = train_input.next(step_num, state)
         data_wait += time.perf_counter() - wait_start
         if step_num == start_step + 1:
           train_step = compiled_step.result()
         state, step_metrics = train_step(state, batch)
       steps_running += _steps_running(history)
       history.append(step_metrics)
+      if input_metrics:
+        input_history.append(input_metrics)
       if len(history) > _MAX_STEPS_AHEAD:  # Waits only when the device is that far behind.
         history[-_MAX_STEPS_AHEAD - 1]["train/loss"].block_until_ready()
       nonfinite.add(step_num, position, step_metrics)
@@ -401,7 +434,8 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
         jax.block_until_ready(step_metrics)
         throughput.reset(step_num)
       finished = step_num == trainer.num_train_steps
-      stopping = stop.requested(step_num)  # Preempted: log and checkpoint now, skip eval.
+      # Preempted: log and checkpoint now, skip eval.
+      stopping = stop.requested(step_num) and train_input.ends_generation(step_num)
       log_step = step_num % trainer.log_every_steps == 0
       if log_step or finished or stopping:
         nonfinite.flush()
@@ -412,8 +446,8 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
                         | {"train/data_wait_seconds": data_wait / len(history),
                            "train/steps_in_flight": steps_running / len(history),
                            "train/skipped_steps": float(nonfinite.count)}
-                        | _data_metrics(position, train_batches,
-                                        run.model.seq_len * train_batches.groups.count)
+                        | train_input.metrics(position)
+                        | (_mean(input_history) if input_history else {})
                         | watch.memory_metrics())
         writer.write_scalars(step_num, last_metrics)
         if spikes_skipped is not None and last_metrics["train/spike_skipped_steps"] > spikes_skipped:
@@ -422,10 +456,11 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
                           last_metrics["train/spike_skipped_steps"] - spikes_skipped,
                           last_metrics["train/spike_skipped_steps"])
           spikes_skipped = int(last_metrics["train/spike_skipped_steps"])
-        history, data_wait, steps_running = [], 0.0, 0
+        history, input_history, data_wait, steps_running = [], [], 0.0, 0
       report_progress(step_num)
       # The clock is asked on log steps only, where the host waits for the device anyway.
-      due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step)
+      due = train_input.ends_generation(step_num) and checkpointer.due(
+          step_num, forced=finished or stopping, ask_clock=log_step)
       if due:  # Before eval: a failing eval must not cost the step's checkpoint.
         nonfinite.flush()  # A halt due saves nothing from after the non-finite step.
         with _phase(report_progress, "checkpoint"):

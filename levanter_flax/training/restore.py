@@ -74,9 +74,10 @@ def initial_state(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
     raise UserError(f"the data position of the checkpoint to resume from was read by "
                     f"{position.reader_groups} reader groups, but this run has {reader_groups} "
                     f"(config.data.reader_groups): set it to {position.reader_groups}")
-  position = distributed.agreed(
-      lambda: position.in_datasets_of(sources, run.data.restart_changed_datasets),
-      "to resume on its datasets")
+  if sources:  # GRPO's position counts prompts, in no dataset.
+    position = distributed.agreed(
+        lambda: position.in_datasets_of(sources, run.data.restart_changed_datasets),
+        "to resume on its datasets")
   return state, dataclasses.replace(progress, position=position)
 
 

@@ -6,17 +6,29 @@ policy learns to stop), zero-padded to seq_len; its loss weights are 1 on the co
 tokens (as targets) and 0 elsewhere; its advantage is objectives/grpo.group_advantages' of
 the group's rewards. Completion j of the prompt at run position p samples with the seed drawn
 from (seed, p, j): a run resumed at p samples what it would have sampled.
+
+`RolloutBatches` makes a run's training batches of them: generation g (steps g k + 1 to
+(g + 1) k, k = rl.updates_per_batch) samples the prompts at run positions g P to (g + 1) P - 1
+(P = trainer.batch_size / rl.group_size) from the params before its first step; the prompts'
+order is a permutation per pass over the file, drawn from the run's seed.
 """
 import dataclasses
+import functools
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from levanter_flax.core.errors import UserError
+from levanter_flax.data import chat, rl_prompts, tokenizers
+from levanter_flax.data.position import DataPosition
 from levanter_flax.data.rl_prompts import PromptRecord
+from levanter_flax.generate import prompts as prompt_tokens
 from levanter_flax.generate.engine import Engine, Request, SamplingParams
 from levanter_flax.objectives import grpo, rewards as rewards_lib
+
+Batch = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +52,7 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   """The rollouts of `prompts` (their tokens; `records` their text and fields; `positions`
   their places in the run's order of prompts), group_size completions each."""
   for record, prompt in zip(records, prompts, strict=True):
-    if len(prompt) + sampling.max_tokens > engine.max_len:
-      raise UserError(f"{record.where}: a prompt of {len(prompt)} tokens leaves no room for "
-                      f"{sampling.max_tokens} completion tokens (rl.max_completion_tokens) in "
-                      f"the context of {engine.max_len} tokens")
+    _check_room(record, prompt, sampling.max_tokens, engine.max_len)
   samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j))
                for p in positions for j in range(group_size)]
   started = time.perf_counter()
@@ -75,6 +84,13 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   return Rollouts(tokens, weights, advantages, total, metrics)
 
 
+def _check_room(record: PromptRecord, prompt: Sequence[int], max_tokens: int, context: int):
+  if len(prompt) + max_tokens > context:
+    raise UserError(f"{record.where}: a prompt of {len(prompt)} tokens leaves no room for "
+                    f"{max_tokens} completion tokens (config.rl.max_completion_tokens) in the "
+                    f"context of {context} tokens")
+
+
 def _completion(request: Request, record: PromptRecord) -> list[int]:
   """The completion's tokens, with the stop id that ended it."""
   if request.finish_reason not in ("stop", "length"):  # The engine logged why.
@@ -89,3 +105,128 @@ def _common_fields(records: Sequence[PromptRecord]) -> list[str]:
   for record in records[1:]:
     names &= set(record.fields)
   return sorted(names)
+
+
+class RolloutBatches:
+  """GRPO's training batches for a run (see the module's docstring).
+
+  engine: generates with the params it is given (on the run's mesh); prompts: each record's
+  tokens; log_probs: (params, tokens) -> each target's log-probability (step.ShardedSteps'),
+  the sampling policy's, which the ratio of every update on the batch divides by; sharding: the
+  batch's.
+  """
+
+  def __init__(self, cfg: grpo.GrpoConfig, engine: Engine, records: Sequence[PromptRecord],
+               prompts: Sequence[Sequence[int]], rewards: Sequence[rewards_lib.Reward], *,
+               seed: int, seq_len: int, batch_size: int,
+               log_probs: Callable[[Any, jax.Array], jax.Array],
+               sharding: jax.sharding.Sharding, stop_ids: Sequence[int] = ()):
+    if batch_size % cfg.group_size:
+      raise UserError(f"config.trainer.batch_size ({batch_size}) must be a multiple of "
+                      f"config.rl.group_size ({cfg.group_size}): each step trains on whole "
+                      f"groups")
+    for record, prompt in zip(records, prompts, strict=True):  # Each said now, not when drawn.
+      _check_room(record, prompt, cfg.max_completion_tokens, seq_len)
+    self._cfg, self._engine, self._records, self._prompts = cfg, engine, records, prompts
+    self._rewards, self._seed, self._seq_len = rewards, seed, seq_len
+    self._log_probs, self._sharding = log_probs, sharding
+    self.prompts_per_batch = batch_size // cfg.group_size
+    self._sampling = SamplingParams(max_tokens=cfg.max_completion_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p,
+                                    stop_ids=tuple(stop_ids))
+    self._generation, self._batch = None, None
+
+  @classmethod
+  def for_run(cls, run: Any, steps: Any) -> "RolloutBatches":
+    """The batches of `run` (config.settings.RunConfig: config.rl's prompts and rewards,
+    config.data.tokenizer and its chat template), for `steps` (step.ShardedSteps: the engine
+    generates on their mesh, and their log_probs)."""
+    cfg = run.rl
+    if run.trainer.num_train_steps % cfg.updates_per_batch:
+      raise UserError(f"config.trainer.num_train_steps ({run.trainer.num_train_steps}) must be a "
+                      f"multiple of config.rl.updates_per_batch ({cfg.updates_per_batch}): a "
+                      f"run ends, and saves, after a generation's last update")
+    tokenizer = tokenizers.load_tokenizer(run.data.tokenizer)
+    if tokenizer.vocab_size > run.model.vocab_size:
+      raise UserError(f"config.model.vocab_size ({run.model.vocab_size}) is smaller than the "
+                      f"vocabulary of config.data.tokenizer ({tokenizer.vocab_size})")
+    try:
+      template = chat.load_template(run.data.tokenizer, "")
+    except UserError:  # Then a chat record is refused by its line.
+      template = None
+    rewards = [rewards_lib.load(name, weight) for name, weight in grpo.parse_rewards(cfg.rewards)]
+    records = rl_prompts.read(cfg.prompts, template, rewards)
+    # After an EOS, as the loader puts one before every document the model trained on.
+    prompts = prompt_tokens.encode(tokenizer, [record.text for record in records], bos=True)
+    engine = Engine(run.model, None, slots=run.trainer.batch_size, tokenizer=tokenizer,
+                    param_shardings=steps.state_shardings.model_params,
+                    batch_sharding=steps.batch_sharding)
+    return cls(cfg, engine, records, prompts, rewards, seed=run.trainer.seed,
+               seq_len=run.model.seq_len, batch_size=run.trainer.batch_size,
+               log_probs=steps.log_probs, sharding=steps.batch_sharding,
+               stop_ids=(tokenizer.eos_id,))
+
+  def next(self, step_num: int, state: Any) -> tuple[Batch, DataPosition, dict[str, float]]:
+    """The training loop's input: step `step_num`'s batch, the prompts trained on so far as
+    its position, and the rollouts' metrics where it generated (`batch`)."""
+    batch, metrics = self.batch(step_num, state.model_params)
+    position = DataPosition(self.prompt_position(step_num) + self.prompts_per_batch, {})
+    return batch, position, metrics
+
+  def ends_generation(self, step_num: int) -> bool:
+    """Whether step `step_num` is its generation's last update: a checkpoint or a stop falls
+    there, so that a resume generates the next batch from the params it restores."""
+    return step_num % self._cfg.updates_per_batch == 0
+
+  def metrics(self, position: DataPosition) -> dict[str, float]:
+    return {"rl/prompts": float(position.windows)}
+
+  def close(self) -> None:
+    self._engine.reset("closed")
+
+  def prompt_position(self, step_num: int) -> int:
+    """The run position of the first prompt that step `step_num` (from 1) trains on."""
+    return (step_num - 1) // self._cfg.updates_per_batch * self.prompts_per_batch
+
+  def batch(self, step_num: int, params: Any) -> tuple[Batch, dict[str, float]]:
+    """Step `step_num`'s batch, and the rollouts' metrics (rl/...) where it was generated now
+    ({} else): a new generation from `params` (the model's, as the step starts) at the first
+    step of one; else the batch the generation gave."""
+    generation = (step_num - 1) // self._cfg.updates_per_batch
+    if generation == self._generation:
+      return self._batch, {}
+    if (step_num - 1) % self._cfg.updates_per_batch:
+      raise ValueError(f"step {step_num} trains on generation {generation}, sampled at its "
+                       f"first step, which this run did not take")
+    first = self.prompt_position(step_num)
+    positions = range(first, first + self.prompts_per_batch)
+    indices = [self._prompt_index(p) for p in positions]
+    self._engine.use_params(params)
+    started = time.perf_counter()
+    rollouts = sample(self._engine, [self._records[i] for i in indices],
+                      [self._prompts[i] for i in indices], positions, self._cfg.group_size,
+                      self._sampling, self._seed, self._rewards, self._cfg.scale_rewards,
+                      self._seq_len)
+    self._engine.reset("generation finished")  # Gives its cache's memory back to training.
+    tokens = self._put(rollouts.tokens)
+    self._batch = {"tokens": tokens, "loss_weights": self._put(rollouts.loss_weights),
+                   "advantages": self._put(rollouts.advantages),
+                   "old_log_probs": self._log_probs(params, tokens)}
+    self._generation = generation
+    return self._batch, {**rollouts.metrics,
+                         "rl/rollout_seconds": time.perf_counter() - started}
+
+  def _prompt_index(self, position: int) -> int:
+    epoch, offset = divmod(position, len(self._records))
+    return int(_permutation(self._seed, epoch, len(self._records))[offset])
+
+  def _put(self, values: np.ndarray) -> jax.Array:
+    """The global batch entry, each process placing the rows its devices hold (every process
+    samples the same rollouts: the same params, prompts and seeds)."""
+    return jax.make_array_from_callback(values.shape, self._sharding, lambda index: values[index])
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, count: int) -> np.ndarray:
+  """The order of the prompts in pass `epoch` over them."""
+  return np.random.default_rng([seed, epoch]).permutation(count)

@@ -37,8 +37,10 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   its datasets. A resume that config.json refuses stops here, before anything is restored."""
   saved = resume_checks.saved_config(workdir, checkpointer, run.checkpoint.resume_without_config)
   kept = config.keep_chosen(config.flat_dict(run), saved)
-  sources = loader.load_datasets(run.data)
-  choices.check_vocab(sources[0], run.model.vocab_size)
+  # GRPO trains on what it samples from its prompts (config.rl), not on datasets.
+  sources = [] if run.rl.prompts else loader.load_datasets(run.data)
+  if sources:
+    choices.check_vocab(sources[0], run.model.vocab_size)
   objective = objectives.of_run(choices.objective_name(run, sources), run,
                                 loss_weights=loader.has_loss_weights(sources))
   # The step the search compiles is the one the run trains: DPO's reference, the loss weights.
@@ -56,7 +58,8 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   # This process count and batch size must fit them: said before anything is restored.
   groups.rows_per_group(trainer.batch_size // jax.process_count(), "config.trainer.batch_size")
   config_changes = resume_checks.check_resumed_config(run, saved, workdir)
-  eos_id = sources[0].manifest["tokenizer"]["eos_id"] if run.data.document_masking else None
+  eos_id = (sources[0].manifest["tokenizer"]["eos_id"] if sources and run.data.document_masking
+            else None)
   return Start(run, sources, eos_id, groups, config_changes, objective)
 
 

@@ -438,6 +438,9 @@ class ShardedSteps:
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
+  # (model params, tokens) -> each target's log-probability, float32[rows, seq_len - 1]: the
+  # sampling policy's, for an objective that trains on what it samples.
+  log_probs: Callable[[Any, jax.Array], jax.Array]
   unmatched_params: frozenset[str]  # Those no partition rule matches.
 
   def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
@@ -529,6 +532,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       train_step=jax.jit(train_step, in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
       eval_step=jax.jit(make_eval_step(model, eos_id, objective), in_shardings=(eval_params, batch), out_shardings=replicated),
+      log_probs=jax.jit(lambda params, tokens: -_token_losses(model, params, tokens, eos_id)[0],
+                        in_shardings=(shardings.model_params, batch), out_shardings=batch),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )
 

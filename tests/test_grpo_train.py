@@ -1,0 +1,159 @@
+"""GRPO as a run's objective (config.rl): the reward rises, one device and eight sample and
+train alike, a kill -9 mid-rollout or mid-update resumes to the params of an uninterrupted run,
+and each bad setting is one line."""
+import json
+import os
+import signal
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import forkserver
+import levanter_flax as lf
+from conftest import REPO, read_metrics
+from levanter_flax.config import to_run_config
+from levanter_flax.core.errors import UserError
+from levanter_flax.training.loop import train_and_evaluate
+from test_main import NANO
+
+STEPS = 24
+
+
+def ascii_share(completions, **_):
+  """The share of a completion's characters that are ASCII: about half of a random byte-level
+  model's, and as much as it learns."""
+  return [sum(ord(c) < 128 for c in text) / max(len(text), 1) for text in completions]
+
+
+def write_prompts(directory) -> str:
+  path = directory / "prompts.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"say {i}:"}) + "\n" for i in range(40)))
+  return str(path)
+
+
+def grpo_flags(tmp_path, steps: int = STEPS, *extra: str) -> list[str]:
+  """A tiny byte-level GPT-2 from scratch, rewarded for ASCII."""
+  return [f"--config={NANO}", "--config.model.seq_len=24", "--config.model.num_layers=2",
+          "--config.model.hidden_dim=64", f"--config.rl.prompts={write_prompts(tmp_path)}",
+          "--config.rl.rewards=test_grpo_train:ascii_share", "--config.rl.group_size=4",
+          "--config.rl.max_completion_tokens=8", "--config.trainer.batch_size=16",
+          f"--config.trainer.num_train_steps={steps}", "--config.trainer.log_every_steps=1",
+          "--config.checkpoint.every_steps=2", "--config.optimizer.learning_rate=1e-2",
+          "--config.optimizer.warmup_steps=2", *extra]
+
+
+def grpo_config(tiny_config, tmp_path, steps: int = STEPS):
+  config = tiny_config
+  config.model.seq_len = 24
+  config.rl.prompts = write_prompts(tmp_path)
+  config.rl.rewards = "test_grpo_train:ascii_share"
+  config.rl.group_size = 4
+  config.rl.max_completion_tokens = 8
+  config.trainer.batch_size = 16
+  config.trainer.num_train_steps = steps
+  config.checkpoint.every_steps = 2
+  config.optimizer.learning_rate = 1e-2
+  config.optimizer.warmup_steps = 2
+  return config
+
+
+def main(workdir, flags, devices: int = 8, script: str = "", **env):
+  """levanter_flax.main (or `script`) on `devices` fake CPU devices, the tests' rewards
+  importable."""
+  command = [str(REPO / "tests" / script)] if script else ["-m", "levanter_flax.main"]
+  return forkserver.run(
+      [sys.executable, *command, *flags, f"--workdir={workdir}"], cwd=REPO, capture_output=True,
+      text=True, timeout=300,
+      env={**os.environ, **env, "PYTHONPATH": str(REPO / "tests"),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+
+
+def rl_metrics(workdir) -> dict[int, dict]:
+  return {m["step"]: m for m in read_metrics(workdir) if "rl/reward_mean" in m}
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_and_logs_its_parts(tiny_config, tmp_path):
+  train_and_evaluate(to_run_config(grpo_config(tiny_config, tmp_path)), tmp_path / "run")
+  logged = rl_metrics(tmp_path / "run")
+  assert sorted(logged) == list(range(1, STEPS + 1))  # updates_per_batch 1: a rollout a step.
+  rewards = [logged[s]["rl/reward_mean"] for s in sorted(logged)]
+  assert np.mean(rewards[-6:]) > np.mean(rewards[:6]) + 0.25, rewards
+  last = logged[STEPS]
+  for name in ("rl/reward_std", "rl/advantage_abs_mean", "rl/completion_length",
+               "rl/generation_tokens_per_second", "rl/rollout_seconds", "grpo/clip_region",
+               "train/tokens_per_second", "train/data_wait_seconds"):
+    assert np.isfinite(last[name]), name
+  assert last["rl/prompts"] == STEPS * 4
+
+
+@pytest.mark.slow
+def test_one_device_and_eight_sample_and_train_alike(tmp_path):
+  flags = grpo_flags(tmp_path, 4)
+  one = main(tmp_path / "one", flags, devices=1)
+  assert one.returncode == 0, one.stderr[-3000:]
+  eight = main(tmp_path / "eight", flags + ["--config.trainer.device_mesh.data=4",
+                                            "--config.trainer.device_mesh.model=2"])
+  assert eight.returncode == 0, eight.stderr[-3000:]
+  one, eight = rl_metrics(tmp_path / "one"), rl_metrics(tmp_path / "eight")
+  for step_num in range(1, 5):
+    assert eight[step_num]["rl/reward_mean"] == pytest.approx(one[step_num]["rl/reward_mean"],
+                                                              abs=1e-6), step_num
+    assert eight[step_num]["train/loss"] == pytest.approx(one[step_num]["train/loss"], abs=1e-6)
+    assert eight[step_num]["train/grad_norm"] == pytest.approx(one[step_num]["train/grad_norm"],
+                                                               rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """8 steps, 2 updates per generated batch, checkpoints every 2 steps."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  done = main(workdir / "run", grpo_flags(workdir, 8, "--config.rl.updates_per_batch=2"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  return workdir / "run"
+
+
+def final_params(workdir):
+  return jax.tree.leaves(lf.load(workdir).params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at_step", [6, 7])  # Between a generation's updates; in a rollout.
+def test_a_kill_mid_update_or_mid_rollout_resumes_to_the_uninterrupted_params(
+    uninterrupted, tmp_path, kill_at_step):
+  flags = grpo_flags(tmp_path, 8, "--config.rl.updates_per_batch=2")
+  killed = main(tmp_path / "run", flags, script="killed_in_step_main.py",
+                KILL_AT_STEP=str(kill_at_step))
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  resumed = main(tmp_path / "run", flags)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  # It restarted from step 4 (6's generation began at 5) or 6, and sampled what was sampled.
+  assert rl_metrics(tmp_path / "run")[7]["rl/reward_mean"] == rl_metrics(uninterrupted)[7][
+      "rl/reward_mean"]  # The last generation's.
+  for got, want in zip(final_params(tmp_path / "run"), final_params(uninterrupted)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rl.group_size", 1, r"config.rl.group_size must be at least 2"),
+    ("trainer.batch_size", 24, r"config.trainer.batch_size \(24\) must be a multiple of "
+                               r"config.rl.group_size \(16\)"),
+    ("rl.prompts", "/nonexistent/prompts.jsonl", r"the prompts file /nonexistent/prompts.jsonl "
+                                                 r"does not exist"),
+    ("rl.rewards", "no_such_module:f", r"reward 'no_such_module:f': module no_such_module cannot "
+                                       r"be imported"),
+    ("rl.max_completion_tokens", 20, r"prompts.jsonl line 1: a prompt of 7 tokens leaves no room "
+                                     r"for 20 completion tokens"),
+    ("trainer.num_train_steps", 5, r"config.trainer.num_train_steps \(5\) must be a multiple of "
+                                   r"config.rl.updates_per_batch \(2\)"),
+])
+def test_bad_grpo_settings_are_one_line(tiny_config, tmp_path, key, value, message):
+  config = grpo_config(tiny_config, tmp_path)
+  config.rl.group_size = 16 if key == "trainer.batch_size" else config.rl.group_size
+  config.rl.updates_per_batch = 2
+  section, name = key.split(".")
+  config[section][name] = value
+  with pytest.raises(UserError, match=message):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")
