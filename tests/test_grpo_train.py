@@ -15,6 +15,7 @@ import levanter_flax as lf
 from conftest import REPO, read_metrics
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
+from levanter_flax.monitoring import report
 from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO
 
@@ -87,6 +88,9 @@ def test_grpo_raises_the_reward_and_logs_its_parts(tiny_config, tmp_path):
                "train/tokens_per_second", "train/data_wait_seconds"):
     assert np.isfinite(last[name]), name
   assert last["rl/prompts"] == STEPS * 4
+  report.report([tmp_path / "run"], tmp_path / "plots")
+  png = (tmp_path / "plots" / "reward.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def _format(column: str, value: Optional[float]) -> str:
 
 
 def plot(runs: Sequence[Run], output_dir: epath.Path) -> list[epath.Path]:
-  """One PNG per view, every run on the same axes."""
+  """One PNG per view, every run on the same axes; "reward" where a run logged GRPO's."""
   import matplotlib  # pylint: disable=g-import-not-at-top  # Only the report needs it.
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
@@ -74,6 +74,10 @@ def plot(runs: Sequence[Run], output_dir: epath.Path) -> list[epath.Path]:
       "throughput": [("train/tokens_per_second", "step", "tokens/s"), ("train/mfu", "step", "MFU")],
       "learning_rate": [("train/learning_rate", "step", "learning rate")],
   }
+  if any(run.points("rl/reward_mean")[0] for run in runs):  # A GRPO run's.
+    views["reward"] = [("rl/reward_mean", "step", "reward (mean over completions)"),
+                       ("rl/reward_std", "step", "reward std"),
+                       ("grpo/clip_region", "step", "clipped tokens")]
   written = []
   for view, panels in views.items():
     figure, axes = pyplot.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
