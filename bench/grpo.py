@@ -1,10 +1,24 @@
 """GRPO learns the toy task on the CPU: a byte-level nano GPT-2 given a short SFT on two-digit
-addition ("37+45=" -> "82"), then trained by GRPO with the exact_match reward; held-out exact
+addition ("37+45=" -> "82") whose labels are noisy (--label_noise of them one too high, as
+imperfect demonstrations are), then trained by GRPO with the exact_match reward; held-out exact
 match (greedy, 256 problems the runs never see) before and after, the reward curve, and the
 GRPO steps' time split between generation and training.
 
-    python bench/grpo.py [--sft_steps=480 --grpo_steps=300 --learning_rate=5e-4 \
-        --prompts_per_step=32 --group_size=8 --workdir=/tmp/grpo_bench]
+The noise is what verifiable rewards fix: the SFT model learns the sum and its neighbour both,
+and its greedy answer is right on under a third of the problems; GRPO has to find which of its
+answers the reward checks and sharpen the policy onto it.
+
+Measured (2 CPU cores, a CI run beside it): SFT 700 steps, held-out exact match 28.1%; GRPO 150
+steps in 368 s, 76.6% (+48.4 points), the reward 0.35 -> 0.66; a step 2.19 s, of which
+generation 2.06 s (94%; 570 completion tokens/s) and training 0.13 s (61k tokens/s). At learning
+rate 1e-3 the same run collapses (5.5%): Adam moves every weight by about the learning rate
+whatever the gradient's size, and the rewards' gradient is small and noisy. On clean labels
+stopped early (480 steps, 16%: the ones digit not yet learned), 150 to 900 steps at 1e-4 to
+1e-3 did not raise it: a skill SFT has not taught is more than a sparse reward finds in minutes
+at this scale.
+
+    python bench/grpo.py [--sft_steps=700 --label_noise=0.5 --grpo_steps=150 \
+        --learning_rate=1e-4 --prompts_per_step=32 --group_size=8 --workdir=/tmp/grpo_bench]
 
 Both runs are `python -m levanter_flax.main` subprocesses, as a user runs them; this process
 reads their metrics.jsonl and loads the checkpoints with the engine (no TensorFlow here). A
@@ -42,17 +56,21 @@ def digits(completions, answer, **_):
   return scores
 
 
-def write_data(work: pathlib.Path) -> None:
-  if not (work / "sft_data" / "manifest.json").exists():
+def write_data(work: pathlib.Path, label_noise: float) -> pathlib.Path:
+  """The SFT dataset (prepared once per noise level) and the GRPO prompts."""
+  data = work / f"sft_data_noise{label_noise}"
+  if not (data / "manifest.json").exists():
+    noisy = np.random.default_rng(3).random(40000) < label_noise
     with open(work / "sft.jsonl", "w") as f:
-      for prompt, answer in problems(40000, 0):
-        f.write(json.dumps({"prompt": prompt, "completion": answer}) + "\n")
+      for (prompt, answer), off in zip(problems(40000, 0), noisy):
+        f.write(json.dumps({"prompt": prompt, "completion": str(int(answer) + off)}) + "\n")
     subprocess.run([sys.executable, "-m", "levanter_flax.commands.prepare",
                     "--source=prompt_completion", f"--input={work}/sft.jsonl", "--tokenizer=byte",
-                    f"--output_dir={work}/sft_data", "--num_shards=2"], check=True, cwd=REPO)
+                    f"--output_dir={data}", "--num_shards=2"], check=True, cwd=REPO)
   with open(work / "prompts.jsonl", "w") as f:
     for prompt, answer in problems(4000, 1):
       f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+  return data
 
 
 def train(workdir: pathlib.Path, *flags: str) -> float:
@@ -80,23 +98,25 @@ def exact_match(workdir: pathlib.Path) -> float:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--sft_steps", type=int, default=480)
-  parser.add_argument("--grpo_steps", type=int, default=300)
-  parser.add_argument("--learning_rate", type=float, default=5e-4)
+  parser.add_argument("--sft_steps", type=int, default=700)
+  parser.add_argument("--label_noise", type=float, default=0.5)
+  parser.add_argument("--grpo_steps", type=int, default=150)
+  parser.add_argument("--learning_rate", type=float, default=1e-4)
   parser.add_argument("--prompts_per_step", type=int, default=32)
   parser.add_argument("--group_size", type=int, default=8)
   parser.add_argument("--updates_per_batch", type=int, default=1)
-  parser.add_argument("--reward", default="grpo:digits", help="exact_match, or grpo:digits "
+  parser.add_argument("--reward", default="exact_match", help="exact_match, or grpo:digits "
                       "(this file's partial credit)")
   parser.add_argument("--workdir", default="/tmp/grpo_bench")
   args = parser.parse_args()
   work = pathlib.Path(args.workdir)
   work.mkdir(parents=True, exist_ok=True)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  write_data(work)
-  sft, rl = work / f"sft{args.sft_steps}", work / (
-      f"grpo_{args.reward.replace(':', '_')}_lr{args.learning_rate}_u{args.updates_per_batch}")
-  sft_seconds = train(sft, f"--config.data.dataset={work}/sft_data", "--config.trainer.batch_size=64",
+  data = write_data(work, args.label_noise)
+  sft = work / f"sft{args.sft_steps}_noise{args.label_noise}"
+  rl = work / (f"grpo_{sft.name}_{args.reward.replace(':', '_')}_lr{args.learning_rate}_"
+               f"u{args.updates_per_batch}_s{args.grpo_steps}")
+  sft_seconds = train(sft, f"--config.data.dataset={data}", "--config.trainer.batch_size=64",
                       f"--config.trainer.num_train_steps={args.sft_steps}",
                       f"--config.checkpoint.every_steps={args.sft_steps}",
                       "--config.optimizer.warmup_steps=20")
