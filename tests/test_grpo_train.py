@@ -3,6 +3,7 @@ train alike, a kill -9 mid-rollout or mid-update resumes to the params of an uni
 and each bad setting is one line."""
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -152,6 +153,8 @@ def test_a_kill_mid_update_or_mid_rollout_resumes_to_the_uninterrupted_params(
                                      r"for 20 completion tokens"),
     ("trainer.num_train_steps", 5, r"config.trainer.num_train_steps \(5\) must be a multiple of "
                                    r"config.rl.updates_per_batch \(2\)"),
+    ("trainer.spike_policy", "rollback", r"config.trainer.spike_policy 'rollback' skips the "
+                                         r"batches of datasets"),
 ])
 def test_bad_grpo_settings_are_one_line(tiny_config, tmp_path, key, value, message):
   config = grpo_config(tiny_config, tmp_path)
@@ -160,4 +163,23 @@ def test_bad_grpo_settings_are_one_line(tiny_config, tmp_path, key, value, messa
   section, name = key.split(".")
   config[section][name] = value
   with pytest.raises(UserError, match=message):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_save_due_within_a_generation_is_made_at_its_end(tiny_config, tmp_path):
+  """every_steps 3 with 2 updates a batch: step 3's save is made after step 4, where a resume
+  samples the next batch; a resume with another updates_per_batch, within its generation, is
+  one line."""
+  config = grpo_config(tiny_config, tmp_path, 6)
+  config.rl.updates_per_batch = 2
+  config.checkpoint.every_steps = 3
+  train_and_evaluate(to_run_config(config), tmp_path / "run")
+  checkpoints = tmp_path / "run" / "checkpoints"
+  assert sorted(int(p.name) for p in checkpoints.iterdir()) == [4, 6]
+  shutil.rmtree(checkpoints / "6")
+  config.rl.updates_per_batch = 3
+  config.trainer.num_train_steps = 9
+  with pytest.raises(UserError, match=r"^step 5 falls within a generation of "
+                                      r"config.rl.updates_per_batch \(3\) steps"):
     train_and_evaluate(to_run_config(config), tmp_path / "run")

@@ -22,8 +22,8 @@ from levanter_flax.core.schema import setting
 # A LoRA run's frozen base, in its workdir: written once when the run starts, not in every
 # checkpoint.
 FROZEN_BASE = "lora_base"
-# A DPO run's reference model (without LoRA: a copy of its initial params), in its workdir, the
-# same way.
+# The reference model of a run whose objective needs one (DPO, GRPO with a KL; without LoRA: a
+# copy of its initial params), in its workdir, the same way. Named when DPO was the only one.
 REFERENCE = "dpo_reference"
 
 
@@ -448,7 +448,7 @@ def _free_name(directory: epath.Path, name: str) -> epath.Path:
 
 def save_frozen(directory: epath.Path, frozen: Any,
                 what: str = "the LoRA run's frozen base") -> None:
-  """A LoRA run's frozen base (or a DPO run's reference: `what`), written whole (orbax renames
+  """A LoRA run's frozen base (or a run's reference model: `what`), written whole (orbax renames
   a finished temporary directory) when the run starts from step 0, replacing any earlier
   start's."""
   try:

@@ -17,8 +17,8 @@ Metrics = dict[str, jax.Array]
 
 
 class Objective(abc.ABC):
-  """One way to train. A subclass is a frozen dataclass of its config section, registered by
-  name in objectives/__init__.py."""
+  """One way to train. A subclass is a frozen dataclass (of its config section, where it has
+  one), registered by name in objectives/__init__.py."""
   name: ClassVar[str]  # Its registry key; checkpoints record it (a resume must not switch).
   # The data it trains on: "windows" (token windows, the next-token eval), "pairs"
   # (preference pairs, each one row; the pairs' eval), or "rollouts" (completions it samples).

@@ -106,7 +106,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, scale_rewards: str) -
 
 
 def per_token_losses(log_probs: jax.Array, old_log_probs: jax.Array,
-                 reference_log_probs: jax.Array | None, advantages: jax.Array,
+                     reference_log_probs: jax.Array | None, advantages: jax.Array,
                  cfg: GrpoConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(loss per completion token [completions, tokens], per-token metrics of the same shape:
   kl, and the clip indicators TRL logs). log_probs: the policy's, of each completion token;
@@ -161,7 +161,7 @@ def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 class Grpo(base.Objective):
   """GRPO on rollouts: each row a prompt and one sampled completion, whose targets weigh 1
   ("loss_weights"), with its advantage ("advantages") and the sampling policy's log-probability
-  of each of tokens[:, 1:] ("old_log_probs", 0 outside the completion)."""
+  of each of tokens[:, 1:] ("old_log_probs"; outside the completion, not read)."""
   cfg: GrpoConfig = GrpoConfig()
   name = "grpo"
   reads = "rollouts"
@@ -183,9 +183,12 @@ class Grpo(base.Objective):
 
   def loss(self, token_losses, reference_token_losses, batch, totals):
     reference = None if reference_token_losses is None else -reference_token_losses
-    losses, per_token = per_token_losses(-token_losses, batch["old_log_probs"], reference,
-                                     batch["advantages"], self.cfg)
     mask = batch["loss_weights"][:, 1:]
+    # Outside the completion the ratio is 1: a prompt's or padding's could overflow exp(), and
+    # 0 x inf would make the masked loss's gradient NaN.
+    old = jnp.where(mask > 0, batch["old_log_probs"], jax.lax.stop_gradient(-token_losses))
+    losses, per_token = per_token_losses(-token_losses, old, reference, batch["advantages"],
+                                         self.cfg)
     loss = aggregate(losses, mask, self.cfg.loss_type, self.cfg.max_completion_tokens, totals)
     return loss, {f"grpo/{name}": (value * mask).sum() / totals["tokens"]
                   for name, value in per_token.items()}

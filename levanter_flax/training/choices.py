@@ -5,7 +5,8 @@ trainer.batch_size "auto" (batch_search) and the reader groups for data.reader_g
 (position.default_reader_groups). config.json keeps the choice, and a resume keeps it from
 there by config.keep_chosen, the rule the launcher applies too (launch/local.py), so a resumed
 run reads the batches it would have read uninterrupted, whatever it would choose now. The data
-chooses the objective (objective_name): preference data trains by DPO.
+chooses the objective (objective_name): config.rl.prompts trains by GRPO, preference data by
+DPO.
 """
 import dataclasses
 from typing import Callable, Optional

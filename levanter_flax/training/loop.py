@@ -307,7 +307,8 @@ class _Windows:
     self._batches.close()
 
 
-def _train_input(start: Start, steps: step.ShardedSteps, position: DataPosition, rolled_back: set):
+def _train_input(start: Start, steps: step.ShardedSteps, position: DataPosition,
+                 rolled_back: set):
   """What the objective reads: sampled rollouts, or the datasets' windows."""
   if steps.objective.reads == "rollouts":
     return rollouts.RolloutBatches.for_run(start.run, steps)
@@ -400,6 +401,7 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
   profile = watch.ProfileWindow(workdir, watching.profiler_start_step,
                                 watching.profiler_num_steps if watching.profiler else 0)
   history, input_history, data_wait, steps_running, last_metrics = [], [], 0.0, 0, {}
+  due_later = None  # A save due within a generation of rollouts, made at its end.
   # Closed also when a step raises: TF complains about pipelines left for interpreter exit.
   with contextlib.closing(_train_input(start, steps, position, rolled_back)) as train_input, \
       _metric_writer(run, workdir, lock) as writer, \
@@ -459,8 +461,10 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
         history, input_history, data_wait, steps_running = [], [], 0.0, 0
       report_progress(step_num)
       # The clock is asked on log steps only, where the host waits for the device anyway.
-      due = train_input.ends_generation(step_num) and checkpointer.due(
-          step_num, forced=finished or stopping, ask_clock=log_step)
+      due = checkpointer.due(step_num, forced=finished or stopping, ask_clock=log_step) or due_later
+      due_later = None
+      if due and not train_input.ends_generation(step_num):  # Saved where a resume can sample.
+        due, due_later = None, due
       if due:  # Before eval: a failing eval must not cost the step's checkpoint.
         nonfinite.flush()  # A halt due saves nothing from after the non-finite step.
         with _phase(report_progress, "checkpoint"):

@@ -38,6 +38,7 @@ class Progress:
     return self.position.to_json() | {"skipped_steps": self.skipped_steps,
                                       "consecutive_skipped_steps": self.consecutive_skipped_steps,
                                       "objective": self.objective,
+                                      "dpo": self.objective == "dpo",  # As older versions read.
                                       "recent_spikes": [list(s) for s in self.recent_spikes]}
 
   @classmethod

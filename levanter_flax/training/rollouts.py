@@ -142,6 +142,9 @@ class RolloutBatches:
     config.data.tokenizer and its chat template), for `steps` (step.ShardedSteps: the engine
     generates on their mesh, and their log_probs)."""
     cfg = run.rl
+    if run.trainer.spike_policy == "rollback":  # It would sample the rolled-back batches again.
+      raise UserError("config.trainer.spike_policy 'rollback' skips the batches of datasets; a "
+                      "GRPO run samples its own: use 'skip' or 'none'")
     if run.trainer.num_train_steps % cfg.updates_per_batch:
       raise UserError(f"config.trainer.num_train_steps ({run.trainer.num_train_steps}) must be a "
                       f"multiple of config.rl.updates_per_batch ({cfg.updates_per_batch}): a "
@@ -196,8 +199,9 @@ class RolloutBatches:
     if generation == self._generation:
       return self._batch, {}
     if (step_num - 1) % self._cfg.updates_per_batch:
-      raise ValueError(f"step {step_num} trains on generation {generation}, sampled at its "
-                       f"first step, which this run did not take")
+      raise UserError(f"step {step_num} falls within a generation of config.rl.updates_per_batch "
+                      f"({self._cfg.updates_per_batch}) steps that this run did not sample: "
+                      f"resume with the updates_per_batch its checkpoints were written with")
     first = self.prompt_position(step_num)
     positions = range(first, first + self.prompts_per_batch)
     indices = [self._prompt_index(p) for p in positions]
