@@ -175,7 +175,9 @@ def test_the_weights_are_transformers_assistant_mask_at_the_edges(tmp_path, eos_
     tokenizer = load_tokenizer(tokenizer_file)
     template = chat.load_template(tokenizer_file, template_file)
     _, stop_ids = chat_prompts(template, tokenizer, ["hi"], "")
-    assert stop_ids == tuple(sorted({tokenizer.eos_id, int(tokenizer.encode("<|im_end|>")[0])}))
+    # The checkpoint's EOS (tokenizer_config.json's) and the end of turn.
+    assert stop_ids == tuple(sorted({int(tokenizer.encode(eos_token)[0]),
+                                     int(tokenizer.encode("<|im_end|>")[0])}))
 
 
 def test_prompt_completion_weighs_the_completion_and_its_eos(tmp_path, tokenizer_file):

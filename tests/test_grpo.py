@@ -294,3 +294,66 @@ def test_a_missing_empty_or_undecodable_prompts_file_is_one_line(tmp_path):
   (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "x"}]}')
   with pytest.raises(UserError, match="line 1: a chat record needs a chat template"):
     rl_prompts.read(str(tmp_path / "chat.jsonl"), None)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_step_scores_completions_at_the_sampling_temperature_as_trl_does(tmp_path,
+                                                                             temperature):
+  """TRL's GRPOTrainer takes the policy's, the sampler's (old) and the reference's log-probs
+  from logits / temperature (its fused LM head's); so do the step's loss and its log_probs."""
+  import contextlib
+  import transformers
+  from levanter_flax import models
+  from levanter_flax.hf import snapshot
+  from levanter_flax.training import step
+  from trl.trainer.grpo_trainer import add_fused_lm_head
+  torch.manual_seed(0)
+  policy, reference = (transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+      eos_token_id=0)).eval() for _ in range(2))
+  ours = {}
+  for name, hf in (("policy", policy), ("reference", reference)):
+    hf.save_pretrained(tmp_path / name)
+    ours[name] = snapshot.load(tmp_path / name)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, (COMPLETIONS, 12)).astype(np.int32)
+  trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(
+      autocast=contextlib.nullcontext, is_main_process=True))
+
+  def trl_log_probs(hf):
+    add_fused_lm_head(hf, temperature=temperature)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    with torch.no_grad():
+      return trl.GRPOTrainer._get_per_token_logps_and_entropies(
+          trainer, hf, ids, torch.ones_like(ids), logits_to_keep=tokens.shape[1] - 1)[0].numpy()
+
+  theirs = {name: trl_log_probs(hf) for name, hf in (("policy", policy),
+                                                      ("reference", reference))}
+  cfg = grpo.GrpoConfig(temperature=temperature, beta=0.04, max_completion_tokens=TOKENS)
+  objective = grpo.Grpo(cfg)
+  model = models.build(ours["policy"][0])
+  got = -step._token_losses(model, ours["policy"][1], jnp.asarray(tokens), None,
+                            temperature=objective.logit_temperature)[0]
+  np.testing.assert_allclose(np.asarray(got), theirs["policy"], atol=2e-5)
+  # The loss, with the sampler's log-probs as TRL's policy's at sampling time, plus noise.
+  old = theirs["policy"] + rng.normal(0, 0.2, theirs["policy"].shape).astype(np.float32)
+  mask = np.zeros(tokens.shape, np.float32)
+  mask[:, 4:4 + TOKENS] = 1
+  advantages = rng.normal(0, 1, COMPLETIONS).astype(np.float32)
+  batch = {"tokens": jnp.asarray(tokens), "loss_weights": jnp.asarray(mask),
+           "advantages": jnp.asarray(advantages), "old_log_probs": jnp.asarray(old)}
+  value = step.loss_and_parts(model, ours["policy"][1], batch, objective=objective,
+                              reference=step.Reference(model, ours["reference"][1]))[1]["loss"]
+  their_value = trl_loss(cfg, theirs["policy"][:, 3:3 + TOKENS], old[:, 3:3 + TOKENS],
+                         theirs["reference"][:, 3:3 + TOKENS], advantages,
+                         np.ones((COMPLETIONS, TOKENS), np.float32))[0]
+  assert float(value) == pytest.approx(their_value, abs=2e-5)
+  # So that this could fail: at another temperature the log-probs differ.
+  other = -step._token_losses(model, ours["policy"][1], jnp.asarray(tokens), None,
+                              temperature=temperature + 0.3)[0]
+  assert np.abs(np.asarray(other) - theirs["policy"]).max() > 1e-2
+
+
+def test_a_temperature_of_zero_is_refused():
+  with pytest.raises(UserError, match="config.rl.temperature must be above 0: at 0 \\(greedy\\)"):
+    grpo.GrpoConfig(temperature=0.0)

@@ -183,3 +183,42 @@ def test_a_save_due_within_a_generation_is_made_at_its_end(tiny_config, tmp_path
   with pytest.raises(UserError, match=r"^step 5 falls within a generation of "
                                       r"config.rl.updates_per_batch \(3\) steps"):
     train_and_evaluate(to_run_config(config), tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, data_cache):
+  """A run of 4 steps on 4 prompts a step (batch 16, groups of 4), checkpointed at 2 and 4."""
+  from conftest import make_tiny_config
+  directory = tmp_path_factory.mktemp("four_steps")
+  config = grpo_config(make_tiny_config(data_cache), directory, 4)
+  train_and_evaluate(to_run_config(config), directory / "run")
+  assert rl_metrics(directory / "run")[4]["rl/prompts"] == 16
+  return config, directory / "run"
+
+
+@pytest.mark.parametrize("key, value, prompts_per_step", [
+    ("rl.group_size", 8, 2), ("trainer.batch_size", 32, 8), ("rl.group_size", 2, 8)])
+def test_a_resume_with_another_batch_or_group_size_goes_on_from_the_prompts_trained(
+    four_steps, tmp_path, key, value, prompts_per_step):
+  """Step 5 samples the prompts after the 16 trained on, however many a step now takes."""
+  config, trained = four_steps
+  shutil.copytree(trained, tmp_path / "run")
+  config = config.copy_and_resolve_references()
+  section, name = key.split(".")
+  config[section][name] = value
+  config.trainer.num_train_steps = 6
+  train_and_evaluate(to_run_config(config), tmp_path / "run")
+  logged = rl_metrics(tmp_path / "run")
+  assert [logged[s]["rl/prompts"] for s in (5, 6)] == [16 + prompts_per_step,
+                                                        16 + 2 * prompts_per_step]
+
+
+def test_turning_the_kl_on_at_a_resume_is_one_line(four_steps, tmp_path):
+  config, trained = four_steps
+  shutil.copytree(trained, tmp_path / "run")
+  config = config.copy_and_resolve_references()
+  config.rl.beta = 0.04
+  config.trainer.num_train_steps = 6
+  with pytest.raises(UserError, match=r"^config.rl.beta was 0 when the run in .* started, so it "
+                                      r"kept no reference model for the KL"):
+    train_and_evaluate(to_run_config(config), tmp_path / "run")

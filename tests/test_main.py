@@ -199,3 +199,16 @@ def test_libtpu_is_silent_on_a_machine_without_a_tpu():
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.strip() == "cpu"
   assert "tpu" not in result.stderr.lower(), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, subcommand", [
+    ("prepare", "prepare"), ("sample", "sample"), ("evaluate", "evaluate"),
+    ("export_hf", "export-hf"), ("aot", "aot"), ("report", "report")])
+def test_the_old_module_paths_run_their_command_and_say_what_replaces_them(module, subcommand):
+  result = forkserver.run([sys.executable, "-m", f"levanter_flax.{module}", "--no_such_flag"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert lines[0] == (f"levanter_flax: `python -m levanter_flax.{module}` is now "
+                      f"`levanter-flax {subcommand}` (python -m levanter_flax.commands.{module})")
+  assert lines[-1] == "levanter_flax: error: Unknown command line flag 'no_such_flag'"

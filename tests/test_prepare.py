@@ -586,3 +586,29 @@ def test_the_stdlib_corpus_is_the_stdlibs_own_modules_sorted(tmp_path, monkeypat
   monkeypatch.setattr(sources, "stdlib_root", lambda: root)
   assert sources.resolve_files(sources.SourceSpec(kind="stdlib"), str(tmp_path / "out")) == [
       str(root / name) for name in ("json/__init__.py", "json/decoder.py", "os.py")]
+
+
+def test_a_foreign_non_empty_directory_is_not_written_into(tmp_path):
+  """An HF checkpoint's directory given as --output_dir: refused, nothing written; a failed
+  prepare (a bad line) leaves a directory the next, fixed command prepares."""
+  (tmp_path / "a.txt").write_text("one")
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "config.json").write_text("{}")
+  (model / "tokenizer.json").write_text("{}")
+  source = sources.SourceSpec(kind="text", inputs=(str(tmp_path / "a.txt"),))
+  with pytest.raises(UserError, match=f"^{model} is not empty and holds no dataset "
+                                      f"\\(config.json\\): give --output_dir a new or empty "
+                                      f"directory$"):
+    dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
+        source=source, output_dir=model, validation_fraction=0.0, num_shards=1))
+  assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json"]
+  (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+  failing = dataset_writer.PrepareOptions(
+      source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "bad.jsonl"),)),
+      output_dir=tmp_path / "out", validation_fraction=0.0, num_shards=1)
+  with pytest.raises(UserError):
+    dataset_writer.prepare_dataset(failing)
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
+      source=source, output_dir=tmp_path / "out", validation_fraction=0.0, num_shards=1))
+  assert read_documents(tmp_path / "out") == ["one"]

@@ -3,6 +3,8 @@ same for the same run position whatever else is sampled with them."""
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,13 +30,13 @@ def engine():
   return Engine(cfg, params, slots=8, prefill_chunk=8, tokenizer=ByteText())
 
 
-def sample(engine, positions, group_size=4, sampling=None, **overrides):
+def sample(engine, positions, group_size=4, sampling=None, stop_ids=(7,), **overrides):
   sys.modules["rollout_rewards"] = types.SimpleNamespace(letters=letters)
   records = [PromptRecord(ByteText().decode(PROMPTS[p]), {"answer": "abcdefg"[p:p + 3]},
                           f"prompts.jsonl line {p + 1}") for p in positions]
   return rollouts.sample(
-      engine, records, [PROMPTS[p] for p in positions], positions, group_size,
-      sampling or SamplingParams(max_tokens=6, temperature=1.0, stop_ids=(7,)), seed=3,
+      engine, records, [PROMPTS[p] for p in positions], [stop_ids] * len(positions), positions,
+      group_size, sampling or SamplingParams(max_tokens=6, temperature=1.0), seed=3,
       rewards=[rewards.load("rollout_rewards:letters")], scale_rewards="group", seq_len=SEQ_LEN,
       **overrides)
 
@@ -80,3 +82,48 @@ def test_a_prompt_too_long_for_its_completion_is_one_line(engine):
   assert str(raised.value) == ("prompts.jsonl line 3: a prompt of 6 tokens leaves no room for 20 "
                                "completion tokens (config.rl.max_completion_tokens) in the context of 24 "
                                "tokens")
+
+
+def test_a_chat_record_ends_at_its_template_end_of_turn(tmp_path):
+  """A model that always ends its turn at once: a chat prompt's completions are the end of
+  turn alone (the rewards see "", the loss weighs that token alone); a plain prompt's run on,
+  as only an EOS ends them."""
+  import dataclasses
+  import json
+  from levanter_flax import models
+  from levanter_flax.data import chat, rl_prompts, tokenizers
+  from levanter_flax.generate import prompts as prompt_tokens
+  from test_chat import CHATML, make_tokenizer
+  from test_sample import MODELS
+  path = make_tokenizer(tmp_path, template=CHATML, eos_token="<|endoftext|>")
+  tokenizer, template = tokenizers.load_tokenizer(path), chat.load_template(path, "")
+  (tmp_path / "prompts.jsonl").write_text(
+      json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n"
+      + json.dumps({"prompt": "hello"}) + "\n")
+  records = rl_prompts.read(str(tmp_path / "prompts.jsonl"), template)
+  end_of_turn = tokenizer.encode("<|im_end|>").tolist()
+  stops = rollouts.stop_ids(records, template, tokenizer)
+  assert stops == [tuple(sorted({*tokenizer.stop_ids, *end_of_turn})), tokenizer.stop_ids]
+  assert end_of_turn[0] not in tokenizer.stop_ids
+  cfg = dataclasses.replace(MODELS["gpt2"], vocab_size=tokenizer.vocab_size, seq_len=64)
+  params = models.build(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  # The last hidden state is the final norm's bias, e_0, whatever came before: the logits are
+  # the embedding's first column, the end of turn's far the largest.
+  params["ln_f"] = {"scale": jnp.zeros_like(params["ln_f"]["scale"]),
+                    "bias": jnp.zeros_like(params["ln_f"]["bias"]).at[0].set(1.0)}
+  params["wte"]["embedding"] = params["wte"]["embedding"].at[:, 0].set(0).at[
+      end_of_turn[0], 0].set(50.0)
+  engine = Engine(cfg, params, slots=4, tokenizer=tokenizer)
+  seen = []
+  sys.modules["rollout_rewards"] = types.SimpleNamespace(
+      seen=lambda completions, **_: seen.extend(completions) or [0.0] * len(completions))
+  got = rollouts.sample(
+      engine, records, prompt_tokens.encode(tokenizer, [r.text for r in records], bos=True),
+      stops, [0, 1], 2, SamplingParams(max_tokens=6, temperature=1.0), seed=0,
+      rewards=[rewards.load("rollout_rewards:seen")], scale_rewards="group", seq_len=64)
+  assert seen[:2] == ["", ""]
+  for row in range(2):
+    assert got.tokens[row, np.flatnonzero(got.loss_weights[row])].tolist() == end_of_turn
+  for row in range(2, 4):
+    assert got.loss_weights[row].sum() == 6
+  assert got.metrics["rl/stopped_fraction"] == 0.5

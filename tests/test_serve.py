@@ -176,7 +176,15 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
   refused(400, "prompt is empty", prompt=[])
   malformed = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": ',
                          headers={"content-type": "application/json"})
-  assert malformed.status_code == 400 and "error" in malformed.json()
+  assert malformed.status_code == 400 and malformed.json()["error"]["message"] == (
+      "The request body is not valid JSON: Expecting value at character 28")
+  for name, value in [("logit_bias", {"5": 100}), ("presence_penalty", 0.5),
+                      ("frequency_penalty", -1.0), ("echo", True), ("best_of", 3)]:
+    refused(400, f"^{name} is not supported by this server$", **{name: value})
+  tools = httpx.post(f"{url}/v1/chat/completions", json={
+      "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]})
+  assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
   missing = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL})
   assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
   assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
@@ -242,3 +250,57 @@ def test_a_workdir_with_no_checkpoint_is_one_line(tmp_path):
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   assert result.stderr.strip().splitlines()[-1] == (
       f"levanter_flax: error: {tmp_path} has no config.json: not a levanter_flax workdir")
+
+
+def test_completions_end_at_every_eos_id_of_generation_config_as_transformers(hf, tmp_path):
+  """A checkpoint whose generation_config.json ends generations at a list of ids (Qwen2.5-
+  Instruct's, Llama-3-Instruct's), none of them the tokenizer's <|endoftext|>: each prompt's
+  greedy reply equals transformers' generate, which stops at any of them."""
+  import shutil
+  from fastapi import testclient
+  from levanter_flax.generate import server as server_lib
+  directory, model = hf
+  for path in directory.iterdir():
+    shutil.copy(path, tmp_path / path.name)
+  tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path /
+                                                                      "tokenizer.json"))
+  prompts = ["hello there, how are", "abc", "the cat sat", "42 is"]
+
+  def greedy(prompt, ends):
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                           do_sample=False, eos_token_id=ends, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+  # The 4th token of each greedy continuation (or <|im_end|>) ends them all.
+  ends = sorted({2, *(greedy(p, [])[3] for p in prompts)} - {0})
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+  (tmp_path / "config.json").write_text(json.dumps(
+      json.loads((tmp_path / "config.json").read_text()) | {"eos_token_id": 2}))
+  expected = []
+  for prompt in prompts:
+    generated = greedy(prompt, ends)
+    stopped = next((i for i, t in enumerate(generated) if t in ends), None)
+    expected.append((tokenizer.decode(generated[:stopped]), "length" if stopped is None
+                     else "stop"))
+  assert all(finish == "stop" for _, finish in expected)
+  served = server_lib.load_server("", str(tmp_path), model_name=MODEL, slots=SLOTS, max_len=64)
+  served.start(warm_up=False)
+  try:
+    with testclient.TestClient(server_lib.build_app(served)) as client:
+      for prompt, (text, finish) in zip(prompts, expected):
+        choice = client.post("/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}).json()[
+                "choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (text, finish), prompt
+  finally:
+    served.stop()
+
+
+def test_a_tensor_parallel_that_does_not_divide_the_devices_names_the_flag(hf):
+  import jax
+  from levanter_flax.core.errors import UserError
+  from levanter_flax.generate import server as server_lib
+  with pytest.raises(UserError, match=f"^--tensor_parallel 3 must divide the "
+                                      f"{jax.device_count()} devices$"):
+    server_lib.load_server("", str(hf[0]), tensor_parallel=3)

@@ -1,4 +1,5 @@
 """Tokenizers round-trip text, are recorded in the manifest, and a mismatched config is refused."""
+import json
 import shutil
 
 import pytest
@@ -91,7 +92,6 @@ def test_sample_refuses_a_tokenizer_file_changed_since_the_run(tmp_path, bpe_fil
   trained_with = load_tokenizer(str(bpe_file))
   assert trained.run_tokenizer(tmp_path, saved).sha256 == trained_with.sha256
   train_bpe(random_documents(50, seed=1), 400, tokenizer)  # Retrained in place: other merges.
-  load_tokenizer.cache_clear()  # As a new sample process reads it.
   with pytest.raises(UserError, match=(
       f"tokenizer {tokenizer} is huggingface sha256:\\w{{12}} \\(vocab 400\\), but the run in "
       f"{tmp_path} trained on {directory}, tokenized with huggingface "
@@ -108,3 +108,71 @@ def test_a_broken_tokenizer_json_is_named(tmp_path, content):
   assert str(error.value).startswith(
       f"cannot load tokenizer {path}: not a Hugging Face tokenizer.json (")
   assert "\n" not in str(error.value)
+
+
+def bare_bpe(directory, special=("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> str:
+  """A byte-level BPE whose first ids are `special`, with no file beside it."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  directory.mkdir(parents=True, exist_ok=True)
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator(random_documents(20), trainer=trainers.BpeTrainer(
+      vocab_size=300, special_tokens=list(special), show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer.save(str(directory / "tokenizer.json"))
+  return str(directory / "tokenizer.json")
+
+
+@pytest.mark.parametrize("files, stop_ids", [
+    ({}, (0,)),  # A bare tokenizer.json: the first name it has of EOS_CANDIDATES.
+    ({"tokenizer_config.json": {"eos_token": "<|im_end|>"}}, (2,)),
+    ({"tokenizer_config.json": {"eos_token": "<|im_end|>"}, "config.json": {"eos_token_id": 1}},
+     (1,)),
+    # Qwen2.5-Instruct's: generation_config.json's list, before config.json's one id.
+    ({"generation_config.json": {"eos_token_id": [2, 0]}, "config.json": {"eos_token_id": 0},
+      "tokenizer_config.json": {"eos_token": "<|endoftext|>"}}, (2, 0)),
+    ({"generation_config.json": {"eos_token_id": 2}}, (2,)),
+])
+def test_generation_stops_at_the_checkpoint_eos_ids(tmp_path, files, stop_ids):
+  path = bare_bpe(tmp_path)
+  for name, contents in files.items():
+    (tmp_path / name).write_text(json.dumps(contents))
+  tokenizer = load_tokenizer(path)
+  assert tokenizer.stop_ids == stop_ids
+  assert tokenizer.eos_id == 0  # The corpus separator stays one id, the name found first.
+
+
+def test_an_eos_named_only_by_the_checkpoint_ends_documents(tmp_path):
+  """DeepSeek-V3's EOS has none of the usual names."""
+  path = bare_bpe(tmp_path, ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"))
+  with pytest.raises(UserError, match="has none of the end-of-document tokens .* and no "
+                                      "tokenizer_config.json, generation_config.json or "
+                                      "config.json beside it names its EOS"):
+    load_tokenizer(path)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": {"content": "<｜end▁of▁sentence｜>", "special": True}}))
+  tokenizer = load_tokenizer(path)
+  assert (tokenizer.eos_id, tokenizer.stop_ids, tokenizer.eos_text) == (
+      1, (1,), "<｜end▁of▁sentence｜>")
+
+
+@pytest.mark.parametrize("value", ["2", [], [2, 9999], True])
+def test_a_bad_eos_token_id_is_one_line(tmp_path, value):
+  path = bare_bpe(tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+  with pytest.raises(UserError, match=f"{tmp_path / 'generation_config.json'}: eos_token_id "
+                                      f".* must be a token id or a list of them, each in "
+                                      f"\\[0, 300\\)"):
+    load_tokenizer(path)
+
+
+def test_a_tokenizer_rewritten_in_place_is_read_anew(tmp_path):
+  path = bare_bpe(tmp_path)
+  assert load_tokenizer(path).stop_ids == (0,)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
+  assert load_tokenizer(path).stop_ids == (2,)
+  before = load_tokenizer(path).sha256
+  bare_bpe(tmp_path, ("<|endoftext|>", "<|im_end|>"))
+  assert load_tokenizer(path).sha256 != before

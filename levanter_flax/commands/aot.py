@@ -16,7 +16,7 @@ from absl import app, flags
 from levanter_flax import objectives
 from levanter_flax.config import define_config_flag, parse_flags, run_config_of_flags
 from levanter_flax.core.errors import UserError, exit_with_error
-from levanter_flax.plan import planner
+from levanter_flax.plan import planner, slices
 from levanter_flax.plan.slices import EXAMPLES, GIB
 
 
@@ -38,6 +38,10 @@ def main(argv):
   if len(argv) > 1:
     exit_with_error(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
+    # The flags first: a mistyped topology is said before the config or libtpu loads.
+    slices.topology(flags.FLAGS.topology)
+    if flags.FLAGS.num_slices < 1:
+      raise UserError(f"--num_slices must be at least 1; got {flags.FLAGS.num_slices}")
     run = run_config_of_flags()
     result = planner.plan(run, flags.FLAGS.topology, flags.FLAGS.num_slices,
                           flags.FLAGS.compiler_costs, flags.FLAGS.objective)

@@ -51,6 +51,7 @@ def main(argv: list[str]) -> None:
     model_cfg, params, saved = run_params(workdir)
     tokenizer = trained.run_tokenizer(workdir, saved)
     texts = flag.prompt
+    sampling = dataclasses.replace(sampling, stop_ids=tokenizer.stop_ids)
     if flag.chat:
       template = trained.chat_template(saved, tokenizer, flag.chat_template)
       texts, stop_ids = chat_prompts(template, tokenizer, flag.prompt, flag.system)

@@ -69,3 +69,14 @@ def _drop_orbax_echoes(unraisable) -> None:
                  and "Event loop is closed" in str(unraisable.exc_value))
   if not (closed_loop or _through_orbax(unraisable.exc_traceback)):
     sys.__unraisablehook__(unraisable)
+
+
+def run_moved(subcommand: str) -> None:
+  """Runs `levanter-flax SUBCOMMAND` for its module's path before the commands moved into
+  commands/ (`python -m levanter_flax.prepare`, which users' scripts call), after saying once,
+  on stderr, what replaces that path."""
+  import runpy  # pylint: disable=g-import-not-at-top
+  module = subcommand.replace("-", "_")
+  print(f"levanter_flax: `python -m levanter_flax.{module}` is now `levanter-flax {subcommand}` "
+        f"(python -m levanter_flax.commands.{module})", file=sys.stderr)
+  runpy.run_module(f"levanter_flax.commands.{module}", run_name="__main__", alter_sys=True)

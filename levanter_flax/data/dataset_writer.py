@@ -14,6 +14,7 @@ manifest are the same bytes.
 """
 import concurrent.futures
 import contextlib
+import fnmatch
 import hashlib
 import json
 import multiprocessing
@@ -107,6 +108,24 @@ def _check_arguments(options: PrepareOptions, wanted: dict, record: bool) -> Non
   if changed:
     raise UserError(f"{options.output_dir} was prepared with different arguments "
                     f"({', '.join(changed)}); use a new --output_dir")
+
+
+# Every name a prepare (or its lock) writes in its directory.
+_OWN_FILES = (locks.LOCK_FILE, MANIFEST, ARGUMENTS, TRAINED_TOKENIZER, TOKENIZER_SAMPLE,
+              "train-*", "validation-*", "shard-*.done.json*", "*.tmp-*")
+
+
+def _refuse_foreign(directory: epath.Path) -> None:
+  """A directory that holds files no prepare wrote (an HF checkpoint's, say) is not written
+  into: its files would be mixed with the dataset's, or taken for a dataset's."""
+  if not directory.is_dir() or (directory / ARGUMENTS).exists():
+    return
+  foreign = sorted(p.name for p in directory.iterdir()
+                   if not any(fnmatch.fnmatch(p.name, own) for own in _OWN_FILES))
+  if foreign:
+    raise UserError(f"{directory} is not empty and holds no dataset ({', '.join(foreign[:3])}"
+                    f"{', ...' if len(foreign) > 3 else ''}): give --output_dir a new or empty "
+                    f"directory")
 
 
 def _has_work(directory: epath.Path) -> bool:
@@ -241,6 +260,7 @@ def prepare_dataset(options: PrepareOptions, wait: bool = False) -> epath.Path:
   if (options.output_dir / MANIFEST).exists():  # Complete and written last: no lock needed.
     _check_arguments(options, wanted, record=False)
     return options.output_dir
+  _refuse_foreign(options.output_dir)
   paths.make_dirs(options.output_dir, "dataset directory")
   with locks.locked(options.output_dir, "dataset directory", wait=wait):
     _check_arguments(options, wanted, record=True)  # First: is this directory ours at all?

@@ -25,6 +25,7 @@ class PromptRecord:
   text: str  # What the model continues: the prompt, or the chat rendered.
   fields: dict[str, Any]  # The record's other fields, for the rewards.
   where: str  # "FILE line N", for messages.
+  messages: list | None = None  # A chat record's messages, whose reply ends at its end of turn.
 
 
 def read(path: str, template: chat.ChatTemplate | None,
@@ -60,6 +61,7 @@ def _record(line: str, where: str, template: chat.ChatTemplate | None,
   if len(given) != 1:
     raise UserError(f"{where}: a record needs \"prompt\" (text) or \"messages\" (a chat), "
                     f"one of them; it has {' and '.join(given) or 'neither'}")
+  messages = None
   if "prompt" in record:
     text = record["prompt"]
     if not isinstance(text, str) or not text:
@@ -68,11 +70,12 @@ def _record(line: str, where: str, template: chat.ChatTemplate | None,
     raise UserError(f"{where}: a chat record needs a chat template (the run's tokenizer has "
                     f"none)")
   else:
-    text = template.render(chat.checked_messages(record, where), True, where)
+    messages = chat.checked_messages(record, where)
+    text = template.render(messages, True, where)
   fields = {k: v for k, v in record.items() if k not in _PROMPT_KEYS}
   for reward in rewards:
     missing = [f for f in reward.fields if f not in fields]
     if missing:
       raise UserError(f"{where}: reward {reward.name} takes the field(s) {', '.join(missing)}, "
                       f"which this record does not have")
-  return PromptRecord(text, fields, where)
+  return PromptRecord(text, fields, where, messages)

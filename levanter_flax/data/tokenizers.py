@@ -3,6 +3,13 @@
 A tokenizer is named by a spec: "byte", or the path of a tokenizer.json or a
 SentencePiece .model file. Its identity (kind, file hash, vocab size, EOS id)
 goes into every dataset manifest, so a run can refuse data made with another.
+
+Two ends are told apart: `eos_id`, the one token that ends each training document (what
+`prepare` writes and the manifest records), and `stop_ids`, every token a generation ends at,
+read from the checkpoint beside a tokenizer.json as transformers and vLLM read it:
+generation_config.json's eos_token_id (an int or a list), else config.json's, else
+tokenizer_config.json's eos_token. A bare tokenizer.json ends both at the first of
+EOS_CANDIDATES it has.
 """
 import dataclasses
 import functools
@@ -17,10 +24,13 @@ from etils import epath
 from levanter_flax.core import paths
 from levanter_flax.core.errors import UserError
 
-# End-of-document tokens tried, in order, when a tokenizer file names none.
+# End-of-document tokens tried, in order, before the checkpoint's own EOS.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 # Where transformers' AutoTokenizer reads a tokenizer.json's special tokens: beside it.
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# The files beside a tokenizer.json that name the ids a generation ends at, in the order
+# transformers' GenerationConfig reads them.
+STOP_ID_FILES = ("generation_config.json", "config.json")
 # The special tokens read from it: those lm-eval's HF backend scores and stops with.
 SPECIAL_TOKENS = ("bos_token", "eos_token")
 # Tokenizers with no tokenizer_config.json name none of them for transformers.
@@ -45,6 +55,7 @@ class ByteTokenizer:
   """UTF-8 bytes as tokens 0..255, plus an end-of-document token."""
   vocab_size = 257
   eos_id = 256
+  stop_ids = (256,)
   eos_text = ""  # No text stands for it.
   kind, sha256 = "byte", ""
   special_tokens = _NONE_NAMED
@@ -63,10 +74,12 @@ class ByteTokenizer:
 
 
 class HuggingFaceTokenizer:
-  """A `tokenizers` JSON file, e.g. GPT-2's or one made by `--train_tokenizer`."""
+  """A `tokenizers` JSON file, e.g. GPT-2's or one made by `--train_tokenizer`, and the JSON
+  files of its checkpoint beside it (`beside`: file name -> contents, of those that exist)."""
   kind = "huggingface"
 
-  def __init__(self, path: epath.Path, contents: bytes):
+  def __init__(self, path: epath.Path, contents: bytes, beside: Mapping[str, bytes]):
+    self._directory = path.parent
     import tokenizers  # pylint: disable=g-import-not-at-top
     try:
       self._tokenizer = tokenizers.Tokenizer.from_str(contents.decode("utf-8"))
@@ -76,27 +89,27 @@ class HuggingFaceTokenizer:
                       f"({reason})") from None
     self.sha256 = hashlib.sha256(contents).hexdigest()
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-    found = [self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES]
-    found = [i for i in found if i is not None]
+    self._configs = {name: _json_object(path.parent / name, raw) for name, raw in beside.items()}
+    self.special_tokens = self._named_special_tokens()
+    self.stop_ids = self._checkpoint_stop_ids()
+    found = [i for i in (self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES) if i is not None]
+    # A tokenizer with none of the usual names (DeepSeek-V3's <｜end▁of▁sentence｜>) ends its
+    # documents at the checkpoint's own EOS.
+    found += [self.special_tokens["eos_token"][0]] if "eos_token" in self.special_tokens else []
+    found += list(self.stop_ids)
     if not found:
-      raise UserError(f"tokenizer {path} has none of the end-of-document tokens {EOS_CANDIDATES}")
+      raise UserError(f"tokenizer {path} has none of the end-of-document tokens "
+                      f"{EOS_CANDIDATES}, and no {TOKENIZER_CONFIG}, "
+                      f"{' or '.join(STOP_ID_FILES)} beside it names its EOS")
     self.eos_id = found[0]
     self.eos_text = self._tokenizer.id_to_token(self.eos_id)
-    self._config_path = path.parent / TOKENIZER_CONFIG
+    self.stop_ids = self.stop_ids or (self.eos_id,)
 
-  @functools.cached_property
-  def special_tokens(self) -> Mapping[str, tuple[int, str]]:
+  def _named_special_tokens(self) -> Mapping[str, tuple[int, str]]:
     """name -> (id, text) of each of SPECIAL_TOKENS that the tokenizer_config.json beside the
     file names: the tokens transformers' AutoTokenizer, and so lm-eval's HF backend, knows by
-    those names. Read when asked: training needs none of them."""
-    if not self._config_path.exists():
-      return _NONE_NAMED
-    try:
-      config = json.loads(self._config_path.read_text())
-    except (OSError, ValueError) as e:
-      raise UserError(f"cannot read {self._config_path}: {e}") from None
-    if not isinstance(config, dict):
-      raise UserError(f"{self._config_path} is not a JSON object")
+    those names."""
+    config = self._configs.get(TOKENIZER_CONFIG, {})
     named = {}
     for name in SPECIAL_TOKENS:
       value = config.get(name)
@@ -105,9 +118,30 @@ class HuggingFaceTokenizer:
         continue
       token = self._tokenizer.token_to_id(text)
       if token is None:
-        raise UserError(f"{self._config_path}: its {name} {text!r} is no token of the tokenizer")
+        raise UserError(f"{self._where(TOKENIZER_CONFIG)}: its {name} {text!r} is no token of "
+                        f"the tokenizer")
       named[name] = (token, text)
     return types.MappingProxyType(named)
+
+  def _checkpoint_stop_ids(self) -> tuple[int, ...]:
+    """The ids the checkpoint's generation ends at (see the module's docstring); () if no file
+    beside the tokenizer names one."""
+    for name in STOP_ID_FILES:
+      value = self._configs.get(name, {}).get("eos_token_id")
+      if value is None:
+        continue
+      ids = value if isinstance(value, list) else [value]
+      if not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                            and 0 <= i < self.vocab_size for i in ids):
+        raise UserError(f"{self._where(name)}: eos_token_id {value!r} must be a token id or a "
+                        f"list of them, each in [0, {self.vocab_size})")
+      return tuple(dict.fromkeys(ids))
+    if "eos_token" in self.special_tokens:
+      return (self.special_tokens["eos_token"][0],)
+    return ()
+
+  def _where(self, name: str) -> str:
+    return str(self._directory / name)
 
   def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
     """`text`'s tokens; `add_special_tokens`: with those the file's post-processor puts around
@@ -141,6 +175,7 @@ class SentencePieceTokenizer:
     self.eos_id = self._processor.eos_id()
     if self.eos_id < 0:
       raise UserError(f"SentencePiece model {path} has no EOS piece (it was trained with eos_id=-1)")
+    self.stop_ids = (self.eos_id,)
 
   special_tokens = _NONE_NAMED
 
@@ -152,20 +187,43 @@ class SentencePieceTokenizer:
     return self._processor.decode([int(i) for i in ids])
 
 
-@functools.cache
 def load_tokenizer(spec: str):
-  """"byte", a tokenizer.json path, or a SentencePiece .model path -> a tokenizer."""
+  """"byte", a tokenizer.json path, or a SentencePiece .model path -> a tokenizer.
+
+  One tokenizer per path and contents: a file rewritten in place (a notebook's) is read anew.
+  """
   if spec == "byte":
     return ByteTokenizer()
   path = paths.resolve(spec, "tokenizer")
   if not path.is_file():
     raise UserError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or "
                     f"SentencePiece .model file")
+  if path.suffix not in (".json", ".model"):
+    raise UserError(f"tokenizer file {path} must end in .json (Hugging Face) or .model "
+                    f"(SentencePiece)")
+  beside = ()
   if path.suffix == ".json":
-    return HuggingFaceTokenizer(path, path.read_bytes())
-  if path.suffix == ".model":
-    return SentencePieceTokenizer(path, path.read_bytes())
-  raise UserError(f"tokenizer file {path} must end in .json (Hugging Face) or .model (SentencePiece)")
+    beside = tuple((name, (path.parent / name).read_bytes())
+                   for name in (TOKENIZER_CONFIG, *STOP_ID_FILES)
+                   if (path.parent / name).is_file())
+  return _tokenizer_of(str(path), path.read_bytes(), beside)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_of(path: str, contents: bytes, beside: tuple[tuple[str, bytes], ...]):
+  if path.endswith(".json"):
+    return HuggingFaceTokenizer(epath.Path(path), contents, dict(beside))
+  return SentencePieceTokenizer(epath.Path(path), contents)
+
+
+def _json_object(path: epath.Path, contents: bytes) -> dict:
+  try:
+    value = json.loads(contents)
+  except ValueError as e:
+    raise UserError(f"cannot read {path}: {e}") from None
+  if not isinstance(value, dict):
+    raise UserError(f"{path} is not a JSON object")
+  return value
 
 
 def identity(tokenizer) -> TokenizerIdentity:

@@ -237,7 +237,7 @@ class LevanterLM(TemplateLM):
         max_tokens=max_gen, temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
         top_p=float(kwargs.get("top_p") or 1.0), seed=self._seed,
         stop=tuple(s for s in until if s and s != self._eot[1]),  # The EOT stops by its id.
-        stop_ids=tuple(sorted({self._tokenizer.eos_id, self.eot_token_id})))
+        stop_ids=tuple(sorted({*self._tokenizer.stop_ids, self.eot_token_id})))
 
   def _generate(self, contexts: list[list[int]], sampling: SamplingParams) -> list[str]:
     """Each context's text, cut at its first stop string; request i samples with seed

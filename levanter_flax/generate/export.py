@@ -94,10 +94,7 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
       config = json.loads(files["tokenizer_config.json"])
     except ValueError as e:
       raise UserError(f"cannot read {path.parent / 'tokenizer_config.json'}: {e}") from None
-    # Its own EOS (a chat template's end of turn, say) ends a generation too.
-    theirs = _token_id(vocab, config.get("eos_token"))
-    eos_ids = [tokenizer.eos_id] + [theirs] * (theirs not in (None, tokenizer.eos_id))
-    token_ids = {"eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+    token_ids = {"eos_token_id": _eos_token_id(tokenizer),
                  "bos_token_id": _token_id(vocab, config.get("bos_token")),
                  "pad_token_id": _token_id(vocab, config.get("pad_token"))}
   else:
@@ -105,7 +102,7 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
               "model_max_length": seq_len, "clean_up_tokenization_spaces": False}
     files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
-    token_ids = {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.eos_id}
+    token_ids = {"eos_token_id": _eos_token_id(tokenizer), "bos_token_id": tokenizer.eos_id}
   # The template the chat data was rendered with, wherever prepare found it (--chat_template,
   # chat_template.jinja), goes inside tokenizer_config.json, where AutoTokenizer reads it.
   template = trained.trained_chat_template(saved, tokenizer)
@@ -113,6 +110,13 @@ def tokenizer_files(workdir: epath.Path, saved: dict, seq_len: int
     files["tokenizer_config.json"] = (json.dumps(config | {"chat_template": template.source},
                                                  indent=2) + "\n").encode()
   return files, token_ids
+
+
+def _eos_token_id(tokenizer) -> int | list[int]:
+  """What a generation of the export ends at: the EOS that ended every training document, and
+  the ids its checkpoint's generation ended at (a chat template's end of turn, say)."""
+  ids = list(dict.fromkeys([tokenizer.eos_id, *tokenizer.stop_ids]))
+  return ids if len(ids) > 1 else ids[0]
 
 
 def _token_id(vocab, token) -> int | None:

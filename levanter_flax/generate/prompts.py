@@ -67,14 +67,14 @@ def chat_prompts(template, tokenizer, prompts: Sequence[str], system: str
 
 
 def reply_stop_ids(template, tokenizer, messages: list, where: str) -> tuple[int, ...]:
-  """The ids a reply to `messages` ends at: the EOS, and the end-of-turn token a chat dataset
-  weighs after each reply (data/chat.py)."""
+  """The ids a reply to `messages` ends at: the checkpoint's EOS ids, and the end-of-turn token
+  a chat dataset weighs after each reply (data/chat.py)."""
   text = template.end_of_turn(messages + [{"role": "assistant", "content": ""}], where)
   end_of_turn = tokenizer.encode(text).tolist()
   if len(end_of_turn) > 1:  # None: a template that writes nothing after a reply.
     raise UserError(f"the chat template's end-of-turn {text!r} (what it writes after a reply) is "
                     f"not one token of the run's tokenizer, so no reply can stop at it")
-  return tuple(sorted({tokenizer.eos_id, *end_of_turn}))
+  return tuple(sorted({*tokenizer.stop_ids, *end_of_turn}))
 
 
 def encode(tokenizer, prompts: Sequence[str], bos: bool) -> list[list[int]]:

@@ -11,6 +11,10 @@ requests, whose slots free at the engine's next step.
 Sampling is the engine's: temperature, top_p, top_k and ignore_eos (vLLM's extensions), seed
 (none: a random one), stop, max_tokens (none: up to the context's end), n (at most the
 slots), logprobs (of each chosen token, under the model's own distribution; no alternatives).
+A completion ends at any of the checkpoint's EOS ids (tokenizers.stop_ids), a chat reply also
+at its template's end of turn. What the engine does not do (echo, best_of, logit_bias, the
+presence and frequency penalties, tools) is refused with a 400 naming the parameter, never
+ignored; other unknown fields (user, ...) are.
 """
 import asyncio
 import contextlib
@@ -20,6 +24,7 @@ import time
 import uuid
 
 import fastapi
+import jax
 from absl import logging
 import pydantic
 import uvicorn
@@ -60,11 +65,18 @@ class _Sampled(pydantic.BaseModel):
   stream_options: dict | None = None  # {"include_usage": true}: a last chunk with usage.
   logprobs: bool | int | None = None  # Completions: an int; chat: a bool.
   ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks).
+  # Refused unless at their defaults (_refuse_unsupported): they would change the output.
+  logit_bias: dict | None = None
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
 
 
 class CompletionRequest(_Sampled):
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16  # OpenAI's default for completions.
+  echo: bool = False
+  best_of: int | None = None
+  suffix: str | None = None
 
 
 class ChatMessage(pydantic.BaseModel):
@@ -75,6 +87,22 @@ class ChatMessage(pydantic.BaseModel):
 
 class ChatRequest(_Sampled):
   messages: list[ChatMessage]
+  tools: list | None = None
+  tool_choice: str | dict | None = None
+  response_format: dict | None = None
+
+
+# Each request field the engine cannot honour: its value where it changes nothing.
+_UNSUPPORTED = {"logit_bias": (None, {}), "presence_penalty": (0.0,),
+                "frequency_penalty": (0.0,), "echo": (False,), "best_of": (None, 1),
+                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+                "response_format": (None, {"type": "text"})}
+
+
+def _refuse_unsupported(body: _Sampled) -> None:
+  for name, harmless in _UNSUPPORTED.items():
+    if name in type(body).model_fields and getattr(body, name) not in harmless:
+      raise ApiError(400, f"{name} is not supported by this server", name)
 
 
 class Server:
@@ -117,6 +145,7 @@ class Server:
     if body.model != self.model_name:
       raise ApiError(404, f"The model {body.model!r} does not exist; this server serves "
                      f"{self.model_name!r}", "model", "not_found_error")
+    _refuse_unsupported(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is not None and max_tokens <= 0:
       raise ApiError(400, f"max_tokens must be at least 1; got {max_tokens}", "max_tokens")
@@ -201,6 +230,10 @@ def build_app(server: Server) -> fastapi.FastAPI:
   @app.exception_handler(fastapi.exceptions.RequestValidationError)
   async def invalid(_, e):
     first = next(iter(e.errors()), {})
+    if first.get("type") == "json_invalid":  # Its loc is the character it failed at.
+      reason = first.get("ctx", {}).get("error", "malformed")
+      at = first.get("loc", ("body", "?"))[-1]
+      return _error(400, f"The request body is not valid JSON: {reason} at character {at}")
     where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
     return _error(400, first.get("msg", "invalid request") + (f" ({where})" if where else ""),
                   where)
@@ -217,7 +250,7 @@ def build_app(server: Server) -> fastapi.FastAPI:
 
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, http: fastapi.Request):
-    sampling = server.sampling(body, () if body.ignore_eos else (server.tokenizer.eos_id,))
+    sampling = server.sampling(body, () if body.ignore_eos else server.tokenizer.stop_ids)
     return await _respond(server, http, body, server.encode(body.prompt), sampling, chat=False)
 
   @app.post("/v1/chat/completions")
@@ -349,6 +382,9 @@ def load_server(workdir: str, hf_dir: str, *, model_name: str = "", chat_templat
   device: `tensor_parallel` ways over the model's heads and widths, the rest over the slots."""
   from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
   directory = trained.model_directory(workdir, hf_dir)
+  if jax.device_count() % tensor_parallel:  # Said before the model loads.
+    raise UserError(f"--tensor_parallel {tensor_parallel} must divide the {jax.device_count()} "
+                    f"devices")
   if workdir:
     model_cfg, params, saved = trained.run_params(directory)
     tokenizer = trained.run_tokenizer(directory, saved)

@@ -36,6 +36,13 @@ class Objective(abc.ABC):
     return {}
 
   @property
+  def logit_temperature(self) -> float:
+    """What the logits are divided by before the token losses (the policy's, the reference's
+    and a sampling policy's): an objective that trains on samples drawn at a temperature scores
+    them at it, as TRL's GRPOTrainer does."""
+    return 1.0
+
+  @property
   def needs_reference(self) -> bool:
     """Whether the loss compares the policy with a reference model (the initial params, or
     LoRA's base), whose token losses `loss` then gets."""

@@ -47,7 +47,9 @@ class GrpoConfig:
   updates_per_batch: int = setting(1, "GRPO: optimizer steps on each generated batch (TRL's "
                                    "num_iterations); the ratio's old policy is the sampling one",
                                    FREE)
-  temperature: float = setting(1.0, "GRPO: the sampling temperature", FREE)
+  temperature: float = setting(1.0, "GRPO: the sampling temperature; the policy's, the "
+                               "sampler's and the reference's log-probs are of logits / this, as "
+                               "TRL's", FREE)
   top_p: float = setting(1.0, "GRPO: nucleus sampling's probability mass; 1: all tokens", FREE)
   max_completion_tokens: int = setting(64, "GRPO: the most tokens a sampled completion has "
                                        "(dr_grpo divides its loss by it)", FREE)
@@ -68,7 +70,8 @@ class GrpoConfig:
         "group_size": (lambda g: g >= 2, "at least 2: a completion's advantage compares it "
                        "with the others of its group"),
         "updates_per_batch": checks.above(0),
-        "temperature": checks.at_least(0),
+        "temperature": (lambda t: t > 0, "above 0: at 0 (greedy) a group's completions are "
+                        "all alike, and so every advantage and gradient is 0"),
         "top_p": (lambda p: 0 < p <= 1, "in (0, 1]"),
         "max_completion_tokens": checks.above(0),
         "epsilon_low": (lambda e: 0 <= e < 1, "in [0, 1)"),
@@ -173,6 +176,10 @@ class Grpo(base.Objective):
   def batch_entries(self, seq_len: int) -> dict:
     return {"loss_weights": ((seq_len,), jnp.float32), "advantages": ((), jnp.float32),
             "old_log_probs": ((seq_len - 1,), jnp.float32)}
+
+  @property
+  def logit_temperature(self) -> float:
+    return self.cfg.temperature
 
   @property
   def needs_reference(self) -> bool:

@@ -1,9 +1,13 @@
 """TPU slices by name: a Cloud TPU name (v5p-128) or jax's (v5p:4x4x4), their chips, their HBM,
 and jax's compile-only devices for them (libtpu, no TPU needed)."""
+import contextlib
 import importlib.util
+import logging
 import math
 import os
 import re
+import sys
+import tempfile
 
 import jax
 
@@ -27,6 +31,10 @@ _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128
 _GENERATIONS = {"v4": (_SHAPES_3D, 2), "v5p": (_SHAPES_3D, 2), "v5e": (_SHAPES_2D, 1),
                 "v6e": (_SHAPES_2D, 1)}
 EXAMPLES = "v4-32, v5e-256, v5p-128, v6e-64, v5e:16x16 or v5p:4x4x4"
+# What libtpu prints on stderr as it starts on a machine that is no TPU VM (its hostname and
+# accelerator type unknown): noise around every plan and error.
+_LIBTPU_NOISE = ("Failed to find host bounds", "WARNING: Logging before InitGoogle",
+                 "could not determine TPU", "=== Source Location Trace", "learning/")
 
 
 def topology(name: str) -> tuple[str, str]:
@@ -70,14 +78,37 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   # v4 runs as megacore, one device per chip, as on a real v4 VM.
   options = {"chip_config_name": "megacore"} if generation == "v4" else {}
+  # jax tries the TPU backend for the chips it looks for here, and says it found none.
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   try:
-    return list(topologies.get_topology_desc(topology_name=jax_name, platform="tpu",
-                                             num_slices=num_slices, **options).devices)
+    with _without_libtpu_noise():
+      return list(topologies.get_topology_desc(topology_name=jax_name, platform="tpu",
+                                               num_slices=num_slices, **options).devices)
   except jax.errors.JaxRuntimeError as e:
     shapes, _ = _GENERATIONS[generation]
     raise UserError(f"--topology={name}: libtpu has no {generation} topology {jax_name} "
                     f"({str(e).splitlines()[0]}); {generation} comes in "
                     f"{', '.join(sorted(set(shapes.values()), key=_chip_count))}") from e
+
+
+@contextlib.contextmanager
+def _without_libtpu_noise():
+  """Holds back what native code writes on stderr meanwhile, then writes it but _LIBTPU_NOISE's
+  lines."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      held.seek(0)
+      kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+              if not any(noise in line for noise in _LIBTPU_NOISE)
+              and not line.startswith("E0000 ")]
+      sys.stderr.write("".join(kept))
 
 
 def _chip_count(shape: str) -> int:

@@ -311,7 +311,7 @@ def _train_input(start: Start, steps: step.ShardedSteps, position: DataPosition,
                  rolled_back: set):
   """What the objective reads: sampled rollouts, or the datasets' windows."""
   if steps.objective.reads == "rollouts":
-    return rollouts.RolloutBatches.for_run(start.run, steps)
+    return rollouts.RolloutBatches.for_run(start.run, steps, start.prompts, position)
   return _Windows(start, steps, position, rolled_back)
 
 

@@ -63,6 +63,10 @@ def check_resumed_config(run: RunConfig, saved: Optional[dict], workdir: epath.P
     if old in saved:
       logging.warning("The run in %s started with %s, which %s replaced: its evals before this "
                       "resume scored another set", workdir, old, new)
+  if run.rl.prompts and run.rl.beta > 0 and saved.get("rl.beta", 0) == 0:
+    raise UserError(f"config.rl.beta was 0 when the run in {workdir} started, so it kept no "
+                    f"reference model for the KL: resume with config.rl.beta=0, or start a new "
+                    f"--workdir from this run's checkpoint (config.checkpoint.load_path)")
   # Another coordinator address or process id is no news.
   changed = [c for c in config.changes(saved, now) if not c.startswith("trainer.distributed.")]
   for change in changed:

@@ -7,10 +7,16 @@ tokens (as targets) and 0 elsewhere; its advantage is objectives/grpo.group_adva
 the group's rewards. Completion j of the prompt at run position p samples with the seed drawn
 from (seed, p, j): a run resumed at p samples what it would have sampled.
 
+A completion ends at the first of its prompt's stop ids: the tokenizer's EOS ids, and for a
+chat record its template's end of turn (generate/prompts.reply_stop_ids, as the server's chat
+endpoint stops).
+
 `RolloutBatches` makes a run's training batches of them: generation g (steps g k + 1 to
-(g + 1) k, k = rl.updates_per_batch) samples the prompts at run positions g P to (g + 1) P - 1
-(P = trainer.batch_size / rl.group_size) from the params before its first step; the prompts'
-order is a permutation per pass over the file, drawn from the run's seed.
+(g + 1) k, k = rl.updates_per_batch) samples the P = trainer.batch_size / rl.group_size prompts
+that follow those the generations before it trained on, from the params before its first step.
+The run position of those prompts continues from the checkpoint's, whatever group_size or
+batch_size a resume changes; the prompts' order is a permutation per pass over the file, drawn
+from the run's seed.
 """
 import dataclasses
 import functools
@@ -46,15 +52,16 @@ def completion_seed(seed: int, position: int, index: int) -> int:
 
 
 def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Sequence[int]],
-           positions: Sequence[int], group_size: int, sampling: SamplingParams, seed: int,
-           rewards: Sequence[rewards_lib.Reward], scale_rewards: str,
-           seq_len: int) -> Rollouts:
-  """The rollouts of `prompts` (their tokens; `records` their text and fields; `positions`
-  their places in the run's order of prompts), group_size completions each."""
+           stop_ids: Sequence[tuple[int, ...]], positions: Sequence[int], group_size: int,
+           sampling: SamplingParams, seed: int, rewards: Sequence[rewards_lib.Reward],
+           scale_rewards: str, seq_len: int) -> Rollouts:
+  """The rollouts of `prompts` (their tokens; `records` their text and fields; `stop_ids` the
+  ids each one's completions end at; `positions` their places in the run's order of prompts),
+  group_size completions each."""
   for record, prompt in zip(records, prompts, strict=True):
     _check_room(record, prompt, sampling.max_tokens, engine.max_len)
-  samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j))
-               for p in positions for j in range(group_size)]
+  samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j), stop_ids=stops)
+               for p, stops in zip(positions, stop_ids, strict=True) for j in range(group_size)]
   started = time.perf_counter()
   requests = engine.generate([list(p) for p in prompts for _ in range(group_size)], samplings)
   seconds = time.perf_counter() - started
@@ -84,6 +91,15 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   return Rollouts(tokens, weights, advantages, total, metrics)
 
 
+def stop_ids(records: Sequence[PromptRecord], template: chat.ChatTemplate | None,
+             tokenizer) -> list[tuple[int, ...]]:
+  """The ids each record's completions end at: the tokenizer's EOS ids; for a chat record, and
+  its template's end of turn, as the server's chat endpoint stops."""
+  return [tokenizer.stop_ids if record.messages is None else
+          prompt_tokens.reply_stop_ids(template, tokenizer, record.messages, record.where)
+          for record in records]
+
+
 def _check_room(record: PromptRecord, prompt: Sequence[int], max_tokens: int, context: int):
   if len(prompt) + max_tokens > context:
     raise UserError(f"{record.where}: a prompt of {len(prompt)} tokens leaves no room for "
@@ -107,74 +123,100 @@ def _common_fields(records: Sequence[PromptRecord]) -> list[str]:
   return sorted(names)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPrompts:
+  """What a GRPO run samples from, read and checked as it starts, before any model is built."""
+  records: list[PromptRecord]
+  tokens: list[list[int]]  # Each record's prompt, encoded.
+  stop_ids: list[tuple[int, ...]]  # The ids each record's completions end at (stop_ids').
+  rewards: list[rewards_lib.Reward]
+  tokenizer: Any
+
+
+def read_prompts(run: Any) -> RunPrompts:
+  """config.rl's prompts, rewards and settings of `run` (config.settings.RunConfig) with
+  config.data.tokenizer and its chat template, each mistake one line: a run learns of a bad
+  reward or prompt in seconds, not after its model has loaded and its step compiled."""
+  cfg = run.rl
+  if run.trainer.spike_policy == "rollback":  # It would sample the rolled-back batches again.
+    raise UserError("config.trainer.spike_policy 'rollback' skips the batches of datasets; a "
+                    "GRPO run samples its own: use 'skip' or 'none'")
+  if run.trainer.num_train_steps % cfg.updates_per_batch:
+    raise UserError(f"config.trainer.num_train_steps ({run.trainer.num_train_steps}) must be a "
+                    f"multiple of config.rl.updates_per_batch ({cfg.updates_per_batch}): a "
+                    f"run ends, and saves, after a generation's last update")
+  if isinstance(run.trainer.batch_size, int):  # "auto" is searched among the multiples.
+    check_batch_size(run.trainer.batch_size, cfg.group_size)
+  tokenizer = tokenizers.load_tokenizer(run.data.tokenizer)
+  if tokenizer.vocab_size > run.model.vocab_size:
+    raise UserError(f"config.model.vocab_size ({run.model.vocab_size}) is smaller than the "
+                    f"vocabulary of config.data.tokenizer ({tokenizer.vocab_size})")
+  try:
+    template = chat.load_template(run.data.tokenizer, "")
+  except UserError:  # Then a chat record is refused by its line.
+    template = None
+  rewards = [rewards_lib.load(name, weight) for name, weight in grpo.parse_rewards(cfg.rewards)]
+  records = rl_prompts.read(cfg.prompts, template, rewards)
+  # After an EOS, as the loader puts one before every document the model trained on.
+  tokens = prompt_tokens.encode(tokenizer, [record.text for record in records], bos=True)
+  for record, prompt in zip(records, tokens):  # Each said now, not when drawn.
+    _check_room(record, prompt, cfg.max_completion_tokens, run.model.seq_len)
+  return RunPrompts(records, tokens, stop_ids(records, template, tokenizer), rewards, tokenizer)
+
+
+def check_batch_size(batch_size: int, group_size: int) -> None:
+  if batch_size % group_size:
+    raise UserError(f"config.trainer.batch_size ({batch_size}) must be a multiple of "
+                    f"config.rl.group_size ({group_size}): each step trains on whole groups")
+
+
 class RolloutBatches:
   """GRPO's training batches for a run (see the module's docstring).
 
   engine: generates with the params it is given (on the run's mesh); prompts: each record's
-  tokens; log_probs: (params, tokens) -> each target's log-probability (step.ShardedSteps'),
+  tokens; stop_ids: the ids each record's completions end at; position: the prompts the run
+  trained on before (its checkpoint's); log_probs: (params, tokens) -> each target's log-probability (step.ShardedSteps'),
   the sampling policy's, which the ratio of every update on the batch divides by; sharding: the
   batch's.
   """
 
   def __init__(self, cfg: grpo.GrpoConfig, engine: Engine, records: Sequence[PromptRecord],
-               prompts: Sequence[Sequence[int]], rewards: Sequence[rewards_lib.Reward], *,
-               seed: int, seq_len: int, batch_size: int,
+               prompts: Sequence[Sequence[int]], stop_ids: Sequence[tuple[int, ...]],
+               rewards: Sequence[rewards_lib.Reward], *, seed: int, seq_len: int,
+               batch_size: int, position: int,
                log_probs: Callable[[Any, jax.Array], jax.Array],
-               sharding: jax.sharding.Sharding, stop_ids: Sequence[int] = ()):
-    if batch_size % cfg.group_size:
-      raise UserError(f"config.trainer.batch_size ({batch_size}) must be a multiple of "
-                      f"config.rl.group_size ({cfg.group_size}): each step trains on whole "
-                      f"groups")
-    for record, prompt in zip(records, prompts, strict=True):  # Each said now, not when drawn.
-      _check_room(record, prompt, cfg.max_completion_tokens, seq_len)
+               sharding: jax.sharding.Sharding):
+    check_batch_size(batch_size, cfg.group_size)
     self._cfg, self._engine, self._records, self._prompts = cfg, engine, records, prompts
+    self._stop_ids = stop_ids
     self._rewards, self._seed, self._seq_len = rewards, seed, seq_len
     self._log_probs, self._sharding = log_probs, sharding
     self.prompts_per_batch = batch_size // cfg.group_size
     self._sampling = SamplingParams(max_tokens=cfg.max_completion_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p,
-                                    stop_ids=tuple(stop_ids))
+                                    temperature=cfg.temperature, top_p=cfg.top_p)
     self._generation, self._batch = None, None
+    # The run position of the first prompt of the generation sampled last, and of the next's.
+    self._first, self._next_first = position, position
 
   @classmethod
-  def for_run(cls, run: Any, steps: Any) -> "RolloutBatches":
-    """The batches of `run` (config.settings.RunConfig: config.rl's prompts and rewards,
-    config.data.tokenizer and its chat template), for `steps` (step.ShardedSteps: the engine
-    generates on their mesh, and their log_probs)."""
-    cfg = run.rl
-    if run.trainer.spike_policy == "rollback":  # It would sample the rolled-back batches again.
-      raise UserError("config.trainer.spike_policy 'rollback' skips the batches of datasets; a "
-                      "GRPO run samples its own: use 'skip' or 'none'")
-    if run.trainer.num_train_steps % cfg.updates_per_batch:
-      raise UserError(f"config.trainer.num_train_steps ({run.trainer.num_train_steps}) must be a "
-                      f"multiple of config.rl.updates_per_batch ({cfg.updates_per_batch}): a "
-                      f"run ends, and saves, after a generation's last update")
-    tokenizer = tokenizers.load_tokenizer(run.data.tokenizer)
-    if tokenizer.vocab_size > run.model.vocab_size:
-      raise UserError(f"config.model.vocab_size ({run.model.vocab_size}) is smaller than the "
-                      f"vocabulary of config.data.tokenizer ({tokenizer.vocab_size})")
-    try:
-      template = chat.load_template(run.data.tokenizer, "")
-    except UserError:  # Then a chat record is refused by its line.
-      template = None
-    rewards = [rewards_lib.load(name, weight) for name, weight in grpo.parse_rewards(cfg.rewards)]
-    records = rl_prompts.read(cfg.prompts, template, rewards)
-    # After an EOS, as the loader puts one before every document the model trained on.
-    prompts = prompt_tokens.encode(tokenizer, [record.text for record in records], bos=True)
-    engine = Engine(run.model, None, slots=run.trainer.batch_size, tokenizer=tokenizer,
+  def for_run(cls, run: Any, steps: Any, prompts: "RunPrompts",
+              position: DataPosition) -> "RolloutBatches":
+    """The batches of `run` (config.settings.RunConfig) on `prompts` (read_prompts'), for
+    `steps` (step.ShardedSteps: the engine generates on their mesh, and their log_probs), after
+    the prompts `position` counts."""
+    engine = Engine(run.model, None, slots=run.trainer.batch_size, tokenizer=prompts.tokenizer,
                     param_shardings=steps.state_shardings.model_params,
                     batch_sharding=steps.batch_sharding)
-    return cls(cfg, engine, records, prompts, rewards, seed=run.trainer.seed,
-               seq_len=run.model.seq_len, batch_size=run.trainer.batch_size,
-               log_probs=steps.log_probs, sharding=steps.batch_sharding,
-               stop_ids=(tokenizer.eos_id,))
+    return cls(run.rl, engine, prompts.records, prompts.tokens, prompts.stop_ids,
+               prompts.rewards, seed=run.trainer.seed, seq_len=run.model.seq_len,
+               batch_size=run.trainer.batch_size, position=position.windows,
+               log_probs=steps.log_probs, sharding=steps.batch_sharding)
 
   def next(self, step_num: int, state: Any) -> tuple[Batch, DataPosition, dict[str, float]]:
     """The training loop's input: step `step_num`'s batch, the prompts trained on so far as
     its position, and the rollouts' metrics where it generated (`batch`)."""
     batch, metrics = self.batch(step_num, state.model_params)
-    position = DataPosition(self.prompt_position(step_num) + self.prompts_per_batch, {})
-    return batch, position, metrics
+    return batch, DataPosition(self._first + self.prompts_per_batch, {}), metrics
 
   def ends_generation(self, step_num: int) -> bool:
     """Whether step `step_num` is its generation's last update: a checkpoint or a stop falls
@@ -187,10 +229,6 @@ class RolloutBatches:
   def close(self) -> None:
     self._engine.reset("closed")
 
-  def prompt_position(self, step_num: int) -> int:
-    """The run position of the first prompt that step `step_num` (from 1) trains on."""
-    return (step_num - 1) // self._cfg.updates_per_batch * self.prompts_per_batch
-
   def batch(self, step_num: int, params: Any) -> tuple[Batch, dict[str, float]]:
     """Step `step_num`'s batch, and the rollouts' metrics (rl/...) where it was generated now
     ({} else): a new generation from `params` (the model's, as the step starts) at the first
@@ -202,13 +240,14 @@ class RolloutBatches:
       raise UserError(f"step {step_num} falls within a generation of config.rl.updates_per_batch "
                       f"({self._cfg.updates_per_batch}) steps that this run did not sample: "
                       f"resume with the updates_per_batch its checkpoints were written with")
-    first = self.prompt_position(step_num)
+    first = self._next_first
     positions = range(first, first + self.prompts_per_batch)
     indices = [self._prompt_index(p) for p in positions]
     self._engine.use_params(params)
     started = time.perf_counter()
     rollouts = sample(self._engine, [self._records[i] for i in indices],
-                      [self._prompts[i] for i in indices], positions, self._cfg.group_size,
+                      [self._prompts[i] for i in indices], [self._stop_ids[i] for i in indices],
+                      positions, self._cfg.group_size,
                       self._sampling, self._seed, self._rewards, self._cfg.scale_rewards,
                       self._seq_len)
     self._engine.reset("generation finished")  # Gives its cache's memory back to training.
@@ -216,7 +255,8 @@ class RolloutBatches:
     self._batch = {"tokens": tokens, "loss_weights": self._put(rollouts.loss_weights),
                    "advantages": self._put(rollouts.advantages),
                    "old_log_probs": self._log_probs(params, tokens)}
-    self._generation = generation
+    self._generation, self._first = generation, first
+    self._next_first = first + self.prompts_per_batch
     return self._batch, {**rollouts.metrics,
                          "rl/rollout_seconds": time.perf_counter() - started}
 

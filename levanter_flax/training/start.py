@@ -17,7 +17,7 @@ from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import ReaderGroups
 from levanter_flax.objectives.base import Objective
 from levanter_flax.parallel import partitioning
-from levanter_flax.training import batch_search, choices, resume_checks
+from levanter_flax.training import batch_search, choices, resume_checks, rollouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Start:
   reader_groups: ReaderGroups  # This process's.
   config_changes: list[str]  # "key old -> new" against config.json, named if a restore fails.
   objective: Objective  # What it trains by: its data decides (choices.objective_name).
+  prompts: Optional[rollouts.RunPrompts] = None  # What an objective that reads rollouts samples.
 
 
 def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Partitioner,
@@ -43,6 +44,7 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
     choices.check_vocab(sources[0], run.model.vocab_size)
   objective = objectives.of_run(choices.objective_name(run, sources), run,
                                 loss_weights=loader.has_loss_weights(sources))
+  prompts = rollouts.read_prompts(run) if objective.reads == "rollouts" else None
   # The step the search compiles is the one the run trains: DPO's reference, the loss weights.
   search = functools.partial(batch_search.resolve, run, partitioner, objective=objective)
   trainer = choices.batch(run, kept, saved, search, workdir)
@@ -60,6 +62,8 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   config_changes = resume_checks.check_resumed_config(run, saved, workdir)
   eos_id = (sources[0].manifest["tokenizer"]["eos_id"] if sources and run.data.document_masking
             else None)
-  return Start(run, sources, eos_id, groups, config_changes, objective)
+  if prompts is not None:
+    rollouts.check_batch_size(trainer.batch_size, run.rl.group_size)
+  return Start(run, sources, eos_id, groups, config_changes, objective, prompts)
 
 

@@ -95,9 +95,9 @@ class Reference:
 
 
 def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax.Array,
-                            block_size: int) -> jax.Array:
-  """Cross-entropy of each label under logits = hidden @ embedding.T, one vocabulary block at
-  a time; labels' shape.
+                            block_size: int, temperature: float = 1.0) -> jax.Array:
+  """Cross-entropy of each label under logits = hidden @ embedding.T / temperature, one
+  vocabulary block at a time; labels' shape.
 
   A scan keeps a running max and sum of exponentials per token (an online
   logsumexp), and picks each label's logit out of the block that holds it. Its
@@ -122,7 +122,7 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   def add_block(carry, block):
     running_max, running_sum, label_logits = carry
     index, weights = block
-    logits = (hidden @ weights.T).astype(jnp.float32)
+    logits = (hidden @ weights.T).astype(jnp.float32) / temperature
     in_vocab = index * block_size + jnp.arange(block_size) < vocab_size
     logits = jnp.where(in_vocab, logits, -jnp.inf)
     new_max = jnp.maximum(running_max, logits.max(axis=-1))
@@ -168,12 +168,12 @@ def loss_and_parts(model: nn.Module, params, batch: Batch, eos_id: int | None = 
   (`auxiliary_share`, which scales the auxiliary losses), so that the microbatches' losses and
   parts sum to the batch's, however its weight falls among them.
   """
-  tokens = batch["tokens"]
-  losses, sown = _token_losses(model, params, tokens, eos_id, rngs)
+  tokens, temperature = batch["tokens"], objective.logit_temperature
+  losses, sown = _token_losses(model, params, tokens, eos_id, rngs, temperature)
   reference_losses = None
   if reference is not None:
     reference_losses = _token_losses(reference.model, jax.lax.stop_gradient(reference.params),
-                                     tokens, eos_id)[0]
+                                     tokens, eos_id, temperature=temperature)[0]
   loss, metrics = objective.loss(losses, reference_losses, batch,
                                  objective.totals(batch) if totals is None else totals)
   auxiliary = {**_sown_losses(sown), **_router_metrics(sown), **_expert_loads(sown)}
@@ -188,10 +188,10 @@ def _weighted(auxiliary: Metrics, coefficients: dict[str, float]) -> jax.Array:
              if name in coefficients)
 
 
-def _token_losses(model: nn.Module, params, tokens: jax.Array,
-                  eos_id: int | None, rngs: dict | None = None) -> tuple[jax.Array, Any]:
-  """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it,
-  what the model sowed)."""
+def _token_losses(model: nn.Module, params, tokens: jax.Array, eos_id: int | None,
+                  rngs: dict | None = None, temperature: float = 1.0) -> tuple[jax.Array, Any]:
+  """(float32 cross-entropy of predicting each of tokens[:, 1:] from the tokens before it, by
+  the softmax of the logits / temperature; what the model sowed)."""
   block_size = model.config.compute.cross_entropy_block_size
   segments = None if eos_id is None else segment_ids(tokens, eos_id)
   apply = functools.partial(model.apply, {"params": params}, tokens, segment_ids=segments,
@@ -199,10 +199,10 @@ def _token_losses(model: nn.Module, params, tokens: jax.Array,
   if block_size:
     hidden, sown = apply(return_hidden=True)
     return blockwise_cross_entropy(hidden[:, :-1], model.output_embedding(params), tokens[:, 1:],
-                                   block_size), sown
+                                   block_size, temperature), sown
   logits, sown = apply()
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits[:, :-1].astype(jnp.float32), tokens[:, 1:]), sown
+      logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]), sown
 
 
 def _sown_losses(sown) -> Metrics:
@@ -421,8 +421,9 @@ def make_eval_step(model: nn.Module, eos_id: int | None = None,
     if reference_model:
       params, reference_params = params
       reference_losses = _token_losses(reference_model, reference_params, batch["tokens"],
-                                       eos_id)[0]
-    losses = _token_losses(model, params, batch["tokens"], eos_id)[0]
+                                       eos_id, temperature=objective.logit_temperature)[0]
+    losses = _token_losses(model, params, batch["tokens"], eos_id,
+                           temperature=objective.logit_temperature)[0]
     return objective.eval_rows(losses, reference_losses, batch)
   return eval_step
 
@@ -438,8 +439,9 @@ class ShardedSteps:
   init: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
   eval_step: Callable[[Any, Batch], jax.Array]
-  # (model params, tokens) -> each target's log-probability, float32[rows, seq_len - 1]: the
-  # sampling policy's, for an objective that trains on what it samples.
+  # (model params, tokens) -> each target's log-probability at the objective's
+  # logit_temperature, float32[rows, seq_len - 1]: the sampling policy's, for an objective that
+  # trains on what it samples.
   log_probs: Callable[[Any, jax.Array], jax.Array]
   unmatched_params: frozenset[str]  # Those no partition rule matches.
 
@@ -533,7 +535,8 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
       eval_step=jax.jit(make_eval_step(model, eos_id, objective),
                         in_shardings=(eval_params, batch), out_shardings=replicated),
-      log_probs=jax.jit(lambda params, tokens: -_token_losses(model, params, tokens, eos_id)[0],
+      log_probs=jax.jit(lambda params, tokens: -_token_losses(
+          model, params, tokens, eos_id, temperature=objective.logit_temperature)[0],
                         in_shardings=(shardings.model_params, batch), out_shardings=batch),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
   )

@@ -1,0 +1,6 @@
+"""`python -m levanter_flax.evaluate`: the path of `levanter-flax evaluate` before the commands moved
+into commands/, kept for the scripts that call it."""
+from levanter_flax.core import cli
+
+if __name__ == "__main__":
+  cli.run_moved("evaluate")

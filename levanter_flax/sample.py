@@ -1,0 +1,6 @@
+"""`python -m levanter_flax.sample`: the path of `levanter-flax sample` before the commands moved
+into commands/, kept for the scripts that call it."""
+from levanter_flax.core import cli
+
+if __name__ == "__main__":
+  cli.run_moved("sample")
