@@ -193,6 +193,13 @@ def test_a_dpo_plan_holds_and_runs_the_reference_model():
   assert dpo["model_flops_per_step"] == pytest.approx(
       tokens * models.flops_per_token(run.model, params, reference=True))
   assert dpo["model_flops_per_step"] > 1.3 * plain["model_flops_per_step"]
+  # GRPO's generations hold the state and the engine's cache of a completion per row.
+  grpo = planner.plan(run, "v5e:2x2", compiler_costs=False, objective_name="grpo")
+  # (test_batch_search counts them; here, that the plan does.)
+  cache = 2 * run.model.num_layers * run.trainer.batch_size * run.model.seq_len * (
+      run.model.hidden_dim) * 2 // 4  # Keys and values of 2 bytes or more, rows over 4 chips.
+  assert grpo["generation_bytes_per_chip"] > cache
+  assert "memory per chip while generating" in planner.describe(grpo)
 
 
 def test_a_mesh_of_another_size_than_the_topology_is_one_line():

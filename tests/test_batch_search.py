@@ -101,7 +101,7 @@ def test_budget_errors_are_named(run_and_partitioner):
   with pytest.raises(UserError, match="needs config.batch_search.memory_budget_bytes on cpu"):
     batch_search.resolve(dataclasses.replace(run, trainer=trainer), partitioner)
   search = dataclasses.replace(run.batch_search, memory_budget_bytes=1000)
-  with pytest.raises(UserError, match="not even 1 sequence per device fits the memory budget of "
+  with pytest.raises(UserError, match="not even 1 sequence\\(s\\) per device fit the memory budget of "
                                       "1,000 bytes: the step needs"):
     batch_search.resolve(dataclasses.replace(run, trainer=trainer, batch_search=search),
                          partitioner)
@@ -121,3 +121,34 @@ def test_command_line_prints_candidates_and_the_choice():
       [sys.executable, "-m", "levanter_flax.training.batch_search", f"--config={NANO}",
        "--config.trainer.batch_size=auto"], cwd=REPO, capture_output=True, text=True, timeout=300),
       "needs config.batch_search.memory_budget_bytes")
+
+
+def test_a_generation_counts_the_state_and_the_engines_cache(run_and_partitioner):
+  """GRPO's engine holds keys and values for every completion at the model's seq_len, split
+  over the data axis, beside the train state."""
+  from levanter_flax.objectives import grpo
+  from levanter_flax.parallel.partitioning import per_device_bytes
+  run, partitioner = run_and_partitioner
+  steps = step.build(run, partitioner, objective=grpo.Grpo(grpo.GrpoConfig(group_size=16)))
+  cfg, devices = run.model, partitioner.mesh.size
+  keys_and_values = 2 * cfg.num_layers * 32 * cfg.seq_len * cfg.hidden_dim * 4 // devices
+  positions = cfg.num_layers * 32 * 4 // devices  # An int32 per slot and layer.
+  assert batch_search.generation_bytes(run, partitioner, steps, 32) == (
+      per_device_bytes(steps.abstract_state, steps.state_shardings) + keys_and_values + positions)
+
+
+@pytest.mark.slow
+def test_a_grpo_search_keeps_whole_groups(run_and_partitioner):
+  """Groups of 16 on 8 devices: the per-device microbatch is even."""
+  from levanter_flax.objectives import grpo
+  run, partitioner = run_and_partitioner
+  needs = {n: batch_search.step_bytes(run, partitioner, n) for n in (3, 4)}
+  trainer = dataclasses.replace(run.trainer, batch_size="auto")
+  search = dataclasses.replace(run.batch_search, memory_budget_bytes=(needs[3] + needs[4]) // 2)
+  searched = dataclasses.replace(run, trainer=trainer, batch_search=search)
+  assert batch_search.resolve(searched, partitioner).batch_size == 24
+  objective = grpo.Grpo(grpo.GrpoConfig(group_size=16))
+  assert batch_search.resolve(searched, partitioner, objective=objective).batch_size == 16
+  with pytest.raises(UserError, match=r"target_batch_size \(24\) must be a multiple of 16"):
+    batch_search.resolve(dataclasses.replace(searched, batch_search=dataclasses.replace(
+        search, target_batch_size=24)), partitioner, objective=objective)

@@ -55,7 +55,7 @@ def main(argv):
     except OSError as e:
       exit_with_error(f"--output={flags.FLAGS.output}: cannot write it: {e.strerror or e}")
   if not result["fits"]:
-    short = (result["bytes_per_chip"] - result["hbm_per_chip_bytes"]) / GIB
+    short = (planner.needed_per_chip(result) - result["hbm_per_chip_bytes"]) / GIB
     exit_with_error(f"the step needs {short:.2f} GiB per chip more than {result['topology']}'s "
                     f"HBM; {planner.advice(run, result)}")
 

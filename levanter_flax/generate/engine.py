@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter_flax import models
 from levanter_flax.core.errors import UserError
+from levanter_flax.parallel import partitioning
 
 # The shortest rows: below it, more buckets would cost more compiles than they save.
 _MIN_BUCKET = 64
@@ -189,6 +190,14 @@ class Engine:
     self._decode = {}  # cache length -> jitted decode.
 
   # The public interface.
+  def cache_bytes_per_device(self) -> int:
+    """What the KV cache holds on each device at its longest (rows of max_len): the memory a
+    generation adds to what is in use, besides its step's own temporaries."""
+    abstract = self._abstract_cache(self.max_len)
+    if self._cache_shardings is None:
+      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    return partitioning.per_device_bytes(abstract, self._cache_shardings)
+
   def use_params(self, params: Any) -> None:
     """Generates with `params` from now on (the same shapes: nothing compiles again)."""
     self.params = (params if self._param_shardings is None
@@ -511,8 +520,7 @@ class Engine:
   def _abstract_cache(self, length: int):
     """The cache's entries' shapes and dtypes for rows `length` long (an init traced once)."""
     if length not in self._abstract_caches:
-      self._abstract_caches[length] = jax.eval_shape(
-          self._model.init, jax.random.key(0), jnp.zeros((self.slots, length), jnp.int32))["cache"]
+      self._abstract_caches[length] = _abstract_init(self._model, (self.slots, length))
     return self._abstract_caches[length]
 
 
@@ -541,11 +549,16 @@ def _dividing(mesh, axes, size: int):
   return axes if axes is not None and size % _axes_size(mesh, axes) == 0 else None
 
 
+def _abstract_init(model: nn.Module, shape: tuple[int, int]):
+  """The cache's entries as ShapeDtypeStructs for tokens of `shape`: traced alone, with no
+  array made, so that it runs where the mesh's devices are compile-only (aot's plan)."""
+  return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(shape, jnp.int32)))["cache"]
+
+
 def _axes(model: nn.Module, shape: Callable[[int], tuple[int, int]]):
   """Each cache entry's axis whose size follows n in the init input's shape(n) (its slots' or
   its positions'; -1 where none does: the index has no positions)."""
-  one, two = (jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(shape(n), jnp.int32)
-                             )["cache"] for n in (1, 3))
+  one, two = (_abstract_init(model, shape(n)) for n in (1, 3))
   return jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape))
                                          if x != y), -1), one, two)
 

@@ -36,6 +36,12 @@ class Objective(abc.ABC):
     return {}
 
   @property
+  def batch_multiple(self) -> int:
+    """A batch's rows come in groups of this many (GRPO's completions of one prompt): the batch
+    size, a searched one too, is a multiple of it."""
+    return 1
+
+  @property
   def logit_temperature(self) -> float:
     """What the logits are divided by before the token losses (the policy's, the reference's
     and a sampling policy's): an objective that trains on samples drawn at a temperature scores

@@ -178,6 +178,10 @@ class Grpo(base.Objective):
             "old_log_probs": ((seq_len - 1,), jnp.float32)}
 
   @property
+  def batch_multiple(self) -> int:
+    return self.cfg.group_size
+
+  @property
   def logit_temperature(self) -> float:
     return self.cfg.temperature
 

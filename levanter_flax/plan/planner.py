@@ -142,6 +142,10 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
                          accumulation))
   planned = {**result, **_memory_and_costs(run, partitioner, steps, capacity, compiler_costs,
                                            chosen)}
+  if objective.reads == "rollouts":  # Its generations hold the state and the engine's cache.
+    planned["generation_bytes_per_chip"] = batch_search.generation_bytes(
+        run, partitioner, steps, trainer.batch_size)
+    planned["fits"] = planned["fits"] and planned["generation_bytes_per_chip"] <= capacity
   if not planned["fits"]:
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
@@ -206,10 +210,15 @@ def advice(run: settings.RunConfig, result: dict[str, Any]) -> str:
           f"accumulation) needs {smallest / GIB:.2f} GiB per chip; try " + ", or ".join(remedies))
 
 
+def needed_per_chip(result: dict[str, Any]) -> int:
+  """The most the run holds on a chip: its step's, or a generation's where it samples."""
+  return max(result["bytes_per_chip"], result.get("generation_bytes_per_chip", 0))
+
+
 def describe(result: dict[str, Any]) -> str:
   """The plan as lines for a terminal."""
   gib = lambda n: f"{n / GIB:.2f} GiB"
-  margin = result["hbm_per_chip_bytes"] - result["bytes_per_chip"]
+  margin = result["hbm_per_chip_bytes"] - needed_per_chip(result)
   bound = result["compiler_bound_seconds"]
   lines = [
       f"{result['topology']} x {result['num_slices']} slice(s): {result['chips']} chips "
@@ -222,6 +231,10 @@ def describe(result: dict[str, Any]) -> str:
          "short"),
       f"model FLOPs per step {result['model_flops_per_step']:.4g}",
   ]
+  if "generation_bytes_per_chip" in result:
+    lines.insert(3, f"memory per chip while generating (the state and the KV cache of "
+                    f"{result['batch_size']} completions): "
+                    f"{gib(result['generation_bytes_per_chip'])}")
   if not result["fits"] and not result["collective_bytes_per_step"]:
     lines.append("the compiler refused the step for want of memory: no counts")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first
 (start.py); a resume keeps what it chose.
 """
 import dataclasses
+import math
 import re
 from typing import Callable, Optional
 
@@ -61,20 +62,39 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   # The document mask costs the same whichever token is EOS.
   steps = step.build(dataclasses.replace(run, trainer=trainer), partitioner,
                      eos_id=0 if run.data.document_masking else None, objective=objective)
-  inputs = steps.abstract_inputs(per_device * partitioner.data_parallel_size * accumulation)
+  batch_size = per_device * partitioner.data_parallel_size * accumulation
+  inputs = steps.abstract_inputs(batch_size)
   with partitioner.activation_context():
     lowered = steps.train_step.lower(*inputs)
   try:
     compiled = lowered.compile()
+    needed = needed_bytes(compiled.memory_analysis())
+    if executables is not None:
+      executables[per_device, accumulation] = compiled
   except jax.errors.JaxRuntimeError as e:
     temporaries = out_of_memory_bytes(e)
     if temporaries is None:
       raise
     # The compiler names only what it needs beyond the arguments: the state is resident too.
-    return partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
-  if executables is not None:
-    executables[per_device, accumulation] = compiled
-  return needed_bytes(compiled.memory_analysis())
+    needed = partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
+  if objective.reads == "rollouts":  # Its generations hold the state and the engine's cache.
+    needed = max(needed, generation_bytes(run, partitioner, steps, batch_size))
+  return needed
+
+
+def generation_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+                     steps: step.ShardedSteps, batch_size: int) -> int:
+  """Per-device bytes while a generation of an objective that reads rollouts samples
+  `batch_size` completions: the train state, resident meanwhile, and the engine's KV cache at
+  its longest (rows of config.model.seq_len). Its decode step's temporaries (a row of logits
+  per completion) are not counted."""
+  from levanter_flax.generate.engine import Engine  # pylint: disable=g-import-not-at-top
+  with partitioner.activation_context():
+    engine = Engine(run.model, None, slots=batch_size,
+                    param_shardings=steps.state_shardings.model_params,
+                    batch_sharding=steps.batch_sharding)
+    cache = engine.cache_bytes_per_device()
+  return partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + cache
 
 
 def needed_bytes(memory) -> int:
@@ -166,15 +186,23 @@ def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
                  per_device * data_parallel * accumulation, f"{budget:,}")
     return needs[per_device] <= budget
 
+  multiple = objective.batch_multiple
   if search.target_batch_size:
+    if search.target_batch_size % multiple:
+      raise UserError(f"config.batch_search.target_batch_size ({search.target_batch_size}) must "
+                      f"be a multiple of {multiple}, the rows of one group (config.rl.group_size)")
     per_device, accumulation = smallest_fitting_accumulation(fits, search.target_batch_size,
                                                              data_parallel)
   else:
-    per_device, accumulation = largest_fitting(lambda n: fits(n, 1), 4096), 1
+    # Per-device microbatches whose global batch is a multiple of `multiple`.
+    unit = multiple // math.gcd(multiple, data_parallel)
+    per_device, accumulation = unit * largest_fitting(lambda n: fits(unit * n, 1),
+                                                      4096 // unit), 1
   if not per_device:
-    raise UserError(f"not even 1 sequence per device fits the memory budget of {budget:,} bytes: "
-                    f"the step needs {needs[1]:,}; use remat, ZeRO-3 (sharding.parameter_axis) "
-                    f"or a larger budget")
+    smallest = min(needs)
+    raise UserError(f"not even {smallest} sequence(s) per device fit the memory budget of "
+                    f"{budget:,} bytes: the step needs {needs[smallest]:,}; use remat, ZeRO-3 "
+                    f"(sharding.parameter_axis) or a larger budget")
   return dataclasses.replace(trainer, batch_size=per_device * data_parallel * accumulation,
                              gradient_accumulation_steps=accumulation)
 
