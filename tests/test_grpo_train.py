@@ -222,3 +222,41 @@ def test_turning_the_kl_on_at_a_resume_is_one_line(four_steps, tmp_path):
   with pytest.raises(UserError, match=r"^config.rl.beta was 0 when the run in .* started, so it "
                                       r"kept no reference model for the KL"):
     train_and_evaluate(to_run_config(config), tmp_path / "run")
+
+
+def logged_ascii_share(completions, **_):
+  """ascii_share, noting in $REWARD_LOG.<pid> how many completions each call scored."""
+  with open(f"{os.environ['REWARD_LOG']}.{os.getpid()}", "a", encoding="utf-8") as log:
+    log.write(f"{len(completions)}\n")
+  return ascii_share(completions)
+
+
+@pytest.mark.slow
+def test_two_processes_score_their_own_rows_and_train_as_one(tmp_path):
+  """2 processes x 2 devices against 1 x 4: the same rewards and losses; each process scored
+  half of every generation's completions."""
+  from test_multihost import free_address
+  flags = grpo_flags(tmp_path, 2, "--config.rl.rewards=test_grpo_train:logged_ascii_share")
+  one = main(tmp_path / "one", flags, devices=4, REWARD_LOG=str(tmp_path / "one"))
+  assert one.returncode == 0, one.stderr[-3000:]
+  address = free_address()
+  env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REWARD_LOG": str(tmp_path / "two"),
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  processes = [forkserver.Popen(
+      [sys.executable, "-m", "levanter_flax.main", *flags, f"--workdir={tmp_path / 'two'}",
+       f"--config.trainer.distributed.coordinator_address={address}",
+       "--config.trainer.distributed.num_processes=2",
+       f"--config.trainer.distributed.process_id={i}"], cwd=REPO, env=env,
+      stdout=forkserver.subprocess.PIPE, stderr=forkserver.subprocess.PIPE, text=True)
+      for i in range(2)]
+  for process in processes:
+    stderr = process.communicate(timeout=300)[1]
+    assert process.returncode == 0, stderr[-3000:]
+  one, two = rl_metrics(tmp_path / "one"), rl_metrics(tmp_path / "two")
+  for step_num in (1, 2):
+    assert two[step_num]["rl/reward_mean"] == pytest.approx(one[step_num]["rl/reward_mean"],
+                                                            abs=1e-6)
+    assert two[step_num]["train/loss"] == pytest.approx(one[step_num]["train/loss"], abs=1e-5)
+  logs = lambda name: sorted(p.read_text().split() for p in tmp_path.glob(f"{name}.*"))
+  assert logs("one") == [["16", "16"]]
+  assert logs("two") == [["8", "8"], ["8", "8"]]

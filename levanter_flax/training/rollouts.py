@@ -16,7 +16,9 @@ endpoint stops).
 that follow those the generations before it trained on, from the params before its first step.
 The run position of those prompts continues from the checkpoint's, whatever group_size or
 batch_size a resume changes; the prompts' order is a permutation per pass over the file, drawn
-from the run's seed.
+from the run's seed. On several processes, every process samples every completion (the
+engine steps on the run's mesh, as one program), but scores only the rows its devices hold;
+the rewards are then gathered, once a generation, so that the processes' advantages agree.
 """
 import dataclasses
 import functools
@@ -54,10 +56,15 @@ def completion_seed(seed: int, position: int, index: int) -> int:
 def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Sequence[int]],
            stop_ids: Sequence[tuple[int, ...]], positions: Sequence[int], group_size: int,
            sampling: SamplingParams, seed: int, rewards: Sequence[rewards_lib.Reward],
-           scale_rewards: str, seq_len: int) -> Rollouts:
+           scale_rewards: str, seq_len: int,
+           local_rows: Sequence[int] | None = None) -> Rollouts:
   """The rollouts of `prompts` (their tokens; `records` their text and fields; `stop_ids` the
   ids each one's completions end at; `positions` their places in the run's order of prompts),
-  group_size completions each."""
+  group_size completions each.
+
+  local_rows: the rows (completions) this process scores, the others' rewards gathered from
+  the processes that hold them, so that every process computes the advantages from the same
+  rewards, however a reward varies between calls; None: every row (one process)."""
   for record, prompt in zip(records, prompts, strict=True):
     _check_room(record, prompt, sampling.max_tokens, engine.max_len)
   samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j), stop_ids=stops)
@@ -66,10 +73,13 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   requests = engine.generate([list(p) for p in prompts for _ in range(group_size)], samplings)
   seconds = time.perf_counter() - started
   completions = [_completion(r, records[i // group_size]) for i, r in enumerate(requests)]
+  rows = range(len(requests)) if local_rows is None else local_rows
+  record_of = lambda row: records[row // group_size]
   total, each = rewards_lib.score(
-      rewards, [r.text for r in requests], [rec.text for rec in records for _ in range(group_size)],
-      {name: [rec.fields[name] for rec in records for _ in range(group_size)]
-       for name in _common_fields(records)})
+      rewards, [requests[row].text for row in rows], [record_of(row).text for row in rows],
+      {name: [record_of(row).fields[name] for row in rows] for name in _common_fields(records)})
+  if local_rows is not None:
+    total, each = _gathered(local_rows, total, each, len(requests))
   advantages = grpo.group_advantages(total, group_size, scale_rewards)
   tokens = np.zeros((len(requests), seq_len), np.int32)
   weights = np.zeros((len(requests), seq_len), np.float32)
@@ -98,6 +108,26 @@ def stop_ids(records: Sequence[PromptRecord], template: chat.ChatTemplate | None
   return [tokenizer.stop_ids if record.messages is None else
           prompt_tokens.reply_stop_ids(template, tokenizer, record.messages, record.where)
           for record in records]
+
+
+def _gathered(rows: Sequence[int], total: np.ndarray, each: dict[str, np.ndarray],
+              count: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """Every row's rewards, from each process's own `rows` (one all-gather a generation)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  names = sorted(each)
+  mine = np.stack([np.asarray(rows, np.float32), total,
+                   *(each[name].astype(np.float32) for name in names)])
+  everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 2 + rewards, rows]
+  values = np.zeros((len(names) + 1, count), np.float32)
+  for theirs in everyone.reshape(-1, *mine.shape):
+    values[:, theirs[0].astype(np.int64)] = theirs[1:]
+  return values[0], dict(zip(names, values[1:]))
+
+
+def _local_rows(sharding: jax.sharding.Sharding, rows: int, seq_len: int) -> list[int]:
+  """The rows of a [rows, seq_len] batch that this process's devices hold."""
+  return sorted({row for index in sharding.addressable_devices_indices_map((rows, seq_len)).values()
+                 for row in range(*index[0].indices(rows))})
 
 
 def _check_room(record: PromptRecord, prompt: Sequence[int], max_tokens: int, context: int):
@@ -192,6 +222,9 @@ class RolloutBatches:
     self._rewards, self._seed, self._seq_len = rewards, seed, seq_len
     self._log_probs, self._sharding = log_probs, sharding
     self.prompts_per_batch = batch_size // cfg.group_size
+    # One process scores every row; several, each its own, and share the rewards.
+    self._local_rows = (None if jax.process_count() == 1
+                        else _local_rows(sharding, batch_size, seq_len))
     self._sampling = SamplingParams(max_tokens=cfg.max_completion_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p)
     self._generation, self._batch = None, None
@@ -249,7 +282,7 @@ class RolloutBatches:
                       [self._prompts[i] for i in indices], [self._stop_ids[i] for i in indices],
                       positions, self._cfg.group_size,
                       self._sampling, self._seed, self._rewards, self._cfg.scale_rewards,
-                      self._seq_len)
+                      self._seq_len, self._local_rows)
     self._engine.reset("generation finished")  # Gives its cache's memory back to training.
     tokens = self._put(rollouts.tokens)
     self._batch = {"tokens": tokens, "loss_weights": self._put(rollouts.loss_weights),
