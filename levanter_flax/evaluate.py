@@ -1,5 +1,5 @@
-"""`python -m levanter_flax.evaluate`: the path of `levanter-flax evaluate` before the commands moved
-into commands/, kept for the scripts that call it."""
+"""`python -m levanter_flax.evaluate`: the path of `levanter-flax evaluate` before the
+commands moved into commands/, kept for the scripts that call it."""
 from levanter_flax.core import cli
 
 if __name__ == "__main__":

@@ -603,6 +603,11 @@ def test_a_foreign_non_empty_directory_is_not_written_into(tmp_path):
     dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
         source=source, output_dir=model, validation_fraction=0.0, num_shards=1))
   assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json"]
+  kept = tmp_path / "kept"  # Empty but for a dot-file: no content of anyone's.
+  kept.mkdir()
+  (kept / ".gitkeep").write_text("")
+  dataset_writer.prepare_dataset(dataset_writer.PrepareOptions(
+      source=source, output_dir=kept, validation_fraction=0.0, num_shards=1))
   (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
   failing = dataset_writer.PrepareOptions(
       source=sources.SourceSpec(kind="jsonl", inputs=(str(tmp_path / "bad.jsonl"),)),

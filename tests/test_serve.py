@@ -185,6 +185,10 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
       "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]})
   assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
+  nulls = httpx.post(f"{url}/v1/completions", json={  # As some clients send the defaults.
+      "model": MODEL, "prompt": "hi", "max_tokens": 2, "presence_penalty": None,
+      "frequency_penalty": None, "logit_bias": None, "echo": None, "best_of": None})
+  assert nulls.status_code == 200, nulls.text
   missing = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL})
   assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
   assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage

@@ -7,7 +7,7 @@ import pytest
 from conftest import prepare_texts, random_documents
 from levanter_flax.generate import trained
 from levanter_flax.config import default_config, to_run_config
-from levanter_flax.data import loader, tfrecord
+from levanter_flax.data import loader, tfrecord, tokenizers
 from levanter_flax.data.manifest import load_manifest
 from levanter_flax.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
 from levanter_flax.core.errors import UserError
@@ -162,10 +162,23 @@ def test_an_eos_named_only_by_the_checkpoint_ends_documents(tmp_path):
 def test_a_bad_eos_token_id_is_one_line(tmp_path, value):
   path = bare_bpe(tmp_path)
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+  tokenizer = load_tokenizer(path)  # Preparing and training read no stop ids.
   with pytest.raises(UserError, match=f"{tmp_path / 'generation_config.json'}: eos_token_id "
                                       f".* must be a token id or a list of them, each in "
                                       f"\\[0, 300\\)"):
-    load_tokenizer(path)
+    tokenizer.stop_ids
+
+
+def test_a_model_trained_here_also_stops_at_the_eos_that_ended_its_documents(tmp_path):
+  """A checkpoint's <|im_end|> alone ends its own generations, as transformers' do; a run that
+  trained on documents ended by <|endoftext|> ends there too."""
+  path = bare_bpe(tmp_path)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  checkpoint = load_tokenizer(path)
+  trained_here = tokenizers.ending_documents(checkpoint)
+  assert (checkpoint.stop_ids, trained_here.stop_ids) == ((2,), (2, 0))
+  assert load_tokenizer(path).stop_ids == (2,)  # The cached one is left as it is.
+  assert tokenizers.ending_documents(load_tokenizer("byte")).stop_ids == (256,)
 
 
 def test_a_tokenizer_rewritten_in_place_is_read_anew(tmp_path):

@@ -120,8 +120,9 @@ def _refuse_foreign(directory: epath.Path) -> None:
   into: its files would be mixed with the dataset's, or taken for a dataset's."""
   if not directory.is_dir() or (directory / ARGUMENTS).exists():
     return
-  foreign = sorted(p.name for p in directory.iterdir()
-                   if not any(fnmatch.fnmatch(p.name, own) for own in _OWN_FILES))
+  foreign = sorted(p.name for p in directory.iterdir()  # .DS_Store, .gitkeep: not content.
+                   if not p.name.startswith(".")
+                   and not any(fnmatch.fnmatch(p.name, own) for own in _OWN_FILES))
   if foreign:
     raise UserError(f"{directory} is not empty and holds no dataset ({', '.join(foreign[:3])}"
                     f"{', ...' if len(foreign) > 3 else ''}): give --output_dir a new or empty "

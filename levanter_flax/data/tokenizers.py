@@ -9,8 +9,10 @@ Two ends are told apart: `eos_id`, the one token that ends each training documen
 read from the checkpoint beside a tokenizer.json as transformers and vLLM read it:
 generation_config.json's eos_token_id (an int or a list), else config.json's, else
 tokenizer_config.json's eos_token. A bare tokenizer.json ends both at the first of
-EOS_CANDIDATES it has.
+EOS_CANDIDATES it has. A model trained here also ends its documents at eos_id, so its
+generations end there too (`ending_documents`).
 """
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -89,27 +91,24 @@ class HuggingFaceTokenizer:
                       f"({reason})") from None
     self.sha256 = hashlib.sha256(contents).hexdigest()
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-    self._configs = {name: _json_object(path.parent / name, raw) for name, raw in beside.items()}
-    self.special_tokens = self._named_special_tokens()
-    self.stop_ids = self._checkpoint_stop_ids()
+    self._beside = dict(beside)
     found = [i for i in (self._tokenizer.token_to_id(t) for t in EOS_CANDIDATES) if i is not None]
-    # A tokenizer with none of the usual names (DeepSeek-V3's <｜end▁of▁sentence｜>) ends its
-    # documents at the checkpoint's own EOS.
-    found += [self.special_tokens["eos_token"][0]] if "eos_token" in self.special_tokens else []
-    found += list(self.stop_ids)
+    if not found:  # DeepSeek-V3's <｜end▁of▁sentence｜>: the checkpoint names it.
+      named = self.special_tokens.get("eos_token")
+      found = [*([named[0]] if named else []), *self._checkpoint_stop_ids()]
     if not found:
       raise UserError(f"tokenizer {path} has none of the end-of-document tokens "
                       f"{EOS_CANDIDATES}, and no {TOKENIZER_CONFIG}, "
                       f"{' or '.join(STOP_ID_FILES)} beside it names its EOS")
     self.eos_id = found[0]
     self.eos_text = self._tokenizer.id_to_token(self.eos_id)
-    self.stop_ids = self.stop_ids or (self.eos_id,)
 
-  def _named_special_tokens(self) -> Mapping[str, tuple[int, str]]:
+  @functools.cached_property
+  def special_tokens(self) -> Mapping[str, tuple[int, str]]:
     """name -> (id, text) of each of SPECIAL_TOKENS that the tokenizer_config.json beside the
     file names: the tokens transformers' AutoTokenizer, and so lm-eval's HF backend, knows by
-    those names."""
-    config = self._configs.get(TOKENIZER_CONFIG, {})
+    those names. Read when asked, as stop_ids: preparing and training read neither."""
+    config = self._config(TOKENIZER_CONFIG)
     named = {}
     for name in SPECIAL_TOKENS:
       value = config.get(name)
@@ -123,11 +122,20 @@ class HuggingFaceTokenizer:
       named[name] = (token, text)
     return types.MappingProxyType(named)
 
+  @functools.cached_property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The ids a generation ends at (see the module's docstring)."""
+    return self._checkpoint_stop_ids() or (self.eos_id,)
+
+  def _config(self, name: str) -> dict:
+    """The JSON object of the file `name` beside the tokenizer; {} if there is none."""
+    return _json_object(self._directory / name, self._beside[name]) if name in self._beside else {}
+
   def _checkpoint_stop_ids(self) -> tuple[int, ...]:
     """The ids the checkpoint's generation ends at (see the module's docstring); () if no file
     beside the tokenizer names one."""
     for name in STOP_ID_FILES:
-      value = self._configs.get(name, {}).get("eos_token_id")
+      value = self._config(name).get("eos_token_id")
       if value is None:
         continue
       ids = value if isinstance(value, list) else [value]
@@ -224,6 +232,16 @@ def _json_object(path: epath.Path, contents: bytes) -> dict:
   if not isinstance(value, dict):
     raise UserError(f"{path} is not a JSON object")
   return value
+
+
+def ending_documents(tokenizer):
+  """`tokenizer` for a model trained on documents it tokenized: its generations end at its
+  checkpoint's stop ids and at the EOS that ended each of those documents."""
+  if tokenizer.eos_id in tokenizer.stop_ids:
+    return tokenizer
+  trained = copy.copy(tokenizer)  # The cached one serves checkpoints as they are.
+  trained.stop_ids = (*tokenizer.stop_ids, tokenizer.eos_id)
+  return trained
 
 
 def identity(tokenizer) -> TokenizerIdentity:

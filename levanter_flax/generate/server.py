@@ -50,7 +50,8 @@ class ApiError(Exception):
 
 
 class _Sampled(pydantic.BaseModel):
-  """The fields both endpoints take; others (user, presence_penalty, ...) are ignored."""
+  """The fields both endpoints take; of the others, those that would change the output are
+  refused (_UNSUPPORTED), the rest (user, ...) ignored."""
   model_config = pydantic.ConfigDict(extra="ignore")
   model: str
   max_tokens: int | None = None
@@ -67,14 +68,14 @@ class _Sampled(pydantic.BaseModel):
   ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks).
   # Refused unless at their defaults (_refuse_unsupported): they would change the output.
   logit_bias: dict | None = None
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
 
 
 class CompletionRequest(_Sampled):
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16  # OpenAI's default for completions.
-  echo: bool = False
+  echo: bool | None = None
   best_of: int | None = None
   suffix: str | None = None
 
@@ -93,8 +94,8 @@ class ChatRequest(_Sampled):
 
 
 # Each request field the engine cannot honour: its value where it changes nothing.
-_UNSUPPORTED = {"logit_bias": (None, {}), "presence_penalty": (0.0,),
-                "frequency_penalty": (0.0,), "echo": (False,), "best_of": (None, 1),
+_UNSUPPORTED = {"logit_bias": (None, {}), "presence_penalty": (None, 0.0),
+                "frequency_penalty": (None, 0.0), "echo": (None, False), "best_of": (None, 1),
                 "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                 "response_format": (None, {"type": "text"})}
 

@@ -66,7 +66,8 @@ def run_checkpoints(workdir: epath.Path) -> tuple[Any, dict, list[int]]:
 
 def run_tokenizer(workdir: epath.Path, saved: dict):
   """The tokenizer a run trained with: config.json's data.tokenizer, if it is still the file
-  its datasets were tokenized with (each manifest records it; the trainer refused any other).
+  its datasets were tokenized with (each manifest records it; the trainer refused any other);
+  its generations end at its EOS too (tokenizers.ending_documents).
 
   A file replaced since would encode prompts into ids the model did not learn.
   """
@@ -83,7 +84,7 @@ def run_tokenizer(workdir: epath.Path, saved: dict):
                       f"run in {workdir} trained on {directory}, tokenized with "
                       f"{trained.describe()} (vocab {trained.vocab_size}): the file changed "
                       f"since; put back the one the run trained with")
-  return tokenizer
+  return tokenizers.ending_documents(tokenizer)
 
 
 def _run_manifests(saved: dict, purpose: str):

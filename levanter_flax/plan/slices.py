@@ -33,8 +33,8 @@ _GENERATIONS = {"v4": (_SHAPES_3D, 2), "v5p": (_SHAPES_3D, 2), "v5e": (_SHAPES_2
 EXAMPLES = "v4-32, v5e-256, v5p-128, v6e-64, v5e:16x16 or v5p:4x4x4"
 # What libtpu prints on stderr as it starts on a machine that is no TPU VM (its hostname and
 # accelerator type unknown): noise around every plan and error.
-_LIBTPU_NOISE = ("Failed to find host bounds", "WARNING: Logging before InitGoogle",
-                 "could not determine TPU", "=== Source Location Trace", "learning/")
+_LIBTPU_NOISE = re.compile(r"Failed to find host bounds|WARNING: Logging before InitGoogle|"
+                           r"could not determine TPU|=== Source Location Trace|^\S+\.cc:\d+$")
 
 
 def topology(name: str) -> tuple[str, str]:
@@ -93,22 +93,23 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
 
 @contextlib.contextmanager
 def _without_libtpu_noise():
-  """Holds back what native code writes on stderr meanwhile, then writes it but _LIBTPU_NOISE's
-  lines."""
+  """Holds back what native code writes on stderr meanwhile, then writes it less _LIBTPU_NOISE's
+  lines; all of it where libtpu failed, whose reason may be among them."""
   sys.stderr.flush()
   saved = os.dup(2)
+  failed = True
   with tempfile.TemporaryFile() as held:
     os.dup2(held.fileno(), 2)
     try:
       yield
+      failed = False
     finally:
       os.dup2(saved, 2)
       os.close(saved)
       held.seek(0)
-      kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-              if not any(noise in line for noise in _LIBTPU_NOISE)
-              and not line.startswith("E0000 ")]
-      sys.stderr.write("".join(kept))
+      lines = held.read().decode(errors="replace").splitlines(keepends=True)
+      sys.stderr.write("".join(line for line in lines
+                               if failed or not _LIBTPU_NOISE.search(line.strip())))
 
 
 def _chip_count(shape: str) -> int:

@@ -76,7 +76,8 @@ def step_bytes(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
     if temporaries is None:
       raise
     # The compiler names only what it needs beyond the arguments: the state is resident too.
-    needed = partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings) + temporaries
+    needed = (partitioning.per_device_bytes(steps.abstract_state, steps.state_shardings)
+              + temporaries)
   if objective.reads == "rollouts":  # Its generations hold the state and the engine's cache.
     needed = max(needed, generation_bytes(run, partitioner, steps, batch_size))
   return needed

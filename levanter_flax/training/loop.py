@@ -260,8 +260,8 @@ def _make_harness(run: RunConfig, steps: step.ShardedSteps):
     raise UserError(f"config.trainer.eval_harness_every_steps needs lm-eval-harness, which is not "
                     f"installed ({e}): pip install -e \".[eval]\"") from None
   from levanter_flax.data import tokenizers  # pylint: disable=g-import-not-at-top
-  return harness.InRun(run, tokenizers.load_tokenizer(run.data.tokenizer),
-                       steps.state_shardings.model_params, steps.batch_sharding)
+  tokenizer = tokenizers.ending_documents(tokenizers.load_tokenizer(run.data.tokenizer))
+  return harness.InRun(run, tokenizer, steps.state_shardings.model_params, steps.batch_sharding)
 
 
 def _harness_of_state(run_harness):

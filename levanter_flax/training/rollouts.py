@@ -35,6 +35,7 @@ from levanter_flax.data.rl_prompts import PromptRecord
 from levanter_flax.generate import prompts as prompt_tokens
 from levanter_flax.generate.engine import Engine, Request, SamplingParams
 from levanter_flax.objectives import grpo, rewards as rewards_lib
+from levanter_flax.parallel import distributed
 
 Batch = dict[str, jax.Array]
 
@@ -75,11 +76,14 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   completions = [_completion(r, records[i // group_size]) for i, r in enumerate(requests)]
   rows = range(len(requests)) if local_rows is None else local_rows
   record_of = lambda row: records[row // group_size]
-  total, each = rewards_lib.score(
+  score = lambda: rewards_lib.score(
       rewards, [requests[row].text for row in rows], [record_of(row).text for row in rows],
       {name: [record_of(row).fields[name] for row in rows] for name in _common_fields(records)})
-  if local_rows is not None:
-    total, each = _gathered(local_rows, total, each, len(requests))
+  if local_rows is None:
+    total, each = score()
+  else:  # A reward that fails on one process stops every process, not only its own.
+    total, each = _gathered(local_rows, *distributed.agreed(score, "to score its rollouts"),
+                            len(requests))
   advantages = grpo.group_advantages(total, group_size, scale_rewards)
   tokens = np.zeros((len(requests), seq_len), np.int32)
   weights = np.zeros((len(requests), seq_len), np.float32)
@@ -115,13 +119,17 @@ def _gathered(rows: Sequence[int], total: np.ndarray, each: dict[str, np.ndarray
   """Every row's rewards, from each process's own `rows` (one all-gather a generation)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   names = sorted(each)
-  mine = np.stack([np.asarray(rows, np.float32), total,
-                   *(each[name].astype(np.float32) for name in names)])
-  everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 2 + rewards, rows]
-  values = np.zeros((len(names) + 1, count), np.float32)
-  for theirs in everyone.reshape(-1, *mine.shape):
-    values[:, theirs[0].astype(np.int64)] = theirs[1:]
-  return values[0], dict(zip(names, values[1:]))
+  # [scored, total, each reward's] x every row: the same shape on every process.
+  mine = np.zeros((len(names) + 2, count), np.float32)
+  mine[:, list(rows)] = np.stack([np.ones(len(rows), np.float32), total,
+                                  *(each[name].astype(np.float32) for name in names)])
+  values = np.zeros_like(mine)
+  for theirs in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, *mine.shape):
+    values[:, theirs[0] > 0] = theirs[:, theirs[0] > 0]
+  if not values[0].all():  # Every row is some process's: the batch's sharding covers it.
+    raise UserError(f"rows {np.flatnonzero(values[0] == 0).tolist()} of the rollouts were "
+                    f"scored by no process")
+  return values[1], dict(zip(names, values[2:]))
 
 
 def _local_rows(sharding: jax.sharding.Sharding, rows: int, seq_len: int) -> list[int]:
@@ -177,7 +185,7 @@ def read_prompts(run: Any) -> RunPrompts:
                     f"run ends, and saves, after a generation's last update")
   if isinstance(run.trainer.batch_size, int):  # "auto" is searched among the multiples.
     check_batch_size(run.trainer.batch_size, cfg.group_size)
-  tokenizer = tokenizers.load_tokenizer(run.data.tokenizer)
+  tokenizer = tokenizers.ending_documents(tokenizers.load_tokenizer(run.data.tokenizer))
   if tokenizer.vocab_size > run.model.vocab_size:
     raise UserError(f"config.model.vocab_size ({run.model.vocab_size}) is smaller than the "
                     f"vocabulary of config.data.tokenizer ({tokenizer.vocab_size})")
@@ -205,9 +213,9 @@ class RolloutBatches:
 
   engine: generates with the params it is given (on the run's mesh); prompts: each record's
   tokens; stop_ids: the ids each record's completions end at; position: the prompts the run
-  trained on before (its checkpoint's); log_probs: (params, tokens) -> each target's log-probability (step.ShardedSteps'),
-  the sampling policy's, which the ratio of every update on the batch divides by; sharding: the
-  batch's.
+  trained on before (its checkpoint's); log_probs: (params, tokens) -> each target's
+  log-probability (step.ShardedSteps'), the sampling policy's, which the ratio of every update
+  on the batch divides by; sharding: the batch's.
   """
 
   def __init__(self, cfg: grpo.GrpoConfig, engine: Engine, records: Sequence[PromptRecord],
