@@ -183,8 +183,6 @@ def read_prompts(run: Any) -> RunPrompts:
     raise UserError(f"config.trainer.num_train_steps ({run.trainer.num_train_steps}) must be a "
                     f"multiple of config.rl.updates_per_batch ({cfg.updates_per_batch}): a "
                     f"run ends, and saves, after a generation's last update")
-  if isinstance(run.trainer.batch_size, int):  # "auto" is searched among the multiples.
-    check_batch_size(run.trainer.batch_size, cfg.group_size)
   tokenizer = tokenizers.ending_documents(tokenizers.load_tokenizer(run.data.tokenizer))
   if tokenizer.vocab_size > run.model.vocab_size:
     raise UserError(f"config.model.vocab_size ({run.model.vocab_size}) is smaller than the "

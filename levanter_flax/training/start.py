@@ -49,6 +49,8 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   search = functools.partial(batch_search.resolve, run, partitioner, objective=objective)
   trainer = choices.batch(run, kept, saved, search, workdir)
   choices.check_batch_size(trainer, partitioner)
+  if prompts is not None:  # Whole groups; said before anything is restored or built.
+    rollouts.check_batch_size(trainer.batch_size, run.rl.group_size)
   for source in sources:  # A split too small to evaluate: said now, not after the first steps.
     if source.has_validation:
       eval_set.num_windows(source, run.model.seq_len, trainer.eval_tokens)
@@ -62,8 +64,6 @@ def resolve(run: RunConfig, workdir: epath.Path, partitioner: partitioning.Parti
   config_changes = resume_checks.check_resumed_config(run, saved, workdir)
   eos_id = (sources[0].manifest["tokenizer"]["eos_id"] if sources and run.data.document_masking
             else None)
-  if prompts is not None:
-    rollouts.check_batch_size(trainer.batch_size, run.rl.group_size)
   return Start(run, sources, eos_id, groups, config_changes, objective, prompts)
 
 

@@ -122,7 +122,7 @@ def blockwise_cross_entropy(hidden: jax.Array, embedding: jax.Array, labels: jax
   def add_block(carry, block):
     running_max, running_sum, label_logits = carry
     index, weights = block
-    logits = (hidden @ weights.T).astype(jnp.float32) / temperature
+    logits = _tempered((hidden @ weights.T).astype(jnp.float32), temperature)
     in_vocab = index * block_size + jnp.arange(block_size) < vocab_size
     logits = jnp.where(in_vocab, logits, -jnp.inf)
     new_max = jnp.maximum(running_max, logits.max(axis=-1))
@@ -202,7 +202,12 @@ def _token_losses(model: nn.Module, params, tokens: jax.Array, eos_id: int | Non
                                    block_size, temperature), sown
   logits, sown = apply()
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits[:, :-1].astype(jnp.float32) / temperature, tokens[:, 1:]), sown
+      _tempered(logits[:, :-1].astype(jnp.float32), temperature), tokens[:, 1:]), sown
+
+
+def _tempered(logits: jax.Array, temperature: float) -> jax.Array:
+  """logits / temperature; at 1 (every objective but a sampling one) no op in the step."""
+  return logits if temperature == 1 else logits / temperature
 
 
 def _sown_losses(sown) -> Metrics:
