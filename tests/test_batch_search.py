@@ -125,7 +125,8 @@ def test_command_line_prints_candidates_and_the_choice():
 
 def test_a_generation_counts_the_state_and_the_engines_cache(run_and_partitioner):
   """GRPO's engine holds keys and values for every completion at the model's seq_len, split
-  over the data axis, beside the train state."""
+  over the data axis, and each completion's tokens and logit bias, beside the train state."""
+  from levanter_flax.generate.engine import MAX_LOGIT_BIAS
   from levanter_flax.objectives import grpo
   from levanter_flax.parallel.partitioning import per_device_bytes
   run, partitioner = run_and_partitioner
@@ -133,8 +134,10 @@ def test_a_generation_counts_the_state_and_the_engines_cache(run_and_partitioner
   cfg, devices = run.model, partitioner.mesh.size
   keys_and_values = 2 * cfg.num_layers * 32 * cfg.seq_len * cfg.hidden_dim * 4 // devices
   positions = cfg.num_layers * 32 * 4 // devices  # An int32 per slot and layer.
+  sampled = 32 * (cfg.seq_len + 2 * MAX_LOGIT_BIAS) * 4  # Replicated: tokens, ids, biases.
   assert batch_search.generation_bytes(run, partitioner, steps, 32) == (
-      per_device_bytes(steps.abstract_state, steps.state_shardings) + keys_and_values + positions)
+      per_device_bytes(steps.abstract_state, steps.state_shardings) + keys_and_values + positions
+      + sampled)
 
 
 @pytest.mark.slow

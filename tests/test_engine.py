@@ -181,6 +181,46 @@ def test_stop_ids_stop_strings_and_the_context_end():
   assert full.finish_reason == "length" and len(full.tokens) == 4
 
 
+def penalized_greedy(model, params, prompt, count, presence=0.0, frequency=0.0, bias=()):
+  """OpenAI's penalties and logit bias in NumPy, on the full forward's logits at each step."""
+  tokens = []
+  for _ in range(count):
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray([prompt + tokens]))[0, -1],
+                        np.float64)
+    for token, value in bias:
+      logits[token] += value
+    counts = np.bincount(tokens, minlength=logits.size)
+    tokens.append(int(np.argmax(logits - presence * (counts > 0) - frequency * counts)))
+  return tokens
+
+
+def test_logit_bias_and_penalties_equal_numpys_per_request_and_leave_the_slot_clean():
+  """Six greedy requests through 2 slots, each with its own penalties and bias: each equals
+  the NumPy reference, the plain ones after a penalized one in the same slot equal plain
+  greedy, the settings change the tokens, and the log-probabilities stay the model's."""
+  cfg, params = random_model()
+  model = models.build(cfg)
+  settings = [dict(frequency=0.5), dict(), dict(presence=1.0), dict(),
+              dict(bias=((7, 3.0), (25, -100.0)), frequency=1.0), dict(presence=-2.0)]
+  prompt = [5, 6, 7]
+  samplings = [dataclasses.replace(GREEDY, max_tokens=10, presence_penalty=s.get("presence", 0.0),
+                                   frequency_penalty=s.get("frequency", 0.0),
+                                   logit_bias=s.get("bias", ())) for s in settings]
+  requests = Engine(cfg, params, slots=2, prefill_chunk=4).generate([prompt] * 6, samplings)
+  for request, setting in zip(requests, settings):
+    assert request.tokens == penalized_greedy(model, params, prompt, 10, **setting)
+  plain = requests[1].tokens
+  assert requests[3].tokens == plain
+  assert all(requests[i].tokens != plain for i in (0, 2, 4, 5))
+  assert 25 in plain and 25 not in requests[4].tokens
+  sequence = jnp.asarray([prompt + requests[4].tokens])
+  logprobs = jax.nn.log_softmax(model.apply({"params": params}, sequence)[0], axis=-1)
+  start = len(prompt) - 1
+  np.testing.assert_allclose(
+      requests[4].logprobs, [float(logprobs[start + i, t]) for i, t in enumerate(requests[4].tokens)],
+      atol=1e-5)
+
+
 def test_a_cancelled_request_frees_its_slot_at_once():
   cfg, params = random_model()
   engine = Engine(cfg, params, slots=1)
@@ -247,6 +287,14 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     (SamplingParams(top_k=51), "top_k 51 exceeds the model's vocabulary of 50 tokens"),
     (SamplingParams(seed=-1), "seed must be in \\[0, 2\\*\\*32\\); got -1"),
     (SamplingParams(stop=("x",)), "stop strings need the engine's tokenizer"),
+    (SamplingParams(presence_penalty=2.5), "presence_penalty must be in \\[-2, 2\\]; got 2.5"),
+    (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty must be in"),
+    (SamplingParams(logit_bias=((50, 1.0),)),
+     "logit_bias names token 50, outside the model's vocabulary \\[0, 50\\)"),
+    (SamplingParams(logit_bias=((3, -101.0),)),
+     "logit_bias of token 3 must be in \\[-100, 100\\]; got -101.0"),
+    (SamplingParams(logit_bias=tuple((i % 50, 1.0) for i in range(301))),
+     "logit_bias holds 301 tokens; at most 300 may be biased"),
 ])
 def test_bad_requests_are_refused_in_one_line(sampling, message):
   cfg, params = random_model()

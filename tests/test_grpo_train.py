@@ -232,9 +232,9 @@ def logged_ascii_share(completions, **_):
 
 
 @pytest.mark.slow
-def test_two_processes_score_their_own_rows_and_train_as_one(tmp_path):
-  """2 processes x 2 devices against 1 x 4: the same rewards and losses; each process scored
-  half of every generation's completions."""
+def test_two_processes_sample_and_score_their_own_rows_and_train_as_one(tmp_path):
+  """2 processes x 2 devices against 1 x 4: the same rewards and losses; each process sampled
+  (on an engine of its own 2 devices) and scored half of every generation's completions."""
   from test_multihost import free_address
   flags = grpo_flags(tmp_path, 2, "--config.rl.rewards=test_grpo_train:logged_ascii_share")
   one = main(tmp_path / "one", flags, devices=4, REWARD_LOG=str(tmp_path / "one"))
@@ -249,9 +249,11 @@ def test_two_processes_score_their_own_rows_and_train_as_one(tmp_path):
        f"--config.trainer.distributed.process_id={i}"], cwd=REPO, env=env,
       stdout=forkserver.subprocess.PIPE, stderr=forkserver.subprocess.PIPE, text=True)
       for i in range(2)]
-  for process in processes:
-    stderr = process.communicate(timeout=300)[1]
+  stderrs = [process.communicate(timeout=300)[1] for process in processes]
+  for process, stderr in zip(processes, stderrs):
     assert process.returncode == 0, stderr[-3000:]
+  # Process 0's log (the others log warnings only); the rewards' logs count both.
+  assert "This process samples and scores 8 of each generation's 16 completions" in stderrs[0]
   one, two = rl_metrics(tmp_path / "one"), rl_metrics(tmp_path / "two")
   for step_num in (1, 2):
     assert two[step_num]["rl/reward_mean"] == pytest.approx(one[step_num]["rl/reward_mean"],

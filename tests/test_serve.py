@@ -83,14 +83,16 @@ def served(hf):
   process.communicate(timeout=60)
 
 
-def hf_greedy(hf, text: str, max_tokens: int) -> str:
+def hf_greedy(hf, text: str, max_tokens: int, logit_bias: dict[int, float] | None = None) -> str:
+  """transformers' greedy completion (with `logit_bias` as its sequence_bias)."""
   directory, model = hf
   tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory /
                                                                       "tokenizer.json"))
   ids = tokenizer(text, return_tensors="pt").input_ids
   with torch.no_grad():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                         do_sample=False, eos_token_id=[], pad_token_id=0)
+                         do_sample=False, eos_token_id=[], pad_token_id=0,
+                         sequence_bias={(t,): b for t, b in (logit_bias or {}).items()} or None)
   return tokenizer.decode(out[0, ids.shape[1]:])
 
 
@@ -124,6 +126,11 @@ def test_completions_whole_and_streamed_are_transformers_greedy_text(served, hf)
       texts[choice.index] += choice.text
       finishes[choice.index] += [choice.finish_reason] if choice.finish_reason else []
   assert texts == [c.text for c in sampled[0]] and finishes == [["length"], ["length"]]
+  # OpenAI's logit_bias is transformers' sequence_bias of single tokens.
+  bias = {77: 4.0, 101: -100.0, 250: 2.5}
+  biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     logit_bias={str(t): b for t, b in bias.items()})
+  assert biased.choices[0].text == hf_greedy(hf, prompt, 12, bias) != choice.text
 
 
 @pytest.mark.slow
@@ -178,9 +185,11 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served):
                          headers={"content-type": "application/json"})
   assert malformed.status_code == 400 and malformed.json()["error"]["message"] == (
       "The request body is not valid JSON: Expecting value at character 28")
-  for name, value in [("logit_bias", {"5": 100}), ("presence_penalty", 0.5),
-                      ("frequency_penalty", -1.0), ("echo", True), ("best_of", 3)]:
+  for name, value in [("echo", True), ("best_of", 3)]:
     refused(400, f"{name} is not supported by this server$", **{name: value})
+  refused(400, "presence_penalty must be in \\[-2, 2\\]; got 2.5", presence_penalty=2.5)
+  refused(400, "logit_bias maps token ids to biases; 'x' is not a token id", logit_bias={"x": 1})
+  refused(400, "logit_bias names token 320, outside", logit_bias={"320": 1})
   tools = httpx.post(f"{url}/v1/chat/completions", json={
       "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]})

@@ -17,10 +17,13 @@ ones; whole rows keep a few shapes, compiled once each, and memory at most slots
 (and one layer's entry more while the rows change).
 
 Sampling is per request: temperature (0: greedy), top-k, top-p, a seed, stop token ids, stop
-strings (on the text, with the engine's tokenizer), max_tokens, and the log-probability of
-each chosen token under the model's own distribution (before temperature and filters). A
+strings (on the text, with the engine's tokenizer), max_tokens, OpenAI's logit bias and
+presence and frequency penalties, and the log-probability of each chosen token under the
+model's own distribution (before the bias, penalties, temperature and filters, as vLLM's). A
 request's n-th token is drawn with fold_in(key(seed), n), so it is the same alone or among
-others, in any slot.
+others, in any slot. Beside the cache, each slot keeps its completion's tokens so far (for the
+penalties) and its logit bias, set at its first prefill chunk: the decode step takes nothing
+per request but its settings.
 
 On a mesh (`param_shardings` and `batch_sharding`, inside the partitioner's
 activation_context), the params keep their layout (tensor-parallel where the rules split
@@ -47,6 +50,9 @@ from levanter_flax.parallel import partitioning
 
 # The shortest rows: below it, more buckets would cost more compiles than they save.
 _MIN_BUCKET = 64
+# The most tokens one request may bias: each prefill carries this many (token, bias) pairs per
+# row, a fixed shape compiled once.
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +65,11 @@ class SamplingParams:
   seed: int = 0
   stop: tuple[str, ...] = ()  # The text ends before the first of these (needs a tokenizer).
   stop_ids: tuple[int, ...] = ()  # The completion ends before the first of these tokens.
+  # OpenAI's: subtracted from a token's logit once it is in the completion, and once for each
+  # time it is.
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit) pairs.
 
   def apart(self, count: int) -> list["SamplingParams"]:
     """These settings for `count` requests, request i with seed + i: equal prompts sample
@@ -80,6 +91,18 @@ class SamplingParams:
                       f"{vocab_size} tokens; use at most {vocab_size}, or 0 for no limit")
     if not 0 <= self.seed < 2**32:
       raise UserError(f"{prefix}seed must be in [0, 2**32); got {self.seed}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, name) <= 2:  # OpenAI's range; NaN fails it too.
+        raise UserError(f"{prefix}{name} must be in [-2, 2]; got {getattr(self, name)}")
+    if len(self.logit_bias) > MAX_LOGIT_BIAS:
+      raise UserError(f"{prefix}logit_bias holds {len(self.logit_bias)} tokens; at most "
+                      f"{MAX_LOGIT_BIAS} may be biased")
+    for token, bias in self.logit_bias:
+      if not 0 <= token < vocab_size:
+        raise UserError(f"{prefix}logit_bias names token {token}, outside the model's "
+                        f"vocabulary [0, {vocab_size})")
+      if not -100 <= bias <= 100:
+        raise UserError(f"{prefix}logit_bias of token {token} must be in [-100, 100]; got {bias}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,15 +131,18 @@ class Request:
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(next token [rows], its log-probability under the unfiltered logits [rows]) from
-  last-position logits [rows, vocab], each row with its own settings and key. Top-k applies
-  first, then top-p to what it kept; the sort they need runs only when a row asks for one, and
-  the draw only when a row samples."""
+                  keys: jax.Array, drawn_from: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """(next token [rows], its log-probability under the model's logits [rows]) from
+  last-position logits [rows, vocab], each row with its own settings and key; the token is
+  drawn from `drawn_from` (penalized's) where given. Top-k applies first, then top-p to what
+  it kept; the sort they need runs only when a row asks for one, and the draw only when a row
+  samples."""
   logits = logits.astype(jnp.float32)
+  drawn_from = logits if drawn_from is None else drawn_from.astype(jnp.float32)
   vocab = logits.shape[-1]
   greedy = temperature == 0
-  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  scaled = drawn_from / jnp.where(greedy, 1.0, temperature)[:, None]
 
   def filtered(scaled):
     ordered = -jnp.sort(-scaled, axis=-1)
@@ -135,11 +161,24 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
                           lambda x: x, scaled)
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
-  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  best = jnp.argmax(drawn_from, axis=-1).astype(jnp.int32)
   # A batch of greedy rows (evaluation, most benchmarks) draws no noise.
   tokens = jnp.where(greedy, best, jax.lax.cond(jnp.all(greedy), lambda _: best, drawn, scaled))
   logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], -1)[:, 0]
   return tokens, logprobs
+
+
+def penalized(logits: jax.Array, completions: jax.Array, drawn: jax.Array, presence: jax.Array,
+              frequency: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Array:
+  """OpenAI's adjusted logits [rows, vocab]: each row's bias (bias_ids [rows, k], bias [rows,
+  k]; padded with zeros) added, and for each token of its completion so far (the first
+  `drawn` of completions [rows, n]) the presence penalty once and the frequency penalty per
+  time subtracted."""
+  rows = jnp.arange(logits.shape[0])[:, None]
+  held = jnp.arange(completions.shape[1]) < drawn[:, None]
+  counts = jnp.zeros(logits.shape, jnp.float32).at[rows, completions].add(held)
+  biased = logits.astype(jnp.float32).at[rows, bias_ids].add(bias)
+  return biased - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
 def _keys(seeds: jax.Array, counts: jax.Array) -> jax.Array:
@@ -182,6 +221,7 @@ class Engine:
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
     self._cache = None  # [slots, self._length] rows, allocated at the first step; reset drops it.
+    self._sampled = None  # Each slot's completion so far and logit bias (_abstract_sampled's).
     self._length = 0
     self._waiting: list[Request] = []
     self._running: list[Request | None] = [None] * slots
@@ -194,13 +234,15 @@ class Engine:
     """What the KV cache holds on each device at its longest (rows of max_len): the memory a
     generation adds to what is in use, besides its step's own temporaries."""
     abstract = self._abstract_cache(self.max_len)
+    sampled = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self._abstract_sampled()))
     if self._cache_shardings is None:
-      return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    return partitioning.per_device_bytes(abstract, self._cache_shardings)
+      return sampled + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    return sampled + partitioning.per_device_bytes(abstract, self._cache_shardings)
 
   def use_params(self, params: Any) -> None:
-    """Generates with `params` from now on (the same shapes: nothing compiles again)."""
-    self.params = (params if self._param_shardings is None
+    """Generates with `params` from now on (the same shapes: nothing compiles again); None lets
+    the engine's go."""
+    self.params = (params if self._param_shardings is None or params is None
                    else jax.device_put(params, self._param_shardings))
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams,
@@ -285,19 +327,20 @@ class Engine:
       assert not self.busy, "warm_up with requests held"
       lengths = sorted({_bucket(n, self.max_len, _MIN_BUCKET) for n in range(1, self.max_len + 1)})
       rows = sorted({_bucket(n, self.slots, self._min_rows) for n in range(1, self.slots + 1)})
-      none = self._settings([None] * self.slots)
+      none = [None] * self.slots
       for length in lengths:
         self._resize_to(length)
         for count in rows:
           fn = self._prefill.get((count, length)) or self._compile(count, length)
-          self._cache, *_ = fn(self.params, self._cache, np.arange(count, dtype=np.int32),
-                               np.zeros((count, self.prefill_chunk), np.int32),
-                               np.zeros(count, np.int32), np.zeros(count, np.int32),
-                               *(x[:count] for x in none))
+          self._cache, self._sampled, *_ = fn(
+              self.params, self._cache, self._sampled, np.arange(count, dtype=np.int32),
+              np.zeros((count, self.prefill_chunk), np.int32), np.zeros(count, np.int32),
+              np.zeros(count, np.int32), self._settings(none[:count]), _biases(none[:count]))
         fn = self._decode.get(length) or self._compile(None, length)
         zeros = np.zeros(self.slots, np.int32)
-        self._cache, *_ = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
-                             zeros[:, None], zeros, zeros, *none)
+        self._cache, self._sampled, *_ = fn(
+            self.params, self._cache, self._sampled, np.arange(self.slots, dtype=np.int32),
+            zeros[:, None], zeros, zeros, self._settings(none), ())
       for length in lengths:  # Every resize between them, from the longest rows now.
         for other in [n for n in lengths if n != length]:
           self._resize_to(other)
@@ -319,7 +362,7 @@ class Engine:
           self._finish(request, reason)
       self._running = [None] * self.slots
       self._waiting.clear()
-      self._cache, self._length = None, 0
+      self._cache, self._sampled, self._length = None, None, 0
 
   def wake(self) -> None:
     with self._lock:
@@ -364,10 +407,11 @@ class Engine:
       piece = r.prompt[r._prefilled:r._prefilled + chunk]
       starts[row], counts[row] = r._prefilled, len(piece)
       tokens[row, :len(piece)] = piece
-    settings = self._settings(requests + [None] * (rows - len(requests)))
+    padded = requests + [None] * (rows - len(requests))
     fn = self._prefill.get((rows, self._length)) or self._compile(rows, self._length)
-    self._cache, new, logprobs = fn(self.params, self._cache, slot_ids, tokens, starts, counts,
-                                    *settings)
+    self._cache, self._sampled, new, logprobs = fn(
+        self.params, self._cache, self._sampled, slot_ids, tokens, starts, counts,
+        self._settings(padded), _biases(padded))
     new, logprobs = jax.device_get((new, logprobs))
     with self._lock:
       for row, r in enumerate(requests):
@@ -385,23 +429,26 @@ class Engine:
       active[r._slot] = True
       per_slot[r._slot] = r
     fn = self._decode.get(self._length) or self._compile(None, self._length)
-    self._cache, new, logprobs = fn(self.params, self._cache, np.arange(self.slots, dtype=np.int32),
-                                    last, positions[:, 0], active[:, 0].astype(np.int32),
-                                    *self._settings(per_slot))
+    self._cache, self._sampled, new, logprobs = fn(
+        self.params, self._cache, self._sampled, np.arange(self.slots, dtype=np.int32), last,
+        positions[:, 0], active[:, 0].astype(np.int32), self._settings(per_slot), ())
     new, logprobs = jax.device_get((new, logprobs))
     with self._lock:
       for r in requests:
         self._record(r, int(new[r._slot]), float(logprobs[r._slot]))
 
   def _settings(self, requests: Sequence[Request | None]) -> tuple[np.ndarray, ...]:
-    """Each row's (temperature, top_k, top_p, seed, tokens drawn so far); greedy for none."""
+    """Each row's (temperature, top_k, top_p, seed, tokens drawn so far, presence penalty,
+    frequency penalty); greedy and unpenalized for none."""
     pick = lambda f, default, dtype: np.array(
         [default if r is None else f(r) for r in requests], dtype)
     return (pick(lambda r: r.sampling.temperature, 0.0, np.float32),
             pick(lambda r: r.sampling.top_k, 0, np.int32),
             pick(lambda r: r.sampling.top_p, 1.0, np.float32),
             pick(lambda r: r.sampling.seed, 0, np.uint32),
-            pick(lambda r: len(r.tokens), 0, np.int32))
+            pick(lambda r: len(r.tokens), 0, np.int32),
+            pick(lambda r: r.sampling.presence_penalty, 0.0, np.float32),
+            pick(lambda r: r.sampling.frequency_penalty, 0.0, np.float32))
 
   # Bookkeeping, under the lock.
   def _record(self, request: Request, token: int, logprob: float) -> None:
@@ -439,12 +486,13 @@ class Engine:
   def _compile(self, rows: int | None, length: int):
     """The prefill of `rows` slots' chunks (rows None: the decode step of every slot, one token
     each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), on a cache
-    of rows `length` long. Returns (cache, tokens drawn [rows], their log-probabilities
-    [rows])."""
-    model, axes = self._model, self._batch_axes
+    of rows `length` long. A prefill also takes each row's logit bias (_biases'), set where
+    its request's first chunk is. Returns (cache, sampled, tokens drawn [rows], their
+    log-probabilities [rows])."""
+    model, axes, slots = self._model, self._batch_axes, self.slots
 
-    def run(params, cache, slot_ids, tokens, starts, counts, temperature, top_k, top_p, seeds,
-            drawn):
+    def run(params, cache, sampled, slot_ids, tokens, starts, counts, settings, biases):
+      temperature, top_k, top_p, seeds, drawn, presence, frequency = settings
       rows_of = None if rows is None else slot_ids  # Decoding: every slot, in order.
       part = jax.tree.map(lambda c, a: _take_rows(c, a, rows_of), cache, axes)
       part = _with_index(part, starts)
@@ -457,10 +505,26 @@ class Engine:
           logits_at=jnp.maximum(counts - 1, 0)[:, None], mutable=["cache"])
       cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
                            variables["cache"], axes)
-      new, logprobs = sample_tokens(logits[:, 0], temperature, top_k, top_p, _keys(seeds, drawn))
-      return cache, new, logprobs
+      if biases:
+        first = jnp.where((starts == 0) & (counts > 0), slot_ids, slots)  # slots: dropped.
+        sampled = {**sampled, **{name: sampled[name].at[first].set(value, mode="drop")
+                                 for name, value in zip(("bias_ids", "bias"), biases)}}
+      mine = jax.tree.map(lambda x: x[slot_ids], sampled)
+      last = logits[:, 0].astype(jnp.float32)
+      drawn_from = jax.lax.cond(
+          jnp.any(presence != 0) | jnp.any(frequency != 0) | jnp.any(mine["bias"] != 0),
+          lambda: penalized(last, mine["completion"], drawn, presence, frequency,
+                            mine["bias_ids"], mine["bias"]),
+          lambda: last)
+      new, logprobs = sample_tokens(last, temperature, top_k, top_p, _keys(seeds, drawn),
+                                    drawn_from)
+      # Each row that drew a token keeps it as its completion's drawn-th (an earlier chunk's
+      # draw is overwritten by the last chunk's).
+      sampled = {**sampled, "completion": sampled["completion"].at[
+          jnp.where(counts > 0, slot_ids, slots), drawn].set(new, mode="drop")}
+      return cache, sampled, new, logprobs
 
-    compiled = jax.jit(run, donate_argnums=1, **self._jit_shardings())
+    compiled = jax.jit(run, donate_argnums=(1, 2), **self._jit_shardings())
     (self._decode if rows is None else self._prefill)[
         length if rows is None else (rows, length)] = compiled
     return compiled
@@ -469,8 +533,8 @@ class Engine:
     if self._batch_sharding is None:
       return {}
     replicated = NamedSharding(self._batch_sharding.mesh, PartitionSpec())
-    return dict(in_shardings=(self._param_shardings, self._cache_shardings) + (replicated,) * 9,
-                out_shardings=(self._cache_shardings, replicated, replicated))
+    return dict(in_shardings=(self._param_shardings, self._cache_shardings) + (replicated,) * 7,
+                out_shardings=(self._cache_shardings,) + (replicated,) * 3)
 
   def _shardings_of_cache(self):
     """Slots over the batch's mesh axes, key and value heads over the heads' (where they
@@ -497,7 +561,13 @@ class Engine:
     """The cache with rows `length` long: allocated, or each entry grown (zeros after its rows)
     or cut (its rows' first positions: every live request's tokens lie within) by a copy of
     its own. The old entry is let go before the next is copied, so a resize holds one entry
-    twice at most, not the whole cache."""
+    twice at most, not the whole cache. The slots' sampling state is allocated with the
+    cache."""
+    if self._sampled is None:
+      self._sampled = jax.tree.map(
+          lambda x: jnp.zeros(x.shape, x.dtype, device=None if self._batch_sharding is None
+                              else NamedSharding(self._batch_sharding.mesh, PartitionSpec())),
+          self._abstract_sampled())
     if self._cache is not None and length == self._length:  # Most steps.
       return
     abstract = self._abstract_cache(length)
@@ -517,6 +587,12 @@ class Engine:
       self._cache = structure.unflatten(leaves)
     self._length = length
 
+  def _abstract_sampled(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """Each slot's completion so far (the penalties count its tokens) and logit bias."""
+    return {"completion": jax.ShapeDtypeStruct((self.slots, self.max_len), jnp.int32),
+            "bias_ids": jax.ShapeDtypeStruct((self.slots, MAX_LOGIT_BIAS), jnp.int32),
+            "bias": jax.ShapeDtypeStruct((self.slots, MAX_LOGIT_BIAS), jnp.float32)}
+
   def _abstract_cache(self, length: int):
     """The cache's entries' shapes and dtypes for rows `length` long (an init traced once)."""
     if length not in self._abstract_caches:
@@ -531,6 +607,17 @@ def _notify(request: Request) -> None:
       request.listener(request)
     except Exception:  # pylint: disable=broad-except
       logging.exception("A request's listener failed")
+
+
+def _biases(requests: Sequence[Request | None]) -> tuple[np.ndarray, np.ndarray]:
+  """Each row's logit bias as (token ids, biases) [rows, MAX_LOGIT_BIAS], padded with zeros."""
+  ids = np.zeros((len(requests), MAX_LOGIT_BIAS), np.int32)
+  biases = np.zeros((len(requests), MAX_LOGIT_BIAS), np.float32)
+  for row, r in enumerate(requests):
+    if r is not None and r.sampling.logit_bias:
+      ids[row, :len(r.sampling.logit_bias)], biases[row, :len(r.sampling.logit_bias)] = zip(
+          *r.sampling.logit_bias)
+  return ids, biases
 
 
 def _bucket(n: int, cap: int, minimum: int) -> int:

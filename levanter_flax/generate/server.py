@@ -10,11 +10,11 @@ requests, whose slots free at the engine's next step.
 
 Sampling is the engine's: temperature, top_p, top_k and ignore_eos (vLLM's extensions), seed
 (none: a random one), stop, max_tokens (none: up to the context's end), n (at most the
-slots), logprobs (of each chosen token, under the model's own distribution; no alternatives).
-A completion ends at any of the checkpoint's EOS ids (tokenizers.stop_ids), a chat reply also
-at its template's end of turn. What the engine does not do (echo, best_of, logit_bias, the
-presence and frequency penalties, tools) is refused with a 400 naming the parameter, never
-ignored; other unknown fields (user, ...) are.
+slots), logit_bias, presence_penalty and frequency_penalty, logprobs (of each chosen token,
+under the model's own distribution; no alternatives). A completion ends at any of the
+checkpoint's EOS ids (tokenizers.stop_ids), a chat reply also at its template's end of turn.
+What the engine does not do (echo, best_of, suffix, tools, response formats) is refused with
+a 400 naming the parameter, never ignored; other unknown fields (user, ...) are.
 """
 import asyncio
 import contextlib
@@ -66,8 +66,7 @@ class _Sampled(pydantic.BaseModel):
   stream_options: dict | None = None  # {"include_usage": true}: a last chunk with usage.
   logprobs: bool | int | None = None  # Completions: an int; chat: a bool.
   ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks).
-  # Refused unless at their defaults (_refuse_unsupported): they would change the output.
-  logit_bias: dict | None = None
+  logit_bias: dict[str, float] | None = None  # {token id: bias}, as OpenAI's.
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
 
@@ -94,9 +93,7 @@ class ChatRequest(_Sampled):
 
 
 # Each request field the engine cannot honour: its value where it changes nothing.
-_UNSUPPORTED = {"logit_bias": (None, {}), "presence_penalty": (None, 0.0),
-                "frequency_penalty": (None, 0.0), "echo": (None, False), "best_of": (None, 1),
-                "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
                 "response_format": (None, {"type": "text"})}
 
 
@@ -104,6 +101,18 @@ def _refuse_unsupported(body: _Sampled) -> None:
   for name, harmless in _UNSUPPORTED.items():
     if name in type(body).model_fields and getattr(body, name) not in harmless:
       raise ApiError(400, f"{name} is not supported by this server", name)
+
+
+def _logit_bias(biases: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+  """OpenAI's {"token id": bias} as the engine's pairs."""
+  pairs = []
+  for token, bias in (biases or {}).items():
+    try:
+      pairs.append((int(token), float(bias)))
+    except ValueError:
+      raise ApiError(400, f"logit_bias maps token ids to biases; {token!r} is not a token id",
+                     "logit_bias") from None
+  return tuple(pairs)
 
 
 class Server:
@@ -158,7 +167,9 @@ class Server:
         max_tokens=max_tokens or self.engine.max_len, temperature=body.temperature,
         top_k=body.top_k, top_p=body.top_p,
         seed=(uuid.uuid4().int if body.seed is None else body.seed) % 2**32,
-        stop=tuple(s for s in stop if s), stop_ids=stop_ids)
+        stop=tuple(s for s in stop if s), stop_ids=stop_ids,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=_logit_bias(body.logit_bias))
     try:
       sampling.check(self.engine.model_cfg.vocab_size)
     except UserError as e:

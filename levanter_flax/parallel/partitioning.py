@@ -228,7 +228,8 @@ def with_adapter_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, t
   return tuple(derived)
 
 
-def _axes_of(entry: AxisNames) -> tuple[str, ...]:
+def axes_of(entry: AxisNames) -> tuple[str, ...]:
+  """The mesh axes of a PartitionSpec entry."""
   if entry is None:
     return ()
   return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -242,14 +243,14 @@ class Partitioner:
     self.config = config
     for key in ("activation_axis", "parameter_axis", "optimizer_axis", "tensor_axis",
                 "expert_axis"):
-      for axis in _axes_of(getattr(config, key)):
+      for axis in axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
     for name, axes in config.logical_axis_rules:
       where = f"config.sharding.logical_axis_rules entry {name!r}"
       if name in mesh.shape:
         raise UserError(f"{where} is a mesh axis of trainer.device_mesh; give the logical axis "
                         f"another name")
-      for axis in _axes_of(axes):
+      for axis in axes_of(axes):
         self._check_axis(axis, where)
     # The one table for parameters (the rules' logical names) and activations.
     self.logical_axes = {**role_presets(config), **dict(config.logical_axis_rules)}
@@ -266,7 +267,7 @@ class Partitioner:
     map onto the same mesh axis (experts and mlp both on "expert"), the first dimension has it."""
     used, entries = set(), []
     for entry in spec:
-      axes = [a for a in _axes_of(self._mesh_axes(entry, pattern)) if a not in used]
+      axes = [a for a in axes_of(self._mesh_axes(entry, pattern)) if a not in used]
       used.update(axes)
       entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return tuple(entries)
@@ -274,11 +275,11 @@ class Partitioner:
   def _mesh_axes(self, entry: AxisNames, pattern: str) -> AxisNames:
     """A rule's spec entry on this mesh: mesh axis names as they are, logical ones mapped."""
     axes = []
-    for name in _axes_of(entry):
+    for name in axes_of(entry):
       if name in self.mesh.shape:
         axes.append(name)
       elif name in self.logical_axes:
-        axes.extend(_axes_of(self.logical_axes[name]))
+        axes.extend(axes_of(self.logical_axes[name]))
       else:
         raise UserError(f"config.sharding.rules entry {pattern!r} names {name!r}, which is "
                         f"neither a mesh axis {tuple(self.mesh.shape)} (trainer.device_mesh) "
@@ -287,7 +288,7 @@ class Partitioner:
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
   def _axis_size(self, entry: AxisNames) -> int:
-    return math.prod(self.mesh.shape[a] for a in _axes_of(entry))
+    return math.prod(self.mesh.shape[a] for a in axes_of(entry))
 
   def logical_axis_size(self, name: str) -> int:
     """How many ways the mesh splits logical axis `name` (1: not at all)."""
@@ -309,8 +310,8 @@ class Partitioner:
 
   def _with_zero_axis(self, spec: tuple[AxisNames, ...], shape, zero_axis: AxisNames):
     """Adds zero_axis on the largest free dimension it divides; used axes are skipped."""
-    used = {a for entry in spec for a in _axes_of(entry)}
-    new_axes = tuple(a for a in _axes_of(zero_axis) if a not in used)
+    used = {a for entry in spec for a in axes_of(entry)}
+    new_axes = tuple(a for a in axes_of(zero_axis) if a not in used)
     if not new_axes:
       return spec
     size = self._axis_size(new_axes)

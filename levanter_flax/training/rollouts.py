@@ -16,18 +16,24 @@ endpoint stops).
 that follow those the generations before it trained on, from the params before its first step.
 The run position of those prompts continues from the checkpoint's, whatever group_size or
 batch_size a resume changes; the prompts' order is a permutation per pass over the file, drawn
-from the run's seed. On several processes, every process samples every completion (the
-engine steps on the run's mesh, as one program), but scores only the rows its devices hold;
-the rewards are then gathered, once a generation, so that the processes' advantages agree.
+from the run's seed.
+
+On several processes, each samples and scores only the rows its devices hold, on an engine of
+its own devices (Sampler.per_process): the work divides by the processes. The params reach it
+replicated, once a generation; the rewards, lengths and stops of every row are gathered once
+a generation, so that the processes' advantages agree whatever a reward does.
 """
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
+from absl import logging
 import jax
 import numpy as np
 
+from levanter_flax import models
 from levanter_flax.core.errors import UserError
 from levanter_flax.data import chat, rl_prompts, tokenizers
 from levanter_flax.data.position import DataPosition
@@ -35,14 +41,16 @@ from levanter_flax.data.rl_prompts import PromptRecord
 from levanter_flax.generate import prompts as prompt_tokens
 from levanter_flax.generate.engine import Engine, Request, SamplingParams
 from levanter_flax.objectives import grpo, rewards as rewards_lib
-from levanter_flax.parallel import distributed
+from levanter_flax.parallel import distributed, partitioning
 
 Batch = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollouts:
-  tokens: np.ndarray  # int32 [prompts x group, seq_len]: prompt, completion, stop token, zeros.
+  # int32 [prompts x group, seq_len]: prompt, completion, stop token, zeros; another
+  # process's rows are zeros.
+  tokens: np.ndarray
   loss_weights: np.ndarray  # float32, tokens' shape: 1 on each completion token (a target).
   advantages: np.ndarray  # float32 [prompts x group].
   rewards: np.ndarray  # float32 [prompts x group]: the weighted sums.
@@ -63,45 +71,54 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   ids each one's completions end at; `positions` their places in the run's order of prompts),
   group_size completions each.
 
-  local_rows: the rows (completions) this process scores, the others' rewards gathered from
-  the processes that hold them, so that every process computes the advantages from the same
-  rewards, however a reward varies between calls; None: every row (one process)."""
+  local_rows: the rows (completions) this process samples and scores, the others' rewards,
+  lengths and stops gathered from the processes that hold them, so that every process
+  computes the advantages from the same rewards, however a reward varies between calls;
+  None: every row (one process)."""
   for record, prompt in zip(records, prompts, strict=True):
     _check_room(record, prompt, sampling.max_tokens, engine.max_len)
-  samplings = [dataclasses.replace(sampling, seed=completion_seed(seed, p, j), stop_ids=stops)
-               for p, stops in zip(positions, stop_ids, strict=True) for j in range(group_size)]
-  started = time.perf_counter()
-  requests = engine.generate([list(p) for p in prompts for _ in range(group_size)], samplings)
-  seconds = time.perf_counter() - started
-  completions = [_completion(r, records[i // group_size]) for i, r in enumerate(requests)]
-  rows = range(len(requests)) if local_rows is None else local_rows
+  count = len(prompts) * group_size
+  rows = range(count) if local_rows is None else local_rows
   record_of = lambda row: records[row // group_size]
-  score = lambda: rewards_lib.score(
-      rewards, [requests[row].text for row in rows], [record_of(row).text for row in rows],
-      {name: [record_of(row).fields[name] for row in rows] for name in _common_fields(records)})
+  samplings = [dataclasses.replace(sampling, stop_ids=stop_ids[row // group_size],
+                                   seed=completion_seed(seed, positions[row // group_size],
+                                                        row % group_size)) for row in rows]
+  started = time.perf_counter()
+  requests = engine.generate([list(prompts[row // group_size]) for row in rows], samplings)
+  seconds = time.perf_counter() - started
+  completions = [_completion(r, record_of(row)) for row, r in zip(rows, requests)]
+
+  def per_row() -> dict[str, np.ndarray]:
+    total, each = rewards_lib.score(
+        rewards, [r.text for r in requests], [record_of(row).text for row in rows],
+        {name: [record_of(row).fields[name] for row in rows] for name in _common_fields(records)})
+    return {"reward": total, **{f"reward/{name}": values for name, values in each.items()},
+            "length": np.array([len(c) for c in completions], np.float32),
+            "stopped": np.array([r.stop_id is not None for r in requests], np.float32)}
   if local_rows is None:
-    total, each = score()
+    values = per_row()
   else:  # A reward that fails on one process stops every process, not only its own.
-    total, each = _gathered(local_rows, *distributed.agreed(score, "to score its rollouts"),
-                            len(requests))
+    values = _gathered(local_rows, distributed.agreed(per_row, "to score its rollouts"), count)
+  total = values["reward"]
   advantages = grpo.group_advantages(total, group_size, scale_rewards)
-  tokens = np.zeros((len(requests), seq_len), np.int32)
-  weights = np.zeros((len(requests), seq_len), np.float32)
-  for row, (request, completion) in enumerate(zip(requests, completions)):
+  tokens = np.zeros((count, seq_len), np.int32)
+  weights = np.zeros((count, seq_len), np.float32)
+  for row, request, completion in zip(rows, requests, completions):
     start = len(request.prompt)
     tokens[row, :start] = request.prompt
     tokens[row, start:start + len(completion)] = completion
     weights[row, start:start + len(completion)] = 1
-  lengths = np.array([len(c) for c in completions], np.float32)
   grouped = total.reshape(-1, group_size)
   metrics = {"rl/reward_mean": float(total.mean()), "rl/reward_std": float(total.std()),
-             **{f"rl/reward/{name}": float(values.mean()) for name, values in each.items()},
+             **{f"rl/{name}": float(v.mean()) for name, v in values.items()
+                if name.startswith("reward/")},
              "rl/advantage_abs_mean": float(np.abs(advantages).mean()),
              "rl/groups_all_equal": float((grouped.max(axis=1) == grouped.min(axis=1)).mean()),
-             "rl/completion_length": float(lengths.mean()),
-             "rl/stopped_fraction": float(np.mean([r.stop_id is not None for r in requests])),
+             "rl/completion_length": float(values["length"].mean()),
+             "rl/stopped_fraction": float(values["stopped"].mean()),
              "rl/generation_seconds": seconds,
-             "rl/generation_tokens_per_second": float(lengths.sum() / max(seconds, 1e-9))}
+             # The processes sample at once: every row's tokens in this one's time.
+             "rl/generation_tokens_per_second": float(values["length"].sum() / max(seconds, 1e-9))}
   return Rollouts(tokens, weights, advantages, total, metrics)
 
 
@@ -114,22 +131,22 @@ def stop_ids(records: Sequence[PromptRecord], template: chat.ChatTemplate | None
           for record in records]
 
 
-def _gathered(rows: Sequence[int], total: np.ndarray, each: dict[str, np.ndarray],
-              count: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-  """Every row's rewards, from each process's own `rows` (one all-gather a generation)."""
+def _gathered(rows: Sequence[int], mine: dict[str, np.ndarray],
+              count: int) -> dict[str, np.ndarray]:
+  """Every row's values, from each process's own `rows` (one all-gather a generation)."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  names = sorted(each)
-  # [scored, total, each reward's] x every row: the same shape on every process.
-  mine = np.zeros((len(names) + 2, count), np.float32)
-  mine[:, list(rows)] = np.stack([np.ones(len(rows), np.float32), total,
-                                  *(each[name].astype(np.float32) for name in names)])
-  values = np.zeros_like(mine)
-  for theirs in np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, *mine.shape):
+  names = sorted(mine)
+  # [scored, each value] x every row: the same shape on every process.
+  table = np.zeros((len(names) + 1, count), np.float32)
+  table[:, list(rows)] = np.stack([np.ones(len(rows), np.float32),
+                                   *(mine[name].astype(np.float32) for name in names)])
+  values = np.zeros_like(table)
+  for theirs in np.asarray(multihost_utils.process_allgather(table)).reshape(-1, *table.shape):
     values[:, theirs[0] > 0] = theirs[:, theirs[0] > 0]
   if not values[0].all():  # Every row is some process's: the batch's sharding covers it.
     raise UserError(f"rows {np.flatnonzero(values[0] == 0).tolist()} of the rollouts were "
                     f"scored by no process")
-  return values[1], dict(zip(names, values[2:]))
+  return dict(zip(names, values[1:]))
 
 
 def _local_rows(sharding: jax.sharding.Sharding, rows: int, seq_len: int) -> list[int]:
@@ -206,31 +223,70 @@ def check_batch_size(batch_size: int, group_size: int) -> None:
                     f"config.rl.group_size ({group_size}): each step trains on whole groups")
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Where a run's rollouts are sampled: the engine, the batch rows this process samples and
+  scores (None: every row), the context its steps run in (a mesh and axis rules of its own),
+  and the run's params as the engine takes them."""
+  engine: Engine
+  rows: list[int] | None = None
+  context: Callable[[], ContextManager] = contextlib.nullcontext
+  params_of: Callable[[Any], Any] = lambda params: params
+
+  @classmethod
+  def on_run_mesh(cls, run: Any, steps: Any, tokenizer) -> "Sampler":
+    """One process: every row, on the run's mesh, the params in the train state's layout."""
+    return cls(Engine(run.model, None, slots=run.trainer.batch_size, tokenizer=tokenizer,
+                      param_shardings=steps.state_shardings.model_params,
+                      batch_sharding=steps.batch_sharding))
+
+  @classmethod
+  def per_process(cls, run: Any, steps: Any, tokenizer) -> "Sampler":
+    """Several processes: this one's rows, on its own devices (a mesh of (data, model), the
+    model split as the run's tensor axis splits it where that fits within a process), the
+    params replicated to it once a generation (so they must fit a process's devices)."""
+    rows = _local_rows(steps.batch_sharding, run.trainer.batch_size, run.model.seq_len)
+    run_mesh = steps.batch_sharding.mesh
+    tensor = int(np.prod([run_mesh.shape[a] for a in partitioning.axes_of(
+        run.sharding.tensor_axis) if a in run_mesh.shape]))
+    local = jax.local_device_count()
+    mesh = partitioning.make_mesh(
+        (("data", -1), ("model", tensor if local % tensor == 0 else 1)), jax.local_devices())
+    partitioner = partitioning.Partitioner(
+        mesh, partitioning.ShardingConfig(rules=models.family(run.model).partition_rules))
+    with partitioner.activation_context():
+      engine = Engine(run.model, None, slots=len(rows), tokenizer=tokenizer,
+                      param_shardings=partitioner.param_shardings(steps.abstract_state.model_params),
+                      batch_sharding=partitioner.batch_sharding())
+    replicate = jax.jit(lambda params: params,
+                        out_shardings=jax.sharding.NamedSharding(run_mesh, jax.sharding.PartitionSpec()))
+    # A replica's copy on one of this process's devices; use_params lays it out on the rest.
+    params_of = lambda params: jax.tree.map(lambda x: x.addressable_data(0), replicate(params))
+    return cls(engine, rows, partitioner.activation_context, params_of)
+
+
 class RolloutBatches:
   """GRPO's training batches for a run (see the module's docstring).
 
-  engine: generates with the params it is given (on the run's mesh); prompts: each record's
+  sampler: where they are sampled, with the params it is given; prompts: each record's
   tokens; stop_ids: the ids each record's completions end at; position: the prompts the run
   trained on before (its checkpoint's); log_probs: (params, tokens) -> each target's
   log-probability (step.ShardedSteps'), the sampling policy's, which the ratio of every update
   on the batch divides by; sharding: the batch's.
   """
 
-  def __init__(self, cfg: grpo.GrpoConfig, engine: Engine, records: Sequence[PromptRecord],
+  def __init__(self, cfg: grpo.GrpoConfig, sampler: Sampler, records: Sequence[PromptRecord],
                prompts: Sequence[Sequence[int]], stop_ids: Sequence[tuple[int, ...]],
                rewards: Sequence[rewards_lib.Reward], *, seed: int, seq_len: int,
                batch_size: int, position: int,
                log_probs: Callable[[Any, jax.Array], jax.Array],
                sharding: jax.sharding.Sharding):
     check_batch_size(batch_size, cfg.group_size)
-    self._cfg, self._engine, self._records, self._prompts = cfg, engine, records, prompts
+    self._cfg, self._sampler, self._records, self._prompts = cfg, sampler, records, prompts
     self._stop_ids = stop_ids
     self._rewards, self._seed, self._seq_len = rewards, seed, seq_len
     self._log_probs, self._sharding = log_probs, sharding
     self.prompts_per_batch = batch_size // cfg.group_size
-    # One process scores every row; several, each its own, and share the rewards.
-    self._local_rows = (None if jax.process_count() == 1
-                        else _local_rows(sharding, batch_size, seq_len))
     self._sampling = SamplingParams(max_tokens=cfg.max_completion_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p)
     self._generation, self._batch = None, None
@@ -241,12 +297,14 @@ class RolloutBatches:
   def for_run(cls, run: Any, steps: Any, prompts: "RunPrompts",
               position: DataPosition) -> "RolloutBatches":
     """The batches of `run` (config.settings.RunConfig) on `prompts` (read_prompts'), for
-    `steps` (step.ShardedSteps: the engine generates on their mesh, and their log_probs), after
-    the prompts `position` counts."""
-    engine = Engine(run.model, None, slots=run.trainer.batch_size, tokenizer=prompts.tokenizer,
-                    param_shardings=steps.state_shardings.model_params,
-                    batch_sharding=steps.batch_sharding)
-    return cls(run.rl, engine, prompts.records, prompts.tokens, prompts.stop_ids,
+    `steps` (step.ShardedSteps: their mesh and log_probs), after the prompts `position`
+    counts."""
+    sampler = (Sampler.on_run_mesh if jax.process_count() == 1 else Sampler.per_process)(
+        run, steps, prompts.tokenizer)
+    if sampler.rows is not None:
+      logging.info("This process samples and scores %d of each generation's %d completions",
+                   len(sampler.rows), run.trainer.batch_size)
+    return cls(run.rl, sampler, prompts.records, prompts.tokens, prompts.stop_ids,
                prompts.rewards, seed=run.trainer.seed, seq_len=run.model.seq_len,
                batch_size=run.trainer.batch_size, position=position.windows,
                log_probs=steps.log_probs, sharding=steps.batch_sharding)
@@ -266,7 +324,7 @@ class RolloutBatches:
     return {"rl/prompts": float(position.windows)}
 
   def close(self) -> None:
-    self._engine.reset("closed")
+    self._sampler.engine.reset("closed")
 
   def batch(self, step_num: int, params: Any) -> tuple[Batch, dict[str, float]]:
     """Step `step_num`'s batch, and the rollouts' metrics (rl/...) where it was generated now
@@ -282,14 +340,19 @@ class RolloutBatches:
     first = self._next_first
     positions = range(first, first + self.prompts_per_batch)
     indices = [self._prompt_index(p) for p in positions]
-    self._engine.use_params(params)
     started = time.perf_counter()
-    rollouts = sample(self._engine, [self._records[i] for i in indices],
-                      [self._prompts[i] for i in indices], [self._stop_ids[i] for i in indices],
-                      positions, self._cfg.group_size,
-                      self._sampling, self._seed, self._rewards, self._cfg.scale_rewards,
-                      self._seq_len, self._local_rows)
-    self._engine.reset("generation finished")  # Gives its cache's memory back to training.
+    sampler = self._sampler
+    engine_params = sampler.params_of(params)
+    with sampler.context():
+      sampler.engine.use_params(engine_params)
+      del engine_params
+      rollouts = sample(sampler.engine, [self._records[i] for i in indices],
+                        [self._prompts[i] for i in indices], [self._stop_ids[i] for i in indices],
+                        positions, self._cfg.group_size, self._sampling, self._seed,
+                        self._rewards, self._cfg.scale_rewards, self._seq_len, sampler.rows)
+      # Gives its cache's (and a params' copy's) memory back to training.
+      sampler.engine.reset("generation finished")
+      sampler.engine.use_params(None)
     tokens = self._put(rollouts.tokens)
     self._batch = {"tokens": tokens, "loss_weights": self._put(rollouts.loss_weights),
                    "advantages": self._put(rollouts.advantages),
@@ -304,8 +367,8 @@ class RolloutBatches:
     return int(_permutation(self._seed, epoch, len(self._records))[offset])
 
   def _put(self, values: np.ndarray) -> jax.Array:
-    """The global batch entry, each process placing the rows its devices hold (every process
-    samples the same rollouts: the same params, prompts and seeds)."""
+    """The global batch entry, each process placing the rows its devices hold (those it
+    sampled)."""
     return jax.make_array_from_callback(values.shape, self._sharding, lambda index: values[index])
 
 
