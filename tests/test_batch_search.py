@@ -134,7 +134,7 @@ def test_a_generation_counts_the_state_and_the_engines_cache(run_and_partitioner
   cfg, devices = run.model, partitioner.mesh.size
   keys_and_values = 2 * cfg.num_layers * 32 * cfg.seq_len * cfg.hidden_dim * 4 // devices
   positions = cfg.num_layers * 32 * 4 // devices  # An int32 per slot and layer.
-  sampled = 32 * (cfg.seq_len + 2 * MAX_LOGIT_BIAS) * 4  # Replicated: tokens, ids, biases.
+  sampled = 32 * (cfg.seq_len + 2 * MAX_LOGIT_BIAS + 2) * 4  # Replicated: tokens, bias, penalties.
   assert batch_search.generation_bytes(run, partitioner, steps, 32) == (
       per_device_bytes(steps.abstract_state, steps.state_shardings) + keys_and_values + positions
       + sampled)

@@ -21,9 +21,10 @@ strings (on the text, with the engine's tokenizer), max_tokens, OpenAI's logit b
 presence and frequency penalties, and the log-probability of each chosen token under the
 model's own distribution (before the bias, penalties, temperature and filters, as vLLM's). A
 request's n-th token is drawn with fold_in(key(seed), n), so it is the same alone or among
-others, in any slot. Beside the cache, each slot keeps its completion's tokens so far (for the
-penalties) and its logit bias, set at its first prefill chunk: the decode step takes nothing
-per request but its settings.
+others, in any slot. Beside the cache, each slot keeps its logit bias and penalties, set at
+its request's first prefill chunk, and (while a request's penalties need them) its
+completion's tokens so far: the decode step takes no more per request than its settings, and
+a step with no biased or penalized row draws as if there were none.
 
 On a mesh (`param_shardings` and `batch_sharding`, inside the partitioner's
 activation_context), the params keep their layout (tensor-parallel where the rules split
@@ -221,7 +222,7 @@ class Engine:
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
     self._cache = None  # [slots, self._length] rows, allocated at the first step; reset drops it.
-    self._sampled = None  # Each slot's completion so far and logit bias (_abstract_sampled's).
+    self._sampled = None  # Each slot's bias, penalties and completion (_abstract_sampled's).
     self._length = 0
     self._waiting: list[Request] = []
     self._running: list[Request | None] = [None] * slots
@@ -335,7 +336,8 @@ class Engine:
           self._cache, self._sampled, *_ = fn(
               self.params, self._cache, self._sampled, np.arange(count, dtype=np.int32),
               np.zeros((count, self.prefill_chunk), np.int32), np.zeros(count, np.int32),
-              np.zeros(count, np.int32), self._settings(none[:count]), _biases(none[:count]))
+              np.zeros(count, np.int32), self._settings(none[:count]),
+              _adjustments(none[:count]))
         fn = self._decode.get(length) or self._compile(None, length)
         zeros = np.zeros(self.slots, np.int32)
         self._cache, self._sampled, *_ = fn(
@@ -411,7 +413,7 @@ class Engine:
     fn = self._prefill.get((rows, self._length)) or self._compile(rows, self._length)
     self._cache, self._sampled, new, logprobs = fn(
         self.params, self._cache, self._sampled, slot_ids, tokens, starts, counts,
-        self._settings(padded), _biases(padded))
+        self._settings(padded), _adjustments(padded))
     new, logprobs = jax.device_get((new, logprobs))
     with self._lock:
       for row, r in enumerate(requests):
@@ -438,17 +440,14 @@ class Engine:
         self._record(r, int(new[r._slot]), float(logprobs[r._slot]))
 
   def _settings(self, requests: Sequence[Request | None]) -> tuple[np.ndarray, ...]:
-    """Each row's (temperature, top_k, top_p, seed, tokens drawn so far, presence penalty,
-    frequency penalty); greedy and unpenalized for none."""
+    """Each row's (temperature, top_k, top_p, seed, tokens drawn so far); greedy for none."""
     pick = lambda f, default, dtype: np.array(
         [default if r is None else f(r) for r in requests], dtype)
     return (pick(lambda r: r.sampling.temperature, 0.0, np.float32),
             pick(lambda r: r.sampling.top_k, 0, np.int32),
             pick(lambda r: r.sampling.top_p, 1.0, np.float32),
             pick(lambda r: r.sampling.seed, 0, np.uint32),
-            pick(lambda r: len(r.tokens), 0, np.int32),
-            pick(lambda r: r.sampling.presence_penalty, 0.0, np.float32),
-            pick(lambda r: r.sampling.frequency_penalty, 0.0, np.float32))
+            pick(lambda r: len(r.tokens), 0, np.int32))
 
   # Bookkeeping, under the lock.
   def _record(self, request: Request, token: int, logprob: float) -> None:
@@ -486,13 +485,13 @@ class Engine:
   def _compile(self, rows: int | None, length: int):
     """The prefill of `rows` slots' chunks (rows None: the decode step of every slot, one token
     each: tokens [slots, 1], starts their positions, counts 1 where a slot decodes), on a cache
-    of rows `length` long. A prefill also takes each row's logit bias (_biases'), set where
-    its request's first chunk is. Returns (cache, sampled, tokens drawn [rows], their
+    of rows `length` long. A prefill also takes each row's logit bias and penalties
+    (_adjustments'), set where its request's first chunk is. Returns (cache, sampled, tokens drawn [rows], their
     log-probabilities [rows])."""
     model, axes, slots = self._model, self._batch_axes, self.slots
 
-    def run(params, cache, sampled, slot_ids, tokens, starts, counts, settings, biases):
-      temperature, top_k, top_p, seeds, drawn, presence, frequency = settings
+    def run(params, cache, sampled, slot_ids, tokens, starts, counts, settings, adjustments):
+      temperature, top_k, top_p, seeds, drawn = settings
       rows_of = None if rows is None else slot_ids  # Decoding: every slot, in order.
       part = jax.tree.map(lambda c, a: _take_rows(c, a, rows_of), cache, axes)
       part = _with_index(part, starts)
@@ -505,23 +504,27 @@ class Engine:
           logits_at=jnp.maximum(counts - 1, 0)[:, None], mutable=["cache"])
       cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
                            variables["cache"], axes)
-      if biases:
+      if adjustments:
         first = jnp.where((starts == 0) & (counts > 0), slot_ids, slots)  # slots: dropped.
-        sampled = {**sampled, **{name: sampled[name].at[first].set(value, mode="drop")
-                                 for name, value in zip(("bias_ids", "bias"), biases)}}
+        sampled = {**sampled, **{name: sampled[name].at[first].set(value, mode="drop") for
+                                 name, value in zip(("bias_ids", "bias", "penalties"), adjustments)}}
       mine = jax.tree.map(lambda x: x[slot_ids], sampled)
+      # Rows drawing a token whose request biases or penalizes (a finished one's slot does not).
+      adjusted = (counts > 0) & (jnp.any(mine["bias"] != 0, axis=1)
+                                 | jnp.any(mine["penalties"] != 0, axis=1))
       last = logits[:, 0].astype(jnp.float32)
       drawn_from = jax.lax.cond(
-          jnp.any(presence != 0) | jnp.any(frequency != 0) | jnp.any(mine["bias"] != 0),
-          lambda: penalized(last, mine["completion"], drawn, presence, frequency,
-                            mine["bias_ids"], mine["bias"]),
+          jnp.any(adjusted),
+          lambda: penalized(last, mine["completion"], drawn, mine["penalties"][:, 0],
+                            mine["penalties"][:, 1], mine["bias_ids"], mine["bias"]),
           lambda: last)
       new, logprobs = sample_tokens(last, temperature, top_k, top_p, _keys(seeds, drawn),
                                     drawn_from)
-      # Each row that drew a token keeps it as its completion's drawn-th (an earlier chunk's
-      # draw is overwritten by the last chunk's).
-      sampled = {**sampled, "completion": sampled["completion"].at[
-          jnp.where(counts > 0, slot_ids, slots), drawn].set(new, mode="drop")}
+      # A penalized row keeps its token as its completion's drawn-th (an earlier chunk's draw is
+      # overwritten by the last chunk's); a step without one writes nothing.
+      sampled["completion"] = jax.lax.cond(
+          jnp.any(adjusted), lambda c: c.at[jnp.where(counts > 0, slot_ids, slots), drawn].set(
+              new, mode="drop"), lambda c: c, sampled["completion"])
       return cache, sampled, new, logprobs
 
     compiled = jax.jit(run, donate_argnums=(1, 2), **self._jit_shardings())
@@ -588,10 +591,12 @@ class Engine:
     self._length = length
 
   def _abstract_sampled(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """Each slot's completion so far (the penalties count its tokens) and logit bias."""
+    """Each slot's logit bias, its (presence, frequency) penalties, and its completion so far
+    (whose tokens the penalties count)."""
     return {"completion": jax.ShapeDtypeStruct((self.slots, self.max_len), jnp.int32),
             "bias_ids": jax.ShapeDtypeStruct((self.slots, MAX_LOGIT_BIAS), jnp.int32),
-            "bias": jax.ShapeDtypeStruct((self.slots, MAX_LOGIT_BIAS), jnp.float32)}
+            "bias": jax.ShapeDtypeStruct((self.slots, MAX_LOGIT_BIAS), jnp.float32),
+            "penalties": jax.ShapeDtypeStruct((self.slots, 2), jnp.float32)}
 
   def _abstract_cache(self, length: int):
     """The cache's entries' shapes and dtypes for rows `length` long (an init traced once)."""
@@ -609,15 +614,19 @@ def _notify(request: Request) -> None:
       logging.exception("A request's listener failed")
 
 
-def _biases(requests: Sequence[Request | None]) -> tuple[np.ndarray, np.ndarray]:
-  """Each row's logit bias as (token ids, biases) [rows, MAX_LOGIT_BIAS], padded with zeros."""
+def _adjustments(requests: Sequence[Request | None]) -> tuple[np.ndarray, ...]:
+  """Each row's logit bias as token ids and biases [rows, MAX_LOGIT_BIAS] (padded with zeros),
+  and its (presence, frequency) penalties [rows, 2]."""
   ids = np.zeros((len(requests), MAX_LOGIT_BIAS), np.int32)
   biases = np.zeros((len(requests), MAX_LOGIT_BIAS), np.float32)
+  penalties = np.zeros((len(requests), 2), np.float32)
   for row, r in enumerate(requests):
-    if r is not None and r.sampling.logit_bias:
-      ids[row, :len(r.sampling.logit_bias)], biases[row, :len(r.sampling.logit_bias)] = zip(
-          *r.sampling.logit_bias)
-  return ids, biases
+    if r is not None:
+      penalties[row] = r.sampling.presence_penalty, r.sampling.frequency_penalty
+      if r.sampling.logit_bias:
+        ids[row, :len(r.sampling.logit_bias)], biases[row, :len(r.sampling.logit_bias)] = zip(
+            *r.sampling.logit_bias)
+  return ids, biases, penalties
 
 
 def _bucket(n: int, cap: int, minimum: int) -> int:
