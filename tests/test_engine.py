@@ -206,7 +206,8 @@ def test_logit_bias_and_penalties_equal_numpys_per_request_and_leave_the_slot_cl
   samplings = [dataclasses.replace(GREEDY, max_tokens=10, presence_penalty=s.get("presence", 0.0),
                                    frequency_penalty=s.get("frequency", 0.0),
                                    logit_bias=s.get("bias", ())) for s in settings]
-  requests = Engine(cfg, params, slots=2, prefill_chunk=4).generate([prompt] * 6, samplings)
+  # Chunks of 2: the bias and penalties are set at a prompt's first chunk, drawn from at its last.
+  requests = Engine(cfg, params, slots=2, prefill_chunk=2).generate([prompt] * 6, samplings)
   for request, setting in zip(requests, settings):
     assert request.tokens == penalized_greedy(model, params, prompt, 10, **setting)
   plain = requests[1].tokens
@@ -312,9 +313,10 @@ def test_bad_requests_are_refused_in_one_line(sampling, message):
 @pytest.mark.slow
 def test_a_mesh_of_8_devices_generates_as_one_device():
   """data=4 x model=2: the cache's slots split over data, its heads over model; the params
-  tensor-parallel. The same tokens as one device, greedy and sampled."""
+  tensor-parallel. The same tokens as one device, greedy and sampled, plain and penalized."""
   cfg, params = random_model()
-  samplings = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i)
+  samplings = [SamplingParams(max_tokens=6, temperature=0.0 if i % 2 else 0.8, seed=i,
+                              frequency_penalty=0.5 * (i // 2), logit_bias=((7, 1.0),) * (i // 2))
                for i in range(len(PROMPTS))]
   single = [r.tokens for r in Engine(cfg, params, slots=8).generate(PROMPTS, samplings)]
   mesh = partitioning.make_mesh((("data", 4), ("model", 2)))

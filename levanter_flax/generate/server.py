@@ -93,7 +93,8 @@ class ChatRequest(_Sampled):
 
 
 # Each request field the engine cannot honour: its value where it changes nothing.
-_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+                "tools": (None, []), "tool_choice": (None, "none"),
                 "response_format": (None, {"type": "text"})}
 
 

@@ -86,9 +86,11 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
   started = time.perf_counter()
   requests = engine.generate([list(prompts[row // group_size]) for row in rows], samplings)
   seconds = time.perf_counter() - started
-  completions = [_completion(r, record_of(row)) for row, r in zip(rows, requests)]
+  completions = []
 
   def per_row() -> dict[str, np.ndarray]:
+    # Here, so that a completion that failed on one process stops every process.
+    completions.extend(_completion(r, record_of(row)) for row, r in zip(rows, requests))
     total, each = rewards_lib.score(
         rewards, [r.text for r in requests], [record_of(row).text for row in rows],
         {name: [record_of(row).fields[name] for row in rows] for name in _common_fields(records)})
@@ -97,7 +99,7 @@ def sample(engine: Engine, records: Sequence[PromptRecord], prompts: Sequence[Se
             "stopped": np.array([r.stop_id is not None for r in requests], np.float32)}
   if local_rows is None:
     values = per_row()
-  else:  # A reward that fails on one process stops every process, not only its own.
+  else:  # A reward or completion that fails on one process stops every process.
     values = _gathered(local_rows, distributed.agreed(per_row, "to score its rollouts"), count)
   total = values["reward"]
   advantages = grpo.group_advantages(total, group_size, scale_rewards)
@@ -243,8 +245,10 @@ class Sampler:
   @classmethod
   def per_process(cls, run: Any, steps: Any, tokenizer) -> "Sampler":
     """Several processes: this one's rows, on its own devices (a mesh of (data, model), the
-    model split as the run's tensor axis splits it where that fits within a process), the
-    params replicated to it once a generation (so they must fit a process's devices)."""
+    model split as the run's tensor axis splits it where that fits within a process, by the
+    family's partition rules), the params copied to it once a generation (so they must fit a
+    process's devices so split). Where the run's tensor axis spans processes, each holds, and
+    samples, the same rows: the same program and seeds sample the same completions."""
     rows = _local_rows(steps.batch_sharding, run.trainer.batch_size, run.model.seq_len)
     run_mesh = steps.batch_sharding.mesh
     tensor = int(np.prod([run_mesh.shape[a] for a in partitioning.axes_of(
@@ -254,14 +258,21 @@ class Sampler:
         (("data", -1), ("model", tensor if local % tensor == 0 else 1)), jax.local_devices())
     partitioner = partitioning.Partitioner(
         mesh, partitioning.ShardingConfig(rules=models.family(run.model).partition_rules))
+    engine_shardings = partitioner.param_shardings(steps.abstract_state.model_params)
     with partitioner.activation_context():
       engine = Engine(run.model, None, slots=len(rows), tokenizer=tokenizer,
-                      param_shardings=partitioner.param_shardings(steps.abstract_state.model_params),
+                      param_shardings=engine_shardings,
                       batch_sharding=partitioner.batch_sharding())
-    replicate = jax.jit(lambda params: params,
-                        out_shardings=jax.sharding.NamedSharding(run_mesh, jax.sharding.PartitionSpec()))
-    # A replica's copy on one of this process's devices; use_params lays it out on the rest.
-    params_of = lambda params: jax.tree.map(lambda x: x.addressable_data(0), replicate(params))
+    replicate = jax.jit(lambda x: x, out_shardings=jax.sharding.NamedSharding(
+        run_mesh, jax.sharding.PartitionSpec()))
+
+    def params_of(params):
+      """The params laid out for the engine a tensor at a time: each device holds one tensor
+      whole beyond the engine's copy, not every tensor at once."""
+      leaves, structure = jax.tree.flatten(params)
+      return structure.unflatten([
+          jax.device_put(replicate(leaf).addressable_data(0), sharding)
+          for leaf, sharding in zip(leaves, jax.tree.leaves(engine_shardings))])
     return cls(engine, rows, partitioner.activation_context, params_of)
 
 
