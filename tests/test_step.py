@@ -312,3 +312,24 @@ def test_a_non_finite_step_leaves_the_state_and_says_so():
   after_good, metrics = train_step(after_bad, {"tokens": tokens})
   assert float(metrics["train/nonfinite"]) == 0.0
   assert not np.allclose(after_good.params["wte"]["embedding"], state.params["wte"]["embedding"])
+
+
+def test_equal_settings_on_an_equal_mesh_share_their_steps():
+  """A second build of the same settings (lf.train again in a notebook, a resume in the same
+  process) reuses the jitted steps, which compile nothing again; a change of the model, the
+  optimizer, the trainer or the mesh builds anew."""
+  from conftest import load_config_file
+  from levanter_flax.config import to_run_config
+  config = load_config_file("gpt2_nano")
+  config.model.num_layers, config.model.hidden_dim, config.model.seq_len = 1, 64, 64
+  run = to_run_config(config)
+  partitioner = lambda axes=run.trainer.device_mesh: partitioning.Partitioner(
+      partitioning.make_mesh(axes), run.sharding)
+  built = step.build(run, partitioner())
+  assert step.build(run, partitioner()) is built
+  replace = dataclasses.replace
+  for changed in (replace(run, model=replace(run.model, hidden_dim=128)),
+                  replace(run, optimizer=replace(run.optimizer, learning_rate=0.5)),
+                  replace(run, trainer=replace(run.trainer, seed=run.trainer.seed + 1))):
+    assert step.build(changed, partitioner()) is not built
+  assert step.build(run, partitioner((("data", 4), ("model", 2)))) is not built

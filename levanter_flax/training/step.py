@@ -480,11 +480,18 @@ class ShardedSteps:
                                      self.unmatched_params)
 
 
+# The steps of the last few builds: a process's runs of equal settings on an equal mesh (a
+# notebook's lf.train again, a resume in the same process, a test suite's tiny runs) share
+# their jitted steps, which then trace and compile nothing again.
+_BUILT: "collections.OrderedDict[tuple, ShardedSteps]" = collections.OrderedDict()
+_BUILDS_KEPT = 4
+
+
 def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
           eos_id: int | None = None,
           objective: objective_base.Objective = NEXT_TOKEN) -> ShardedSteps:
   """The run's init, train and eval steps, laid out with `partitioner` and jitted with
-  explicit shardings.
+  explicit shardings; those of an earlier build of equal settings, where one is kept.
 
   Reads run.model, run.optimizer (its schedule over trainer.num_train_steps) and
   trainer.gradient_accumulation_steps. The partitioner is the caller's, made from the mesh
@@ -498,6 +505,19 @@ def build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   model.compute.attention_impl 'auto' is resolved here for the mesh's devices, which need not
   be this host's (a TPU step compiled ahead of time on a CPU).
   """
+  key = (run.model, run.optimizer, run.trainer, partitioner.config, partitioner.mesh, eos_id,
+         objective)
+  if key in _BUILT:
+    _BUILT.move_to_end(key)
+    return _BUILT[key]
+  _BUILT[key] = _build(run, partitioner, eos_id, objective)
+  while len(_BUILT) > _BUILDS_KEPT:
+    _BUILT.popitem(last=False)
+  return _BUILT[key]
+
+
+def _build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
+           eos_id: int | None, objective: objective_base.Objective) -> ShardedSteps:
   if moe.section_of(run.model) is not None:
     moe.check_expert_axis(run.model.moe, partitioner.logical_axis_size("experts"))
   platform = partitioner.mesh.devices.flat[0].platform
