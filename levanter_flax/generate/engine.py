@@ -218,7 +218,7 @@ class Engine:
     self._length_axes = _axes(self._model, lambda n: (2, n))
     self._abstract_caches = {}  # Rows' length -> _abstract_cache's.
     # A prefill's rows split over the batch's axes as its activations do.
-    self._min_rows = 1 if batch_sharding is None else _axes_size(
+    self._min_rows = 1 if batch_sharding is None else partitioning.axes_size(
         batch_sharding.mesh, batch_sharding.spec[0] if batch_sharding.spec else None)
     self._cache_shardings = self._shardings_of_cache()
     self._cache = None  # [slots, self._length] rows, allocated at the first step; reset drops it.
@@ -634,15 +634,9 @@ def _bucket(n: int, cap: int, minimum: int) -> int:
   return min(cap, max(minimum, 1 << max(n - 1, 0).bit_length()))
 
 
-def _axes_size(mesh, axes) -> int:
-  """The number of devices a PartitionSpec entry's mesh axes span."""
-  names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return int(np.prod([mesh.shape[a] for a in names]))
-
-
 def _dividing(mesh, axes, size: int):
   """`axes` (a PartitionSpec entry) if their mesh size divides `size`, else None."""
-  return axes if axes is not None and size % _axes_size(mesh, axes) == 0 else None
+  return axes if axes is not None and size % partitioning.axes_size(mesh, axes) == 0 else None
 
 
 def _abstract_init(model: nn.Module, shape: tuple[int, int]):

@@ -235,6 +235,11 @@ def axes_of(entry: AxisNames) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def axes_size(mesh: Mesh, entry: AxisNames) -> int:
+  """How many devices a PartitionSpec entry's mesh axes span (1: none)."""
+  return math.prod(mesh.shape[a] for a in axes_of(entry))
+
+
 class Partitioner:
   """Turns the mesh and the sharding config into shardings for state and batches."""
 
@@ -287,12 +292,9 @@ class Partitioner:
                         f"config.sharding.logical_axis_rules)")
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
-  def _axis_size(self, entry: AxisNames) -> int:
-    return math.prod(self.mesh.shape[a] for a in axes_of(entry))
-
   def logical_axis_size(self, name: str) -> int:
     """How many ways the mesh splits logical axis `name` (1: not at all)."""
-    return self._axis_size(self.logical_axes.get(name))
+    return axes_size(self.mesh, self.logical_axes.get(name))
 
   def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
     """The first matching rule's spec, on the mesh. A spec shorter than the array names its
@@ -314,7 +316,7 @@ class Partitioner:
     new_axes = tuple(a for a in axes_of(zero_axis) if a not in used)
     if not new_axes:
       return spec
-    size = self._axis_size(new_axes)
+    size = axes_size(self.mesh, new_axes)
     free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % size == 0]
     if not free:
       return spec
@@ -325,7 +327,7 @@ class Partitioner:
 
   def _checked(self, name: str, shape, spec) -> PartitionSpec:
     for dim, entry in enumerate(spec):
-      size = self._axis_size(entry)
+      size = axes_size(self.mesh, entry)
       if shape[dim] % size:
         raise UserError(f"parameter {name} {tuple(shape)}: dimension {dim} ({shape[dim]}) is "
                         f"not divisible by mesh axis {entry!r} of size {size}")
@@ -383,7 +385,7 @@ class Partitioner:
 
   @property
   def data_parallel_size(self) -> int:
-    return self._axis_size(self.logical_axes["batch"])
+    return axes_size(self.mesh, self.logical_axes["batch"])
 
   def check_batch_size(self, batch_size: int, accumulation: int) -> None:
     """A microbatch (batch_size / accumulation sequences) splits evenly over the batch's axes."""

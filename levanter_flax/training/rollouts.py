@@ -251,8 +251,8 @@ class Sampler:
     samples, the same rows: the same program and seeds sample the same completions."""
     rows = _local_rows(steps.batch_sharding, run.trainer.batch_size, run.model.seq_len)
     run_mesh = steps.batch_sharding.mesh
-    tensor = int(np.prod([run_mesh.shape[a] for a in partitioning.axes_of(
-        run.sharding.tensor_axis) if a in run_mesh.shape]))
+    tensor = partitioning.axes_size(run_mesh, tuple(
+        a for a in partitioning.axes_of(run.sharding.tensor_axis) if a in run_mesh.shape))
     local = jax.local_device_count()
     mesh = partitioning.make_mesh(
         (("data", -1), ("model", tensor if local % tensor == 0 else 1)), jax.local_devices())
