@@ -417,7 +417,7 @@ def test_every_shipped_config_has_a_rule_for_every_parameter_and_a_2d_layout(nam
   mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
   partitioner = Partitioner(mesh, run.sharding)
   params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
-  if run.model.vocab_size % partitioner._axis_size(run.sharding.tensor_axis):
+  if run.model.vocab_size % partitioning.axes_size(partitioner.mesh, run.sharding.tensor_axis):
     with pytest.raises(UserError, match=rf"dimension 0 \({run.model.vocab_size}\) is not "
                                         rf"divisible by mesh axis 'model' of size 2"):
       partitioner.param_shardings(params)
