@@ -13,7 +13,7 @@ import pytest
 
 import forkserver
 import levanter_flax as lf
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, xla_flags
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.monitoring import report
@@ -69,7 +69,7 @@ def main(workdir, flags, devices: int = 8, script: str = "", **env):
       [sys.executable, *command, *flags, f"--workdir={workdir}"], cwd=REPO, capture_output=True,
       text=True, timeout=300,
       env={**os.environ, **env, "PYTHONPATH": str(REPO / "tests"),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+           "XLA_FLAGS": xla_flags(devices)})
 
 
 def rl_metrics(workdir) -> dict[int, dict]:
@@ -241,7 +241,7 @@ def test_two_processes_sample_and_score_their_own_rows_and_train_as_one(tmp_path
   assert one.returncode == 0, one.stderr[-3000:]
   address = free_address()
   env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REWARD_LOG": str(tmp_path / "two"),
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+         "XLA_FLAGS": xla_flags(2)}
   processes = [forkserver.Popen(
       [sys.executable, "-m", "levanter_flax.main", *flags, f"--workdir={tmp_path / 'two'}",
        f"--config.trainer.distributed.coordinator_address={address}",
