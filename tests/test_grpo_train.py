@@ -94,21 +94,50 @@ def test_grpo_raises_the_reward_and_logs_its_parts(tiny_config, tmp_path):
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-@pytest.mark.slow
-def test_one_device_and_eight_sample_and_train_alike(tmp_path):
-  flags = grpo_flags(tmp_path, 4)
-  one = main(tmp_path / "one", flags, devices=1)
-  assert one.returncode == 0, one.stderr[-3000:]
-  eight = main(tmp_path / "eight", flags + ["--config.trainer.device_mesh.data=4",
-                                            "--config.trainer.device_mesh.model=2"])
-  assert eight.returncode == 0, eight.stderr[-3000:]
-  one, eight = rl_metrics(tmp_path / "one"), rl_metrics(tmp_path / "eight")
+def logged_ascii_share(completions, **_):
+  """ascii_share, noting in $REWARD_LOG.<pid> how many completions each call scored."""
+  with open(f"{os.environ['REWARD_LOG']}.{os.getpid()}", "a", encoding="utf-8") as log:
+    log.write(f"{len(completions)}\n")
+  return ascii_share(completions)
+
+
+def logged_flags(directory) -> list[str]:
+  return grpo_flags(directory, 4, "--config.rl.rewards=test_grpo_train:logged_ascii_share")
+
+
+def reward_logs(prefix) -> list[list[str]]:
+  """Each process's log of logged_ascii_share's calls, by pid."""
+  return sorted(p.read_text().split() for p in prefix.parent.glob(f"{prefix.name}.*"))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+  """4 steps on one device, with logged rewards: what 8 devices and 2 processes must equal."""
+  directory = tmp_path_factory.mktemp("one_device")
+  done = main(directory / "run", logged_flags(directory), devices=1,
+              REWARD_LOG=str(directory / "rewards"))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert reward_logs(directory / "rewards") == [["16"] * 4]
+  return rl_metrics(directory / "run")
+
+
+def assert_trains_as_one_device(metrics, one_device) -> None:
   for step_num in range(1, 5):
-    assert eight[step_num]["rl/reward_mean"] == pytest.approx(one[step_num]["rl/reward_mean"],
-                                                              abs=1e-6), step_num
-    assert eight[step_num]["train/loss"] == pytest.approx(one[step_num]["train/loss"], abs=1e-6)
-    assert eight[step_num]["train/grad_norm"] == pytest.approx(one[step_num]["train/grad_norm"],
-                                                               rel=1e-4)
+    assert metrics[step_num]["rl/reward_mean"] == pytest.approx(
+        one_device[step_num]["rl/reward_mean"], abs=1e-6), step_num
+    assert metrics[step_num]["train/loss"] == pytest.approx(one_device[step_num]["train/loss"],
+                                                            abs=1e-5), step_num
+    assert metrics[step_num]["train/grad_norm"] == pytest.approx(
+        one_device[step_num]["train/grad_norm"], rel=1e-4), step_num
+
+
+@pytest.mark.slow
+def test_one_device_and_eight_sample_and_train_alike(one_device, tmp_path):
+  eight = main(tmp_path / "eight", logged_flags(tmp_path) + [
+      "--config.trainer.device_mesh.data=4", "--config.trainer.device_mesh.model=2"],
+      REWARD_LOG=str(tmp_path / "rewards"))
+  assert eight.returncode == 0, eight.stderr[-3000:]
+  assert_trains_as_one_device(rl_metrics(tmp_path / "eight"), one_device)
 
 
 @pytest.fixture(scope="module")
@@ -224,26 +253,17 @@ def test_turning_the_kl_on_at_a_resume_is_one_line(four_steps, tmp_path):
     train_and_evaluate(to_run_config(config), tmp_path / "run")
 
 
-def logged_ascii_share(completions, **_):
-  """ascii_share, noting in $REWARD_LOG.<pid> how many completions each call scored."""
-  with open(f"{os.environ['REWARD_LOG']}.{os.getpid()}", "a", encoding="utf-8") as log:
-    log.write(f"{len(completions)}\n")
-  return ascii_share(completions)
-
-
 @pytest.mark.slow
-def test_two_processes_sample_and_score_their_own_rows_and_train_as_one(tmp_path):
-  """2 processes x 2 devices against 1 x 4: the same rewards and losses; each process sampled
+def test_two_processes_sample_and_score_their_own_rows_and_train_as_one(one_device, tmp_path):
+  """2 processes x 2 devices against 1 device: the same rewards and losses; each process sampled
   (on an engine of its own 2 devices) and scored half of every generation's completions."""
   from test_multihost import free_address
-  flags = grpo_flags(tmp_path, 2, "--config.rl.rewards=test_grpo_train:logged_ascii_share")
-  one = main(tmp_path / "one", flags, devices=4, REWARD_LOG=str(tmp_path / "one"))
-  assert one.returncode == 0, one.stderr[-3000:]
   address = free_address()
-  env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REWARD_LOG": str(tmp_path / "two"),
+  env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "REWARD_LOG": str(tmp_path / "rewards"),
          "XLA_FLAGS": xla_flags(2)}
   processes = [forkserver.Popen(
-      [sys.executable, "-m", "levanter_flax.main", *flags, f"--workdir={tmp_path / 'two'}",
+      [sys.executable, "-m", "levanter_flax.main", *logged_flags(tmp_path),
+       f"--workdir={tmp_path / 'two'}",
        f"--config.trainer.distributed.coordinator_address={address}",
        "--config.trainer.distributed.num_processes=2",
        f"--config.trainer.distributed.process_id={i}"], cwd=REPO, env=env,
@@ -254,11 +274,5 @@ def test_two_processes_sample_and_score_their_own_rows_and_train_as_one(tmp_path
     assert process.returncode == 0, stderr[-3000:]
   # Process 0's log (the others log warnings only); the rewards' logs count both.
   assert "This process samples and scores 8 of each generation's 16 completions" in stderrs[0]
-  one, two = rl_metrics(tmp_path / "one"), rl_metrics(tmp_path / "two")
-  for step_num in (1, 2):
-    assert two[step_num]["rl/reward_mean"] == pytest.approx(one[step_num]["rl/reward_mean"],
-                                                            abs=1e-6)
-    assert two[step_num]["train/loss"] == pytest.approx(one[step_num]["train/loss"], abs=1e-5)
-  logs = lambda name: sorted(p.read_text().split() for p in tmp_path.glob(f"{name}.*"))
-  assert logs("one") == [["16", "16"]]
-  assert logs("two") == [["8", "8"], ["8", "8"]]
+  assert_trains_as_one_device(rl_metrics(tmp_path / "two"), one_device)
+  assert reward_logs(tmp_path / "rewards") == [["8"] * 4, ["8"] * 4]
