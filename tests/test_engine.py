@@ -181,11 +181,14 @@ def test_stop_ids_stop_strings_and_the_context_end():
   assert full.finish_reason == "length" and len(full.tokens) == 4
 
 
-def penalized_greedy(model, params, prompt, count, presence=0.0, frequency=0.0, bias=()):
-  """OpenAI's penalties and logit bias in NumPy, on the full forward's logits at each step."""
+def penalized_greedy(forward, prompt, count, presence=0.0, frequency=0.0, bias=()):
+  """OpenAI's penalties and logit bias in NumPy, on the full forward's logits at each step.
+  `forward` takes [len(prompt) + count] tokens: causal, a position's logits ignore the padding
+  after it, and one compiled shape serves every step."""
   tokens = []
   for _ in range(count):
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray([prompt + tokens]))[0, -1],
+    sequence = prompt + tokens
+    logits = np.asarray(forward(sequence + [0] * (count - len(tokens)))[len(sequence) - 1],
                         np.float64)
     for token, value in bias:
       logits[token] += value
@@ -208,14 +211,15 @@ def test_logit_bias_and_penalties_equal_numpys_per_request_and_leave_the_slot_cl
                                    logit_bias=s.get("bias", ())) for s in settings]
   # Chunks of 2: the bias and penalties are set at a prompt's first chunk, drawn from at its last.
   requests = Engine(cfg, params, slots=2, prefill_chunk=2).generate([prompt] * 6, samplings)
+  apply = jax.jit(lambda tokens: model.apply({"params": params}, tokens[None])[0])
+  forward = lambda tokens: apply(jnp.asarray(tokens))
   for request, setting in zip(requests, settings):
-    assert request.tokens == penalized_greedy(model, params, prompt, 10, **setting)
+    assert request.tokens == penalized_greedy(forward, prompt, 10, **setting)
   plain = requests[1].tokens
   assert requests[3].tokens == plain
   assert all(requests[i].tokens != plain for i in (0, 2, 4, 5))
   assert 25 in plain and 25 not in requests[4].tokens
-  sequence = jnp.asarray([prompt + requests[4].tokens])
-  logprobs = jax.nn.log_softmax(model.apply({"params": params}, sequence)[0], axis=-1)
+  logprobs = jax.nn.log_softmax(forward(prompt + requests[4].tokens), axis=-1)
   start = len(prompt) - 1
   np.testing.assert_allclose(
       requests[4].logprobs, [float(logprobs[start + i, t]) for i, t in enumerate(requests[4].tokens)],
