@@ -32,6 +32,22 @@ from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO, TINY
 
 
+@pytest.fixture(scope="module")
+def two_steps(data_cache, tmp_path_factory) -> pathlib.Path:
+  """tiny_config's run stopped after 2 steps, its checkpoint at 2: what the tests that change a
+  setting or damage a file take up, each in a copy (taken_up)."""
+  config = make_tiny_config(data_cache)
+  config.trainer.num_train_steps = 2
+  workdir = tmp_path_factory.mktemp("two_steps") / "run"
+  train_and_evaluate(to_run_config(config), workdir)
+  return workdir
+
+
+def taken_up(run: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+  shutil.copytree(run, workdir, dirs_exist_ok=True)
+  return workdir
+
+
 def diverging(config, policy):
   """A learning rate so large that the second update overflows float32."""
   config.optimizer.learning_rate = 1e38
@@ -119,9 +135,10 @@ def checkpoint_files(workdir: pathlib.Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(tiny_config, tmp_path):
+def test_resume_refuses_a_changed_model_or_optimizer_and_allows_safe_changes(two_steps, tiny_config,
+                                                                            tmp_path):
+  taken_up(two_steps, tmp_path)
   tiny_config.trainer.num_train_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
   saved = (tmp_path / "config.json").read_text()
   assert '"model.num_layers": 2' in saved
   checkpoints = checkpoint_files(tmp_path)
@@ -177,9 +194,9 @@ def test_a_state_of_another_shape_is_refused_not_set_aside(tiny_config, tmp_path
 
 
 @pytest.mark.slow
-def test_a_storage_error_is_named_and_sets_nothing_aside(tiny_config, tmp_path, monkeypatch):
-  tiny_config.trainer.num_train_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+def test_a_storage_error_is_named_and_sets_nothing_aside(two_steps, tiny_config, tmp_path,
+                                                         monkeypatch):
+  taken_up(two_steps, tmp_path)
   checkpoints = checkpoint_files(tmp_path)
 
   def unavailable(*args, **kwargs):
@@ -475,9 +492,9 @@ def test_a_failing_eval_does_not_cost_the_steps_checkpoint(tiny_config, tmp_path
 
 
 @pytest.mark.slow
-def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(tiny_config, tmp_path, caplog):
-  tiny_config.trainer.num_train_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+def test_a_torn_metrics_line_is_skipped_by_report_and_cut_on_resume(two_steps, tiny_config, tmp_path,
+                                                                     caplog):
+  taken_up(two_steps, tmp_path)
   with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
     f.write('{"step": 3, "train/lo')  # What kill -9 during a write leaves.
   with caplog.at_level(logging.WARNING):
@@ -532,9 +549,8 @@ def test_a_malformed_data_position_is_damage(tiny_config, tmp_path):
             if "run/started_at_step" in m] == [0, 1]
 
 
-def test_a_config_json_that_is_no_object_is_named(tiny_config, tmp_path):
-  tiny_config.trainer.num_train_steps = 1
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+def test_a_config_json_that_is_no_object_is_named(two_steps, tiny_config, tmp_path):
+  taken_up(two_steps, tmp_path)
   (tmp_path / "config.json").write_text("[1, 2]")
   with pytest.raises(UserError, match=f"cannot read {tmp_path}/config.json, the config the "
                                       f"checkpoints were written with: not a JSON object"):
