@@ -132,6 +132,26 @@ def make_tiny_config(data_cache: pathlib.Path):
   return config
 
 
+@pytest.fixture(scope="session")
+def two_steps(data_cache, tmp_path_factory) -> pathlib.Path:
+  """tiny_config's run stopped after 2 steps, its checkpoint at 2: what the tests that change a
+  setting or damage a file take up, each in a copy (taken_up)."""
+  from levanter_flax.config import to_run_config
+  from levanter_flax.training.loop import train_and_evaluate
+  config = make_tiny_config(data_cache)
+  config.trainer.num_train_steps = 2
+  workdir = tmp_path_factory.mktemp("two_steps") / "run"
+  train_and_evaluate(to_run_config(config), workdir)
+  return workdir
+
+
+def taken_up(run: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
+  """A copy of `run` in `workdir` (which may exist, empty)."""
+  import shutil
+  shutil.copytree(run, workdir, dirs_exist_ok=True)
+  return workdir
+
+
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
   import json
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

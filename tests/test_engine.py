@@ -16,7 +16,7 @@ from levanter_flax.generate import engine as engine_lib
 from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
-from test_hf import HF_CONFIGS, hf_model
+from test_hf import hf_model
 from levanter_flax.models import common
 from levanter_flax.models.mistral import MistralConfig
 from test_sample import MODELS, full_forward_greedy

@@ -19,7 +19,7 @@ import pytest
 
 import forkserver
 from conftest import (REPO, as_at_checkpoint, make_tiny_config, prepare_texts,
-                      random_documents, read_metrics, train_losses)
+                      random_documents, read_metrics, taken_up, train_losses)
 from levanter_flax.checkpoint import preemption
 from levanter_flax.monitoring import history
 from levanter_flax.checkpoint.store import CheckpointConfig, Checkpointer
@@ -30,22 +30,6 @@ from levanter_flax.data.manifest import load_manifest
 from levanter_flax.core.errors import UserError
 from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO, TINY
-
-
-@pytest.fixture(scope="module")
-def two_steps(data_cache, tmp_path_factory) -> pathlib.Path:
-  """tiny_config's run stopped after 2 steps, its checkpoint at 2: what the tests that change a
-  setting or damage a file take up, each in a copy (taken_up)."""
-  config = make_tiny_config(data_cache)
-  config.trainer.num_train_steps = 2
-  workdir = tmp_path_factory.mktemp("two_steps") / "run"
-  train_and_evaluate(to_run_config(config), workdir)
-  return workdir
-
-
-def taken_up(run: pathlib.Path, workdir: pathlib.Path) -> pathlib.Path:
-  shutil.copytree(run, workdir, dirs_exist_ok=True)
-  return workdir
 
 
 def diverging(config, policy):

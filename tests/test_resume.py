@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import forkserver
-from conftest import REPO, read_metrics, write_dataset
+from conftest import REPO, read_metrics, taken_up, write_dataset
 from levanter_flax.training import batch_search
 from levanter_flax.config import changes, flat_dict, to_run_config
 from levanter_flax.data.manifest import PreparedDataset
@@ -61,10 +61,9 @@ def test_a_dataset_replaced_under_the_same_path_is_refused_or_read_from_its_star
 
 
 @pytest.mark.slow
-def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, tmp_path, caplog):
-  tiny_config.trainer.num_train_steps = 2
-  tiny_config.checkpoint.every_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+def test_checkpoints_without_their_config_are_refused_unless_told(two_steps, tiny_config, tmp_path,
+                                                                   caplog):
+  taken_up(two_steps, tmp_path)
   (tmp_path / "config.json").unlink()
   tiny_config.trainer.num_train_steps = 3
   tiny_config.trainer.seed = 7  # Unchecked, it would go through unnoticed.
@@ -81,11 +80,10 @@ def test_checkpoints_without_their_config_are_refused_unless_told(tiny_config, t
 
 
 @pytest.mark.slow
-def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(tiny_config, tmp_path,
-                                                                         caplog):
+def test_a_deleted_checkpoint_directory_is_said_when_the_run_starts_over(two_steps, tiny_config,
+                                                                         tmp_path, caplog):
+  taken_up(two_steps, tmp_path)
   tiny_config.trainer.num_train_steps = 2
-  tiny_config.checkpoint.every_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
   shutil.rmtree(tmp_path / "checkpoints")
   with caplog.at_level(logging.WARNING):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
