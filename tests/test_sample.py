@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import forkserver
-from conftest import REPO, xla_flags
+from conftest import REPO, make_tiny_config, taken_up, xla_flags
 from levanter_flax import models
 from levanter_flax.generate.trained import run_params
 from levanter_flax.config import to_run_config
@@ -161,10 +161,9 @@ def test_a_prompt_too_long_is_refused_or_truncated():
 
 
 @pytest.mark.slow
-def test_the_command_line_samples_from_a_run(tiny_config, tmp_path):
+def test_the_command_line_samples_from_a_run(two_steps, tmp_path):
   """Trained on 8 devices, sampled on a machine with one."""
-  tiny_config.trainer.num_train_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  taken_up(two_steps, tmp_path)
   one_device = {**os.environ, "XLA_FLAGS": xla_flags(1)}
   result = forkserver.run([sys.executable, "-m", "levanter_flax.commands.sample",
                            f"--workdir={tmp_path}",
@@ -207,14 +206,23 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path):
       "byte)")
 
 
+@pytest.fixture(scope="module")
+def four_steps(data_cache, tmp_path_factory):
+  """tiny_config's run of 4 steps, checkpointed at 2 and 4."""
+  config = make_tiny_config(data_cache)
+  config.trainer.num_train_steps = 4
+  config.checkpoint.every_steps = 2
+  workdir = tmp_path_factory.mktemp("four_steps") / "run"
+  train_and_evaluate(to_run_config(config), workdir)
+  return workdir
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Abandoned reads.
 @pytest.mark.parametrize("damage", ["cut_array_data", "no_tree_metadata"])
-def test_sample_and_export_read_the_newest_readable_checkpoint(tiny_config, tmp_path, caplog,
+def test_sample_and_export_read_the_newest_readable_checkpoint(four_steps, tmp_path, caplog,
                                                                damage):
-  tiny_config.trainer.num_train_steps = 4
-  tiny_config.checkpoint.every_steps = 2
-  train_and_evaluate(to_run_config(tiny_config), tmp_path)
+  taken_up(four_steps, tmp_path)
   _, params_2, _ = run_params_of_step(tmp_path, 2)
   newest = tmp_path / "checkpoints" / "4"
   if damage == "cut_array_data":  # Every data file: the params' among them, wherever they are.
