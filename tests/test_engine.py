@@ -243,6 +243,7 @@ def test_a_cancelled_request_frees_its_slot_at_once():
   assert waiting.tokens == Engine(cfg, params, slots=1).generate([PROMPTS[1]], GREEDY)[0].tokens
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_every_shape_and_writes_nothing():
   """After warm_up, requests of every length and count compile nothing (no step, no resize of
   the rows), and generate what a cold engine does."""

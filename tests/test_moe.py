@@ -195,6 +195,7 @@ def test_sigmoid_routing_chooses_within_the_top_groups_by_score_plus_bias(normal
   assert (np.asarray(unbiased) != np.asarray(experts)).any()
 
 
+@pytest.mark.slow
 def test_the_balancing_bias_moves_by_its_rule_outside_the_gradient():
   """A train step at a learning rate of 0 changes the biases alone: each by the rate towards
   the mean load (NumPy's sign of the mean minus the load of a forward pass over the batch),
