@@ -166,7 +166,7 @@ def as_at_checkpoint(workdir: pathlib.Path, copy: pathlib.Path, step: int) -> pa
   a run that stopped there, for a resume to take up, at no cost of training it again."""
   import json
   import shutil
-  shutil.copytree(workdir, copy)
+  taken_up(workdir, copy)
   for checkpoint in (copy / "checkpoints").iterdir():
     if int(checkpoint.name) > step:
       shutil.rmtree(checkpoint)
