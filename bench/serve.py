@@ -33,7 +33,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
@@ -59,8 +58,7 @@ SIZES = {
 def model(size: str, seq_len: int, dtype: str):
   cfg = LlamaConfig(seq_len=seq_len, **SIZES[size],
                     compute=ComputeConfig(dtype=dtype, param_dtype=dtype))
-  params = jax.jit(lambda: models.build(cfg).init(
-      jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])()
+  params = jax.jit(lambda: models.init_params(cfg, jax.random.key(0)))()
   return cfg, params
 
 

@@ -21,6 +21,7 @@ from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.llama import rope_attention_factor, rope_frequencies
 from levanter_flax.training.loop import train_and_evaluate
+from levanter_flax.models import common
 from levanter_flax.models.common import with_compute
 
 def _llama(**changes):
@@ -621,3 +622,15 @@ def test_export_never_writes_into_a_training_run(tmp_path, output, message):
   result = export(paths["run"], tmp_path / output, "--overwrite")
   assert_one_error_line(result, message.format(**paths))
   assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "config.json"]
+
+
+def test_a_checkpoint_loads_where_auto_attention_is_splash(tmp_path, monkeypatch):
+  """On a TPU host 'auto' is splash, which refuses sequences shorter than its blocks: the
+  shapes a load checks against are traced with XLA's attention, as models.init_params is."""
+  model = hf_model("llama")
+  model.save_pretrained(tmp_path)
+  monkeypatch.setattr(common, "platform_in_context", lambda: "tpu")
+  cfg, params = snapshot.load(tmp_path)
+  monkeypatch.undo()
+  ours = np.asarray(models.build(cfg).apply({"params": params}, TOKENS))
+  assert np.max(np.abs(ours - hf_logits(model))) <= 1e-4
