@@ -254,6 +254,8 @@ def test_warm_up_compiles_every_shape_and_writes_nothing():
   warm = Engine(cfg, params, slots=2, prefill_chunk=32)
   # Rows of 64, 128 and 160 (the context); prefills of 1 and 2 rows, and the decode.
   assert warm.warm_up() == 3 * (2 + 1)
+  # The sampler (its sort over the vocabulary is most of a TPU compile) once per row count.
+  assert sorted(warm._samplers, key=str) == [1, 2, None]  # pylint: disable=protected-access
   compiled = lambda: (warm._compiled(), engine_lib._fitted._cache_size())  # pylint: disable=protected-access
   before = compiled()
   tokens = [r.tokens for r in warm.generate(prompts, sampling.apart(7))]
