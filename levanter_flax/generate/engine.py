@@ -496,7 +496,9 @@ class Engine:
     per row count, not once per shape.
     """
     forward = self._forward(rows, length)
-    sampler = self._samplers.get(rows) or self._samplers.setdefault(rows, self._sampler(rows))
+    if rows not in self._samplers:
+      self._samplers[rows] = self._sampler(rows)
+    sampler = self._samplers[rows]
 
     def step(params, cache, sampled, slot_ids, tokens, starts, counts, settings, adjustments):
       cache, last = forward(params, cache, slot_ids, tokens, starts, counts)
@@ -524,12 +526,9 @@ class Engine:
       cache = jax.tree.map(lambda c, p, a: _put_rows(c, p, a, rows_of), cache,
                            variables["cache"], axes)
       return cache, logits[:, 0].astype(jnp.float32)
-    if self._batch_sharding is None:
-      return jax.jit(forward, donate_argnums=(1,))
-    replicated = NamedSharding(self._batch_sharding.mesh, PartitionSpec())
-    return jax.jit(forward, donate_argnums=(1,),
-                   in_shardings=(self._param_shardings, self._cache_shardings) + (replicated,) * 4,
-                   out_shardings=(self._cache_shardings, replicated))
+    return self._jit(forward, lambda replicated: (
+        (self._param_shardings, self._cache_shardings) + (replicated,) * 4,
+        (self._cache_shardings, replicated)))
 
   def _sampler(self, rows: int | None):
     """(last logits, sampled, slot_ids, starts, counts, settings, adjustments) -> (sampled,
@@ -559,11 +558,17 @@ class Engine:
           jnp.any(adjusted), lambda c: c.at[jnp.where(counts > 0, slot_ids, slots), drawn].set(
               new, mode="drop"), lambda c: c, sampled["completion"])
       return sampled, new, logprobs
+    return self._jit(sample, lambda replicated: (replicated, replicated))
+
+  def _jit(self, fn, layout: Callable[[NamedSharding], tuple]):
+    """fn jitted, its argument 1 (the state it updates) donated; on a mesh, laid out as
+    layout(the replicated sharding) says: (in_shardings, out_shardings)."""
     if self._batch_sharding is None:
-      return jax.jit(sample, donate_argnums=(1,))
-    replicated = NamedSharding(self._batch_sharding.mesh, PartitionSpec())
-    return jax.jit(sample, donate_argnums=(1,), in_shardings=replicated,
-                   out_shardings=replicated)
+      return jax.jit(fn, donate_argnums=(1,))
+    in_shardings, out_shardings = layout(
+        NamedSharding(self._batch_sharding.mesh, PartitionSpec()))
+    return jax.jit(fn, donate_argnums=(1,), in_shardings=in_shardings,
+                   out_shardings=out_shardings)
 
   def _shardings_of_cache(self):
     """Slots over the batch's mesh axes, key and value heads over the heads' (where they

@@ -13,6 +13,7 @@ into its blobs/, too); an export is written in any of the three, sharded as
 transformers shards, with the token ids that generation needs.
 """
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -238,7 +239,6 @@ def _expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
   """Our path -> shape in the unrolled layout, the one tensor_names names: traced as
   models.init_params initialises, with XLA's attention whatever the host's kernel (a TPU's
   'auto', splash, refuses a sequence shorter than its blocks)."""
-  import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   unrolled = common.with_compute(cfg, scan_layers=False)
   shapes = jax.eval_shape(functools.partial(models.init_params, unrolled), jax.random.key(0))
