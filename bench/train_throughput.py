@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -27,10 +28,14 @@ from levanter_flax.core import flops
 from levanter_flax import models
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
+from levanter_flax.monitoring import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps, after one warm-up step.")
 _MATMUL_SIZE = flags.DEFINE_integer("matmul_size", 2048, "Side of the square matmul (CPU peak).")
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir", None, "Also trace 3 steps into DIR/plugins/profile (as the trainer's "
+    "monitoring.profiler does) and print where the device's time went, by op kind.")
 flags.mark_flag_as_required("config")
 
 
@@ -91,6 +96,17 @@ def main(argv):
   print(f"MFU {nanogpt_flops / peak:.1%} (nanoGPT count), {causal_flops / peak:.1%} (causal)")
   print(f"LM head + cross-entropy alone: {head_seconds * 1e3:.1f} ms, "
         f"{head_seconds / step_seconds:.0%} of the step")
+  if _PROFILE_DIR.value:
+    print(profiled(compiled, epath.Path(_PROFILE_DIR.value)))
+
+
+def profiled(compiled, directory: epath.Path, num_steps: int = 3) -> str:
+  """Traces `num_steps` steps, each annotated as the trainer's are; their breakdown."""
+  with jax.profiler.trace(str(directory)):
+    for _ in range(num_steps):
+      with jax.profiler.TraceAnnotation("train"):
+        compiled.step_once()
+  return report.profile_summary(directory, top_ops=12)
 
 
 if __name__ == "__main__":

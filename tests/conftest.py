@@ -14,40 +14,70 @@ def xla_flags(devices: int) -> str:
           "--xla_cpu_use_fusion_emitters=false")
 
 
-# Must happen before jax is imported anywhere: multi-device code is tested on
-# 8 fake CPU devices, and subprocesses inherit the same environment.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-# One persistent compilation cache for the session and its subprocesses: many tests compile the
-# same tiny steps, each in well under JAX's 1 s threshold for caching. (A test of the cache
-# itself sets its own directory and threshold.)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      tempfile.mkdtemp(prefix="levanter_flax-tests-jax-cache-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-import pathlib  # pylint: disable=g-import-not-at-top
+import pathlib
 # Imported now, not by pytest's unraisable-exception hook: should a finalizer raise while
 # tensorflow_datasets holds etils' lazy-import context open, the hook's own `import tracemalloc`
 # would run inside it, fail, and fail the test that happened to be running.
-import tracemalloc  # pylint: disable=g-import-not-at-top,unused-import
+import tracemalloc  # pylint: disable=unused-import
 
-import pytest  # pylint: disable=g-import-not-at-top
+import pytest
 
-from levanter_flax.models.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+TPU_TIER_REASON = "the TPU tier: `pytest -m tpu` on a machine with a TPU chip (getting-started.md)"
+
+
+def selects_tpu_tier(markexpr: str) -> bool:
+  """Whether `-m markexpr` asks for the TPU tier (`-m tpu`, `-m "tpu and not slow"`)."""
+  return "tpu" in markexpr.split() and "not tpu" not in " ".join(markexpr.split())
+
+
+def pytest_configure(config):
+  """The devices a session runs on, set before anything imports jax (test modules are imported
+  after this hook; this file imports no jax).
+
+  Every session but the TPU tier's runs on 8 fake CPU devices, which compile fast rather than
+  run fast, and so do the subprocesses it starts. The tier leaves the platform to JAX: the
+  chip, and the host's CPU beside it for references. One persistent compilation cache serves
+  a session and its subprocesses: many tests compile the same tiny steps, each in well under
+  JAX's 1 s threshold for caching. (A test of the cache itself sets its own.)
+  """
+  if not selects_tpu_tier(config.getoption("markexpr") or ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        tempfile.mkdtemp(prefix="levanter_flax-tests-jax-cache-"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked tpu run in the TPU tier, on a chip; anywhere else they are skipped, saying why."""
+  tier = [item for item in items if "tpu" in item.keywords]
+  if not tier:
+    return
+  on_chip = False
+  if selects_tpu_tier(config.getoption("markexpr") or ""):
+    import jax  # pylint: disable=g-import-not-at-top  # Only once the platform is settled.
+    on_chip = jax.default_backend() == "tpu"
+  if not on_chip:
+    skip = pytest.mark.skip(reason=f"needs a TPU chip: {TPU_TIER_REASON}")
+    for item in tier:
+      item.add_marker(skip)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Families with no layer code of their own: Qwen3-MoE's layers are Qwen3's attention and
 # Mixtral's mixture block. Tests of what each family's layers compute (meshes, scanning, FLOPs,
 # document masking) run those two; HF interop and configs run every family.
 COMPOSED_FAMILIES = frozenset({"qwen3_moe"})
-# A tiny DeepSeek-V3's own settings, beside the sizes tests give every family: latent attention
-# (a key/value head per query head, keys and values of their own widths), one dense layer, then
-# mixtures of 8 experts in 4 groups (2 per token from 2 groups) with a shared expert.
-DEEPSEEK_SIZES = dict(
-    num_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-    v_head_dim=12, first_dense_layers=1,
-    moe=MoeConfig(num_experts=8, num_experts_per_token=2, scoring="sigmoid", num_groups=4,
-                  top_groups=2, expert_dim=32, num_shared_experts=1, bias_update_rate=0.001))
+def deepseek_sizes() -> dict:
+  """A tiny DeepSeek-V3's own settings, beside the sizes tests give every family: latent
+  attention (a key/value head per query head, keys and values of their own widths), one dense
+  layer, then mixtures of 8 experts in 4 groups (2 per token from 2 groups) with a shared expert.
+  """
+  from levanter_flax.models.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  return dict(
+      num_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+      v_head_dim=12, first_dense_layers=1,
+      moe=MoeConfig(num_experts=8, num_experts_per_token=2, scoring="sigmoid", num_groups=4,
+                    top_groups=2, expert_dim=32, num_shared_experts=1, bias_update_rate=0.001))
 
 
 def parent_pid(pid: int) -> int:

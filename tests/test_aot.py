@@ -227,7 +227,7 @@ def test_auto_batch_accumulates_to_its_target_within_the_target_chip(monkeypatch
   reads the chosen step's program from the search, not compiling it again."""
   pytest.importorskip("libtpu")
   monkeypatch.setattr(planner, "_compile", lambda *args: pytest.fail("compiled again"))
-  budget = 20 << 20  # The nano needs 18.5 MiB a chip at one sequence a step, 21.2 at eight.
+  budget = 19 << 20  # The nano needs 17.0 MiB a chip at one sequence a step, 19.9 at eight.
   fraction = budget / slices.HBM_BYTES["TPU v5 lite"]
   plan = planner.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 32,
                               "batch_search.memory_fraction": fraction}), "v5e:2x2")

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import forkserver
-from conftest import REPO
+from conftest import REPO, load_config_file
 from levanter_flax.training import batch_search, step
 from levanter_flax.config import to_run_config
 from levanter_flax.core.errors import UserError
@@ -155,3 +155,42 @@ def test_a_grpo_search_keeps_whole_groups(run_and_partitioner):
   with pytest.raises(UserError, match=r"target_batch_size \(24\) must be a multiple of 16"):
     batch_search.resolve(dataclasses.replace(searched, batch_search=dataclasses.replace(
         search, target_batch_size=24)), partitioner, objective=objective)
+
+
+# The errors of a step that does not fit, as XLA words them: a TPU v5e chip's compiler (seen on
+# the chip, gpt2.py:small_fast as shipped), the form planner.py's ahead-of-time compiles meet,
+# and failed allocations as a program runs, on a CPU and on a TPU.
+@pytest.mark.parametrize("error, line", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+     "temporaries (15.86G) exceeds available HBM (15.75G).",
+     "it needs 15.86 GiB of device memory where 15.75 GiB are free; at most about 31 sequences "
+     "a microbatch could fit."),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+     "hbm. Used 21.89G of 15.48G hbm. Exceeded hbm capacity by 6.41G.",
+     "it needs 21.89 GiB of device memory where 15.48 GiB are free; at most about 22 sequences "
+     "a microbatch could fit."),
+    ("RESOURCE_EXHAUSTED: Out of memory allocating 107223594116 bytes.",
+     "it ran out of device memory allocating 99.86 GiB."),
+    ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 1.20G. That was "
+     "not possible. There are 800M free.",
+     "it needs 1.20 GiB of device memory where 0.78 GiB are free; at most about 20 sequences a "
+     "microbatch could fit."),
+])
+def test_a_step_that_does_not_fit_is_one_line_with_its_figures(error, line):
+  trainer = dataclasses.replace(to_run_config(load_config_file("gpt2_nano")).trainer, batch_size=64,
+                                gradient_accumulation_steps=2)
+  with pytest.raises(UserError) as raised:
+    with batch_search.out_of_memory_named(trainer):
+      raise RuntimeError(error)
+  assert str(raised.value) == (
+      f"config.trainer.batch_size 64 in microbatches of 32 sequences does not fit: {line} Set "
+      "config.trainer.batch_size=auto to find the largest that fits, or raise "
+      "config.trainer.gradient_accumulation_steps, or save memory with config.model.compute.remat")
+
+
+def test_other_errors_of_a_step_pass_through():
+  trainer = to_run_config(load_config_file("gpt2_nano")).trainer
+  for error in ("RESOURCE_EXHAUSTED: quota exceeded for bucket", "INTERNAL: core halted"):
+    with pytest.raises(RuntimeError, match=error):
+      with batch_search.out_of_memory_named(trainer):
+        raise RuntimeError(error)

@@ -8,6 +8,7 @@ import pytest
 
 import forkserver
 from conftest import REPO, read_metrics
+from levanter_flax.core.errors import UserError
 
 NANO = str(REPO / "configs" / "gpt2_nano.py")
 # One reader group: the default 8 each build a pipeline and decode a shard before the first
@@ -186,8 +187,9 @@ def test_the_debug_switch_shows_the_traceback_behind_a_one_line_error(data_cache
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the tpu-aot extra")
 def test_libtpu_is_silent_on_a_machine_without_a_tpu():
-  """Every jax command starts through backend (main, api) or backend.skip_absent_tpu (sample,
-  evaluate, export_hf); with libtpu installed and no chip, jax would try the chip and say so."""
+  """Every jax command starts through backend (main, api) or backend.open_devices (sample,
+  serve, evaluate, export_hf); with libtpu installed and no chip, jax would try the chip and say
+  so."""
   from jax._src import hardware_utils  # pylint: disable=g-import-not-at-top
   if hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu():
     pytest.skip("a TPU or GPU machine: skip_absent_tpu rightly leaves jax's platforms alone")
@@ -199,6 +201,32 @@ def test_libtpu_is_silent_on_a_machine_without_a_tpu():
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.strip() == "cpu"
   assert "tpu" not in result.stderr.lower(), result.stderr[-2000:]
+
+
+# What libtpu says, as seen on a TPU v5e host, when a second program opens the chip.
+HELD_CHIP = ("Unable to initialize backend 'tpu': ABORTED: Internal error when accessing libtpu "
+             "multi-process lockfile. Run \"$ sudo rm /tmp/libtpu_lockfile\". (set "
+             "JAX_PLATFORMS='' to automatically choose an available backend)")
+
+
+@pytest.mark.parametrize("opener", ["open_devices", "start"])
+def test_a_chip_another_process_holds_is_one_line(opener, monkeypatch, tiny_config):
+  """Not libtpu's advice to delete its lockfile, which the holder still needs."""
+  from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
+  from levanter_flax.parallel import backend  # pylint: disable=g-import-not-at-top
+
+  def held():
+    raise RuntimeError(HELD_CHIP)
+  monkeypatch.setattr(backend.jax, "devices", held)
+  with pytest.raises(UserError, match=r"^another process holds this machine's TPU .*"
+                     r"JAX_PLATFORMS=cpu runs on the CPU instead$"):
+    if opener == "start":
+      backend.start(to_run_config(tiny_config).trainer)
+    else:
+      backend.open_devices()
+  monkeypatch.setattr(backend.jax, "devices", lambda: (_ for _ in ()).throw(RuntimeError("other")))
+  with pytest.raises(RuntimeError, match="^other$"):  # Any other failure is jax's own.
+    backend.open_devices()
 
 
 @pytest.mark.parametrize("module, subcommand", [

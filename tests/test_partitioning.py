@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import COMPOSED_FAMILIES, DEEPSEEK_SIZES, load_config_file, shipped_configs
+from conftest import COMPOSED_FAMILIES, deepseek_sizes, load_config_file, shipped_configs
 from levanter_flax import models
 from levanter_flax.optim import optimizers
 from levanter_flax.parallel import partitioning
@@ -134,7 +134,7 @@ TINY_SIZES = dict(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, num_kv_
 # A family's own, to exercise it: Gemma 3's local then global layer, a window shorter than the
 # sequence.
 FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2),
-                "deepseek_v3": DEEPSEEK_SIZES}
+                "deepseek_v3": deepseek_sizes()}
 
 
 @pytest.mark.slow

@@ -32,10 +32,10 @@ def qkv(kv_heads: int = KV_HEADS):
           jax.random.normal(v, (BATCH, LENGTH, kv_heads, HEAD_DIM)))
 
 
-def attend(implementation: str, **masks):
+def attend(implementation: str, blocks=BLOCKS, **masks):
   """(q, k, v) -> (output, its gradients w.r.t. q, k and v of a weighted sum of it), jitted."""
   if implementation == "splash":
-    fn = lambda q, k, v: attention.splash_attention(q, k, v, block_sizes=BLOCKS, interpret=True,
+    fn = lambda q, k, v: attention.splash_attention(q, k, v, block_sizes=blocks, interpret=True,
                                                     **masks)
   else:
     fn = lambda q, k, v: attention.causal_attention(None, q, k, v, implementation="xla",
@@ -57,6 +57,14 @@ MASKS = {"causal": {}, "documents": {"segment_ids": SEGMENTS}, "window": {"windo
 def test_splash_computes_what_xla_computes(mask):
   inputs = qkv()
   assert_same(attend("splash", **MASKS[mask])(*inputs), attend("xla", **MASKS[mask])(*inputs))
+
+
+def test_the_two_backward_kernels_compute_what_the_fused_one_does():
+  """config.model.compute.splash_fused_backward=false: a kernel for dq, another for dk and dv
+  (the other tests run the default, one kernel for all three)."""
+  inputs, masks = qkv(), MASKS["documents"]
+  two = attend("splash", common.SplashBlocks(*BLOCKS, fused_backward=False), **masks)(*inputs)
+  assert_same(two, attend("xla", **masks)(*inputs))
 
 
 def test_values_narrower_than_keys_and_a_scale_of_their_own_as_deepseeks():
@@ -139,12 +147,12 @@ def mosaic_calls(hlo: str) -> int:
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "olmo2"])
 def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                          architecture):
-  """On this CPU host, 'auto' is splash for the TPU mesh: per layer a forward, a dq and a dkv
-  kernel; XLA's attention has none (Llama's, for every family). QK-norm changes nothing in the
-  kernels."""
+  """On this CPU host, 'auto' is splash for the TPU mesh: per layer a forward and a backward
+  kernel (the fused one: dq, dk and dv together); XLA's attention has none (Llama's, for every
+  family). QK-norm changes nothing in the kernels."""
   mesh = (("data", 2), ("model", 2))
   assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
-                                     attention_impl="auto")) == 3 * 2
+                                     attention_impl="auto")) == 2 * 2
   if architecture == "llama":
     assert mosaic_calls(train_step_hlo(tpu_devices, mesh, architecture=architecture,
                                        attention_impl="xla")) == 0
@@ -155,14 +163,14 @@ def test_auto_compiles_each_layers_attention_to_mosaic_kernels_for_a_tpu(tpu_dev
 def test_gemma3s_local_and_global_layers_compile_to_mosaic_kernels_for_a_tpu(tpu_devices,
                                                                              scan_layers):
   """A local layer (splash's LocalMask, a window of 128 of the 256 tokens) and a global one
-  (CausalMask), with document masking. Unrolled, each layer's kind is static: a forward, a dq and
-  a dkv kernel each. Scanned, the kind is the scan's per-layer input, and a lax.cond holds both
-  masks' kernels (it runs one): the same six calls, in the one scanned block."""
+  (CausalMask), with document masking. Unrolled, each layer's kind is static: a forward and a
+  backward kernel each. Scanned, the kind is the scan's per-layer input, and a lax.cond holds both
+  masks' kernels (it runs one): the same four calls, in the one scanned block."""
   mesh = (("data", 2), ("model", 2))
   hlo = train_step_hlo(tpu_devices, mesh, eos_id=0, architecture="gemma3",
                        model_fields=dict(sliding_window=128, sliding_window_pattern=2),
                        attention_impl="auto", scan_layers=scan_layers)
-  assert mosaic_calls(hlo) == 3 * 2
+  assert mosaic_calls(hlo) == 2 * 2
 
 
 def test_context_parallel_splash_compiles_for_a_tpu(tpu_devices):
@@ -170,7 +178,7 @@ def test_context_parallel_splash_compiles_for_a_tpu(tpu_devices):
   hlo = train_step_hlo(tpu_devices, (("data", 2), ("sequence", 2)), partitioning.ShardingConfig(
       tensor_axis=None, logical_axis_rules=(("length", "sequence"),)), eos_id=0,
       attention_impl="splash", scan_layers=True)
-  assert mosaic_calls(hlo) == 3
+  assert mosaic_calls(hlo) == 2  # A forward and a backward kernel.
 
 
 def test_splash_off_a_tpu_is_one_line():

@@ -20,7 +20,7 @@ from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
-from conftest import COMPOSED_FAMILIES, DEEPSEEK_SIZES
+from conftest import COMPOSED_FAMILIES, deepseek_sizes
 
 TINY = GPT2Config(vocab_size=128, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
 
@@ -84,7 +84,7 @@ def test_gradients_kept_apart_over_an_axis_until_the_step_end_are_the_same(weigh
 # What a family's tiny model needs beyond the shared sizes to exercise it: Gemma 3's local
 # and global layers (3 layers: local, global, local) with a window shorter than the sequence.
 FAMILY_SIZES = {"gemma3": dict(sliding_window=8, sliding_window_pattern=2),
-                "deepseek_v3": DEEPSEEK_SIZES}
+                "deepseek_v3": deepseek_sizes()}
 
 
 LAYER_FAMILIES = sorted(set(models.FAMILIES) - COMPOSED_FAMILIES)
@@ -197,7 +197,7 @@ FLOPS_CONFIGS = {
     "mixtral": tiny("mixtral", moe=MoeConfig(num_experts=1, num_experts_per_token=1), **FLOPS_SIZES),
     # Values as wide as the keys: XLA's attention pads narrower ones (work the count leaves out).
     "deepseek_v3": tiny("deepseek_v3", v_head_dim=24, moe=dataclasses.replace(
-        DEEPSEEK_SIZES["moe"], num_experts=1, num_experts_per_token=1, num_groups=1,
+        deepseek_sizes()["moe"], num_experts=1, num_experts_per_token=1, num_groups=1,
         top_groups=1), **FLOPS_SIZES),
     "gpt2-untied": tiny("gpt2", tie_word_embeddings=False, **FLOPS_SIZES),
     "llama-tied": tiny("llama", tie_word_embeddings=True, **FLOPS_SIZES),

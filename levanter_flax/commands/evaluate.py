@@ -27,8 +27,8 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   cli.quiet_orbax()
-  backend.skip_absent_tpu()
   try:
+    backend.open_devices()
     harness = lm_eval_harness()
     names = harness.task_names(flag.tasks, "--tasks")
     directory = model_directory(flag.workdir, flag.init_from_hf)

@@ -28,8 +28,8 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   cli.quiet_orbax()
-  backend.skip_absent_tpu()
   try:
+    backend.open_devices()
     output_dir = paths.resolve(flag.output_dir, "--output_dir")
     workdir = paths.resolve(flag.workdir, "--workdir")
     check_output_dir(output_dir, workdir, flag.overwrite)

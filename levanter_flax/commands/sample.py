@@ -38,8 +38,8 @@ def main(argv: list[str]) -> None:
   sampling = SamplingParams(max_tokens=flag.max_new_tokens, temperature=flag.temperature,
                             top_k=flag.top_k, top_p=flag.top_p, seed=flag.seed)
   cli.quiet_orbax()
-  backend.skip_absent_tpu()
   try:
+    backend.open_devices()
     if not flag.prompt:
       raise UserError("give at least one --prompt")
     for name in ("system", "chat_template"):

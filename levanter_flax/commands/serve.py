@@ -27,12 +27,12 @@ def main(argv: list[str]) -> None:
   del argv
   flag = flags.FLAGS
   cli.quiet_orbax()
-  backend.skip_absent_tpu()
   try:
     from levanter_flax.generate import server as serving  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     exit_with_error(f"serve needs FastAPI and uvicorn ({e}): pip install -e \".[serve]\"")
   try:
+    backend.open_devices()
     server = serving.load_server(
         flag.workdir, flag.init_from_hf, model_name=flag.model_name,
         chat_template=flag.chat_template, slots=flag.slots, max_len=flag.max_len,

@@ -31,12 +31,12 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
 from levanter_flax.core.errors import UserError
-from levanter_flax.models.common import (SPLASH_BLOCK_MULTIPLE, check_attention_platform,
-                                         platform_in_context)
+from levanter_flax.models.common import (SPLASH_BLOCK_MULTIPLE, SplashBlocks,
+                                         check_attention_platform, platform_in_context)
 
 
 def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     implementation: str, splash_blocks: tuple[int, int],
+                     implementation: str, splash_blocks: SplashBlocks | tuple[int, int],
                      decode: bool = False, token_mask: jax.Array | None = None, window: int = 0,
                      segment_ids: jax.Array | None = None,
                      windowed: bool | jax.Array = True, scale: float | None = None) -> jax.Array:
@@ -44,7 +44,7 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
   may differ: DeepSeek's; in training only). scale: of the scores, by default head_dim ** -0.5.
 
   implementation: xla, cudnn or splash (common.attention_implementation), for training;
-  splash_blocks: splash's (query, key/value) block sizes. segment_ids [batch, length]
+  splash_blocks: splash's kernel blocks (common.SplashBlocks). segment_ids [batch, length]
   (training only): a token attends only to tokens of its own segment (document masking).
   cuDNN takes the mask as an additive bias [batch, 1, length, length]. windowed: whether
   `window` applies to this layer, a bool or a traced boolean scalar.
@@ -199,7 +199,8 @@ def _cache_length(stored: jax.Array) -> int:
   return stored.shape[2] if stored.ndim == 4 else stored.shape[1]
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: tuple[int, int],
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     block_sizes: SplashBlocks | tuple[int, int],
                      window: int = 0, segment_ids: jax.Array | None = None,
                      interpret: bool = False, scale: float | None = None) -> jax.Array:
   """causal_attention's training path as Pallas splash attention, on each device's shard.
@@ -226,10 +227,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block_sizes: t
         zip(nn.logical_to_mesh_axes(("batch", "length", "heads")), (batch, length, num_heads)))
   kv_head_axes = head_axes if num_kv_heads % _size(mesh, head_axes) == 0 else ()
   q_shards = _size(mesh, length_axes)
+  blocks = SplashBlocks(*block_sizes)
   kernel = _splash_kernel(
       num_heads, length, window,
-      _splash_block(block_sizes[0], length // q_shards, "splash_block_q"),
-      _splash_block(block_sizes[1], length, "splash_block_kv"),
+      _splash_block(blocks.q, length // q_shards, "splash_block_q"),
+      _splash_block(blocks.kv, length, "splash_block_kv"), blocks.fused_backward,
       _size(mesh, head_axes), q_shards, interpret)
   q = q * jnp.asarray(head_dim ** -0.5 if scale is None else scale, q.dtype)  # It does not.
 
@@ -283,7 +285,7 @@ def _splash_block(size: int, length: int, key: str) -> int:
 
 @functools.cache
 def _splash_kernel(num_heads: int, length: int, window: int, block_q: int, block_kv: int,
-                   head_shards: int, q_shards: int, interpret: bool):
+                   fused_backward: bool, head_shards: int, q_shards: int, interpret: bool):
   """The causal (or sliding-window) splash kernel for `head_shards` x `q_shards` devices.
 
   Cached: every layer asks for the same one, and building it works through the mask's blocks
@@ -299,8 +301,10 @@ def _splash_kernel(num_heads: int, length: int, window: int, block_q: int, block
     # The XLA path's local_window_size=(window - 1, 0): a token and the window - 1 before it.
     mask = (splash.LocalMask(shape, (window - 1, 0), offset=0) if window
             else splash.CausalMask(shape))
+    dq_blocks = {} if fused_backward else dict(block_q_dq=block_q, block_kv_dq=block_kv)
     blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q,
-                               block_kv_dkv=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
+                               block_kv_dkv=block_kv, use_fused_bwd_kernel=fused_backward,
+                               **dq_blocks)
     kernel = splash.make_splash_mha(splash.MultiHeadMask([mask] * num_heads),
                                     block_sizes=blocks, head_shards=head_shards,
                                     q_seq_shards=q_shards, interpret=interpret)

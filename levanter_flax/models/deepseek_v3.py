@@ -149,8 +149,7 @@ class LatentAttention(nn.Module):
       k = constrain(k, "batch", "length", "heads", None)
       v = constrain(kv[..., nope:], "batch", "length", "heads", None)
       out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                             splash_blocks=(cfg.compute.splash_block_q,
-                                            cfg.compute.splash_block_kv),
+                             splash_blocks=cfg.compute.splash_blocks,
                              segment_ids=segment_ids, scale=cfg.attention_scale)
     return dense(cfg.hidden_dim, "o_proj")(out.reshape(batch, length, heads * cfg.v_head_dim))
 

@@ -170,7 +170,7 @@ class Attention(nn.Module):
     v = constrain(v, "batch", "length", "heads", None)
     windowed = not is_global if isinstance(is_global, bool) else ~is_global
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           splash_blocks=(cfg.compute.splash_block_q, cfg.compute.splash_block_kv),
+                           splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
                            windowed=windowed, segment_ids=segment_ids)
     return llama._dense(cfg.hidden_dim, cfg, "o_proj")(

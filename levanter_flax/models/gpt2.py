@@ -103,7 +103,7 @@ class CausalSelfAttention(nn.Module):
     heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = (constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           splash_blocks=(cfg.compute.splash_block_q, cfg.compute.splash_block_kv),
+                           splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, segment_ids=segment_ids)
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)

@@ -270,7 +270,7 @@ class Attention(nn.Module):
     v = constrain(v, "batch", "length", "heads", None)
     # Each key/value head is shared among num_heads / num_kv_heads queries (XLA and splash alike).
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
-                           splash_blocks=(cfg.compute.splash_block_q, cfg.compute.splash_block_kv),
+                           splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
                            segment_ids=segment_ids)
     return _dense(cfg.hidden_dim, cfg, "o_proj")(

@@ -2,6 +2,7 @@
 throughput against steps, and the profiler's trace summarized. The report command's library."""
 import collections
 import math
+import re
 import statistics
 from typing import Optional, Sequence
 
@@ -110,10 +111,53 @@ def plot(runs: Sequence[Run], output_dir: epath.Path) -> list[epath.Path]:
 
 # The trainer's trace annotations (loop.py): each step, and the parts of it that are not compute.
 PHASES = ("train", "data_wait", "eval", "checkpoint")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DATA_MOVEMENT = ("copy", "transpose", "bitcast", "reshape", "pad", "slice", "dynamic-slice",
+                  "dynamic-update-slice", "concatenate", "broadcast", "iota")
+
+
+def op_kind(event_name: str) -> str:
+  """What an XLA op of a trace is. A TPU's trace names each op by its HLO instruction
+  ("%fusion.12 = bf16[..] fusion(..), kind=kOutput, calls=.."), where an output fusion is a
+  matmul's; the parameters' names show the optimizer's update and the weights' casts. A CPU's
+  names the op alone ("dot.3", "ynn_fusion.7": XNNPACK's matmuls)."""
+  name, _, instruction = event_name.lstrip("%").partition(" = ")
+  opcode = re.search(r"\s([a-z][a-z0-9-]*)\(", instruction)
+  opcode = opcode.group(1) if opcode else re.sub(r"[._]\d+$", "", name)
+  if opcode == "custom-call" or "custom_call_target" in instruction:
+    return "attention kernel" if re.search("splash|flash|attention", name) else "other kernel"
+  if "state_opt_state" in instruction:
+    return "optimizer update"
+  if "kind=kOutput" in instruction or re.search("dot|convolution|ynn", opcode):
+    return "matmul"
+  if "convert" in name and "state_params" in instruction:
+    return "weight cast"
+  if opcode.removesuffix("-start").removesuffix("-done") in _COLLECTIVES:
+    return "collective"
+  if opcode.removesuffix("-start").removesuffix("-done") in _DATA_MOVEMENT:
+    return "copy, transpose, layout"
+  if opcode in ("while", "conditional", "call"):
+    return "control flow"
+  return "elementwise, norms, reductions"
+
+
+def _self_times(events: list) -> list[tuple[object, int]]:
+  """(event, its duration less that of the events inside it) for one trace line's events: a
+  loop's op holds its body's."""
+  times, open_events = {}, []
+  for event in sorted(events, key=lambda e: (e.start_ns, -e.duration_ns)):
+    while open_events and open_events[-1].end_ns <= event.start_ns:
+      open_events.pop()
+    times[id(event)] = event.duration_ns
+    if open_events:
+      times[id(open_events[-1])] -= event.duration_ns
+    open_events.append(event)
+  return [(event, times[id(event)]) for event in events]
 
 
 def profile_summary(workdir: epath.Path, top_ops: int = 5) -> Optional[str]:
-  """Where the newest profile's time went: per step, per loop phase, and the busiest XLA ops.
+  """Where the newest profile's time went: per step, per loop phase, per kind of XLA op, and
+  the busiest ops.
 
   None when the run was not profiled. XLA op time is summed over the device's
   (or, on CPU, the host's compute) threads, so it can exceed the wall time.
@@ -124,15 +168,20 @@ def profile_summary(workdir: epath.Path, top_ops: int = 5) -> Optional[str]:
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top  # Only for traces.
   phases: dict[str, list] = collections.defaultdict(list)
   ops: collections.Counter = collections.Counter()
+  kinds: collections.Counter = collections.Counter()
   end = 0  # Of the last step's compute, which outlasts its annotation.
   for plane in ProfileData.from_serialized_xspace(traces[-1].read_bytes()).planes:
     for line in plane.lines:
       xla_line = line.name == "XLA Ops" or line.name.startswith("tf_XLA")
-      for event in line.events:
-        if xla_line and not event.name.startswith(("ThunkExecutor", "Threadpool")):
-          ops[event.name] += event.duration_ns
+      events = [e for e in line.events
+                if not (xla_line and e.name.startswith(("ThunkExecutor", "Threadpool")))]
+      if xla_line:
+        for event, duration in _self_times(events):
+          ops[event.name.lstrip("%").split(" = ")[0]] += duration
+          kinds[op_kind(event.name)] += duration
           end = max(end, event.end_ns)
-        elif not xla_line and event.name in PHASES:
+      for event in events:
+        if not xla_line and event.name in PHASES:
           phases[event.name].append(event)
           end = max(end, event.end_ns)
   if not phases["train"]:
@@ -143,6 +192,9 @@ def profile_summary(workdir: epath.Path, top_ops: int = 5) -> Optional[str]:
   for name in PHASES[1:]:
     total = sum(e.duration_ns for e in phases[name])
     lines.append(f"  {name:<12} {total / 1e6:9.2f} ms  {100 * total / wall:5.1f}% of the window")
+  for kind, total in kinds.most_common():
+    lines.append(f"  {kind:<31} {total / steps / 1e6:9.2f} ms a step  "
+                 f"{100 * total / wall:5.1f}% of the window")
   for name, total in ops.most_common(top_ops):
     lines.append(f"  XLA {name:<40} {total / 1e6:9.2f} ms")
   return "\n".join(lines)

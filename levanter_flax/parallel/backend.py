@@ -24,8 +24,31 @@ def start(trainer) -> None:
     partitioning.split_cpu(trainer.cpu_devices)
   if not _distributed_started():
     distributed.initialize(trainer.distributed)
+  _open_backends()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)
+
+
+def open_devices() -> None:
+  """For commands that run on one host's devices (sample, serve, evaluate, export-hf): the CPU
+  alone where there is no chip (skip_absent_tpu), and the backends started now."""
+  skip_absent_tpu()
+  _open_backends()
+
+
+def _open_backends() -> None:
+  """Starts jax's backends, so that a chip another process holds is one line here, not a
+  traceback from wherever jax first looks (libtpu lets one program at a time hold a chip)."""
+  try:
+    jax.devices()
+  except RuntimeError as e:
+    text = str(e)
+    if "backend 'tpu'" in text and ("lockfile" in text or "already in use" in text):
+      raise UserError(
+          "another process holds this machine's TPU (libtpu lets one program at a time open "
+          "it): wait for it to end, or find it with `sudo lsof -w /dev/accel* /dev/vfio/*`; "
+          "JAX_PLATFORMS=cpu runs on the CPU instead") from None
+    raise
 
 
 def skip_absent_tpu() -> None:

@@ -17,6 +17,7 @@ fits. Both assume memory grows with the microbatch; whatever they return was
 itself compiled and fits. `trainer.batch_size="auto"` runs this when a run first starts
 (start.py); a resume keeps what it chose.
 """
+import contextlib
 import dataclasses
 import math
 import re
@@ -109,15 +110,62 @@ def needed_bytes(memory) -> int:
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+# The forms XLA's errors take: TPU compiles ("HLO temporaries (15.86G) exceeds available HBM
+# (15.75G)", "Used 21.89G of 15.75G hbm"), failed allocations as a program runs (the CPU's
+# "allocating 107223594116 bytes", the TPU's "allocate 1.20G ... There are 800M free").
+_NEEDED = (r"HLO temporaries \(([\d.]+[KMGT])\)", r"Used ([\d.]+[KMGT]) of",
+           r"allocat\w* ([\d.]+[KMGT]?)\b", r"\(([\d.]+[KMGT])\)")
+_AVAILABLE = (r"available HBM \(([\d.]+[KMGT])\)", r"Used [\d.]+[KMGT] of ([\d.]+[KMGT])",
+              r"There are ([\d.]+[KMGT]?) free")
+
+
+def _bytes(text: str, patterns: tuple[str, ...]) -> Optional[int]:
+  """The first size one of `patterns` finds in `text`: "21.89G", "800M", or bytes."""
+  for pattern in patterns:
+    size = re.search(pattern, text)
+    if size:
+      number, unit = re.fullmatch(r"([\d.]+)([KMGT]?)", size.group(1)).groups()
+      return int(float(number) * _UNITS.get(unit, 1))
+  return None
+
+
 def out_of_memory_bytes(error: Exception) -> Optional[int]:
   """What a program needs beyond its arguments, from the error of a compiler that refused it
-  for want of memory (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"); None
-  for any other error."""
+  for want of memory (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"), or of
+  an allocation that failed while it ran ("Out of memory allocating 107223594116 bytes", the
+  CPU's); None for any other error."""
   text = str(error)
-  size = re.search(r"\(([\d.]+)([KMGT])\)", text)
-  if "RESOURCE_EXHAUSTED" not in text or "memory" not in text or not size:
+  if "RESOURCE_EXHAUSTED" not in text or not re.search("memory|allocat", text, re.IGNORECASE):
     return None
-  return int(float(size.group(1)) * _UNITS[size.group(2)])
+  return _bytes(text, _NEEDED)
+
+
+@contextlib.contextmanager
+def out_of_memory_named(trainer: settings.TrainerConfig):
+  """Turns a step that does not fit its devices (refused by the compiler, or failing as it
+  runs) into one line: what it needed, what was free, and what to change."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  # jax's runtime errors have no base.
+    needed = out_of_memory_bytes(e)
+    if needed is None:
+      raise
+    raise UserError(out_of_memory_message(trainer, needed, _bytes(str(e), _AVAILABLE))) from None
+
+
+def out_of_memory_message(trainer: settings.TrainerConfig, needed: int,
+                          available: Optional[int]) -> str:
+  microbatch = trainer.batch_size // trainer.gradient_accumulation_steps
+  gib = lambda size: f"{size / 2**30:.2f} GiB"
+  what = (f"it needs {gib(needed)} of device memory where {gib(available)} are free"
+          if available else f"it ran out of device memory allocating {gib(needed)}")
+  # Temporaries grow with the microbatch, but not all of them: a bound, not the answer.
+  bound = (f"; at most about {microbatch * available // needed} sequences a microbatch could "
+           f"fit" if available and needed > available else "")
+  return (f"config.trainer.batch_size {trainer.batch_size} in microbatches of {microbatch} "
+          f"sequences does not fit: {what}{bound}. Set config.trainer.batch_size=auto to find the "
+          f"largest that fits, or raise config.trainer.gradient_accumulation_steps, or save memory "
+          f"with config.model.compute.remat")
 
 
 def _bisect(fits: Callable[[int], bool], low: int, high: int) -> int:

@@ -15,8 +15,8 @@ from clu import periodic_actions
 from etils import epath
 
 from levanter_flax import config
-from levanter_flax.training import (callbacks as callbacks_lib, restore, resume_checks, rollouts,
-                                    step)
+from levanter_flax.training import (batch_search, callbacks as callbacks_lib, restore,
+                                    resume_checks, rollouts, step)
 from levanter_flax.training.start import Start, resolve
 from levanter_flax.parallel import distributed, partitioning
 from levanter_flax.core import flops, locks, paths
@@ -422,7 +422,8 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
           batch, position, input_metrics = train_input.next(step_num, state)
         data_wait += time.perf_counter() - wait_start
         if step_num == start_step + 1:
-          train_step = compiled_step.result()
+          with batch_search.out_of_memory_named(trainer):  # The compiler refused it.
+            train_step = compiled_step.result()
         state, step_metrics = train_step(state, batch)
       steps_running += _steps_running(history)
       history.append(step_metrics)
@@ -433,7 +434,8 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
       nonfinite.add(step_num, position, step_metrics)
       if step_num == start_step + 1:
         # Leave compilation out of the throughput figures.
-        jax.block_until_ready(step_metrics)
+        with batch_search.out_of_memory_named(trainer):  # It failed to allocate as it ran.
+          jax.block_until_ready(step_metrics)
         throughput.reset(step_num)
       finished = step_num == trainer.num_train_steps
       # Preempted: log and checkpoint now, skip eval.
