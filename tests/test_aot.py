@@ -176,6 +176,14 @@ def test_a_batch_the_topologys_data_axis_cannot_split_is_one_line():
     planner.plan(nano(**{"trainer.batch_size": 16}), "v4:2x2x3", compiler_costs=False)
 
 
+@pytest.mark.parametrize("name", ["v5e:1x1", "v6e-1"])
+def test_a_one_chip_vm_is_a_topology(name):
+  """v5litepod-1 and v6e-1: libtpu's default host is 2x2 chips, which a 1x1 slice cannot hold."""
+  pytest.importorskip("libtpu")
+  [chip] = slices.devices(name)
+  assert chip.device_kind in slices.HBM_BYTES
+
+
 def test_a_topology_libtpu_does_not_make_is_one_line_naming_the_shapes():
   pytest.importorskip("libtpu")
   with pytest.raises(UserError, match=r"^--topology=v5e:3x3: .* v5e comes in 1x1, 2x2, 2x4"):
