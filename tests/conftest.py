@@ -26,8 +26,14 @@ TPU_TIER_REASON = "the TPU tier: `pytest -m tpu` on a machine with a TPU chip (g
 
 
 def selects_tpu_tier(markexpr: str) -> bool:
-  """Whether `-m markexpr` asks for the TPU tier (`-m tpu`, `-m "tpu and not slow"`)."""
-  return "tpu" in markexpr.split() and "not tpu" not in " ".join(markexpr.split())
+  """Whether `-m markexpr` selects tests marked tpu and no others (`-m tpu`, `-m "tpu and not
+  slow"`, not `-m "slow or tpu"`), by pytest's own reading of the expression."""
+  from _pytest.mark.expression import Expression  # pylint: disable=g-import-not-at-top
+  if not markexpr:
+    return False
+  expression = Expression.compile(markexpr)
+  marked = lambda *names: expression.evaluate(lambda name, **_: name in names)
+  return marked("tpu") and not marked() and not marked("slow")
 
 
 def pytest_configure(config):
@@ -50,13 +56,16 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
   """Tests marked tpu run in the TPU tier, on a chip; anywhere else they are skipped, saying why."""
-  tier = [item for item in items if "tpu" in item.keywords]
+  tier = [item for item in items if item.get_closest_marker("tpu")]
   if not tier:
     return
   on_chip = False
   if selects_tpu_tier(config.getoption("markexpr") or ""):
     import jax  # pylint: disable=g-import-not-at-top  # Only once the platform is settled.
-    on_chip = jax.default_backend() == "tpu"
+    try:
+      on_chip = jax.default_backend() == "tpu"
+    except RuntimeError as e:  # Another process holds the chip, say.
+      raise pytest.UsageError(f"the TPU tier cannot open the chip: {e}") from None
   if not on_chip:
     skip = pytest.mark.skip(reason=f"needs a TPU chip: {TPU_TIER_REASON}")
     for item in tier:

@@ -313,13 +313,16 @@ def test_remat_takes_booleans_and_policy_names(value, policy):
 
 
 def test_a_saved_config_without_a_newer_key_means_what_its_run_did():
-  """Runs from before data.document_masking attended across documents; from before
+  """Runs from before data.document_masking attended across documents, and from before
+  model.compute.splash_fused_backward ran splash's two backward kernels; from before
   monitoring.hang_watchdog_seconds, they did what its default does."""
   from levanter_flax.config import changes, flat_dict
   now = flat_dict(to_run_config(default_config()))
   saved = {k: v for k, v in now.items()
-           if k not in ("data.document_masking", "monitoring.hang_watchdog_seconds")}
-  assert changes(saved, now) == ["data.document_masking False -> True"]
+           if k not in ("data.document_masking", "monitoring.hang_watchdog_seconds",
+                        "model.compute.splash_fused_backward")}
+  assert changes(saved, now) == ["data.document_masking False -> True",
+                                 "model.compute.splash_fused_backward False -> True"]
 
 
 @pytest.mark.parametrize("source, message", [

@@ -583,7 +583,8 @@ def read_saved(workdir: epath.Path) -> Optional[dict[str, Any]]:
 # What a run from before a key existed did, where that is not the key's default.
 
 # What a run from before a key existed did, where that is not the key's default.
-_BEFORE_THE_KEY = {"data.document_masking": False}
+_BEFORE_THE_KEY = {"data.document_masking": False,
+                   "model.compute.splash_fused_backward": False}
 
 
 def defaults(architecture: str) -> dict[str, Any]:

@@ -67,8 +67,8 @@ class ComputeConfig:
       "sequence length)")
   splash_fused_backward: bool = setting(
       True, "splash: one backward kernel computes the query, key and value gradients together "
-      "(on a v5e chip 16-23% faster than a kernel for the queries' and one for the keys' and "
-      "values'; docs/Performance-Guide.md)")
+      "(on a v5e chip attention took 10-19% less time than with a kernel for the queries' and "
+      "one for the keys' and values'; docs/Performance-Guide.md)")
   scan_layers: bool = setting(False, "Run the blocks as one lax.scan over stacked parameters: "
                               "compile time stays flat as depth grows", STATE)
   cross_entropy_block_size: int = setting(

@@ -110,34 +110,45 @@ def needed_bytes(memory) -> int:
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-# The forms XLA's errors take: TPU compiles ("HLO temporaries (15.86G) exceeds available HBM
-# (15.75G)", "Used 21.89G of 15.75G hbm"), failed allocations as a program runs (the CPU's
-# "allocating 107223594116 bytes", the TPU's "allocate 1.20G ... There are 800M free").
-_NEEDED = (r"HLO temporaries \(([\d.]+[KMGT])\)", r"Used ([\d.]+[KMGT]) of",
-           r"allocat\w* ([\d.]+[KMGT]?)\b", r"\(([\d.]+[KMGT])\)")
-_AVAILABLE = (r"available HBM \(([\d.]+[KMGT])\)", r"Used [\d.]+[KMGT] of ([\d.]+[KMGT])",
-              r"There are ([\d.]+[KMGT]?) free")
+# A size in XLA's errors: "15.86G", "800.0MiB", "107223594116 bytes".
+_SIZE = r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B\b|\s*bytes)?"
+# The forms a compiler's refusal takes, which name what the program needs and what the device
+# has: "HLO temporaries (15.86G) exceeds available HBM (15.75G)" (a v5e chip's and libtpu's
+# ahead-of-time compiles), "Used 21.89G of 15.75G hbm".
+_REFUSED = (rf"HLO temporaries \({_SIZE}\) exceeds available HBM \({_SIZE}\)",
+            rf"Used {_SIZE} of {_SIZE} hbm")
+# A failed allocation as a program runs: the CPU's "Out of memory allocating 107223594116
+# bytes", a TPU's "Attempting to allocate 1.20G. That was not possible. There are 800M free."
+_ALLOCATING = rf"allocat\w* {_SIZE}"
 
 
-def _bytes(text: str, patterns: tuple[str, ...]) -> Optional[int]:
-  """The first size one of `patterns` finds in `text`: "21.89G", "800M", or bytes."""
-  for pattern in patterns:
-    size = re.search(pattern, text)
-    if size:
-      number, unit = re.fullmatch(r"([\d.]+)([KMGT]?)", size.group(1)).groups()
-      return int(float(number) * _UNITS.get(unit, 1))
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * _UNITS.get(unit, 1))
+
+
+def _out_of_memory(text: str) -> Optional[tuple[int, Optional[int]]]:
+  """(bytes needed, bytes the device had) from the text of an error for want of device memory
+  (the latter None for a failed allocation); None for any other error, a kernel's VMEM too."""
+  if ("RESOURCE_EXHAUSTED" not in text
+      or re.search(r"memory space (vmem|smem)", text, re.IGNORECASE)):
+    return None
+  for pattern in _REFUSED:
+    sizes = re.search(pattern, text)
+    if sizes:
+      return _bytes(*sizes.group(1, 2)), _bytes(*sizes.group(3, 4))
+  allocating = re.search(_ALLOCATING, text)
+  if allocating and re.search("memory|allocat", text, re.IGNORECASE):
+    return _bytes(*allocating.group(1, 2)), None
   return None
 
 
 def out_of_memory_bytes(error: Exception) -> Optional[int]:
-  """What a program needs beyond its arguments, from the error of a compiler that refused it
-  for want of memory (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"), or of
-  an allocation that failed while it ran ("Out of memory allocating 107223594116 bytes", the
-  CPU's); None for any other error."""
-  text = str(error)
-  if "RESOURCE_EXHAUSTED" not in text or not re.search("memory|allocat", text, re.IGNORECASE):
-    return None
-  return _bytes(text, _NEEDED)
+  """What a program needs, from the error of a compiler that refused it for want of memory
+  (TPU's does: "... HLO temporaries (21.89G) exceeds available HBM"), or of an allocation that
+  failed while it ran ("Out of memory allocating 107223594116 bytes", the CPU's); None for any
+  other error."""
+  found = _out_of_memory(str(error))
+  return found and found[0]
 
 
 @contextlib.contextmanager
@@ -147,10 +158,10 @@ def out_of_memory_named(trainer: settings.TrainerConfig):
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  # jax's runtime errors have no base.
-    needed = out_of_memory_bytes(e)
-    if needed is None:
+    found = _out_of_memory(str(e))
+    if found is None:
       raise
-    raise UserError(out_of_memory_message(trainer, needed, _bytes(str(e), _AVAILABLE))) from None
+    raise UserError(out_of_memory_message(trainer, *found)) from None
 
 
 def out_of_memory_message(trainer: settings.TrainerConfig, needed: int,
@@ -159,7 +170,7 @@ def out_of_memory_message(trainer: settings.TrainerConfig, needed: int,
   gib = lambda size: f"{size / 2**30:.2f} GiB"
   what = (f"it needs {gib(needed)} of device memory where {gib(available)} are free"
           if available else f"it ran out of device memory allocating {gib(needed)}")
-  # Temporaries grow with the microbatch, but not all of them: a bound, not the answer.
+  # The compiler's figure grows with the microbatch, but not all of it: a bound, not the answer.
   bound = (f"; at most about {microbatch * available // needed} sequences a microbatch could "
            f"fit" if available and needed > available else "")
   return (f"config.trainer.batch_size {trainer.batch_size} in microbatches of {microbatch} "

@@ -422,9 +422,12 @@ def _train_loop(start: Start, workdir: epath.Path, steps: step.ShardedSteps,
           batch, position, input_metrics = train_input.next(step_num, state)
         data_wait += time.perf_counter() - wait_start
         if step_num == start_step + 1:
-          with batch_search.out_of_memory_named(trainer):  # The compiler refused it.
+          # The compiler refused it, or a buffer failed to allocate as it started.
+          with batch_search.out_of_memory_named(trainer):
             train_step = compiled_step.result()
-        state, step_metrics = train_step(state, batch)
+            state, step_metrics = train_step(state, batch)
+        else:
+          state, step_metrics = train_step(state, batch)
       steps_running += _steps_running(history)
       history.append(step_metrics)
       if input_metrics:
