@@ -29,6 +29,7 @@ from levanter_flax import models
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
 from levanter_flax.monitoring import report
+from levanter_flax.training import batch_search
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file in configs/.")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps, after one warm-up step.")
@@ -80,15 +81,19 @@ def main(argv):
   if not peak:  # The matmul uses every core, which the CPU's devices share.
     peak = square_matmul_flops(_MATMUL_SIZE.value) / jax.local_device_count()
     peak_source += f", shared by {jax.local_device_count()} devices"
+  memory = compiled.compiled.memory_analysis()
+  # After the steps, before the head's own timing: None on a CPU.
+  peak_in_use = (device.memory_stats() or {}).get("peak_bytes_in_use")
   head_seconds = lm_head_seconds(run, compiled.state.params)
-  temp = compiled.compiled.memory_analysis().temp_size_in_bytes
 
   print(f"{jax.device_count()} x {device.device_kind}; {model}")
   print(f"batch {trainer.batch_size} x {model.seq_len}, accumulation "
         f"{trainer.gradient_accumulation_steps}, mesh {dict(trainer.device_mesh)}, "
         f"document masking {run.data.document_masking}")
   print(f"compile {compiled.compile_seconds:.1f} s; step {step_seconds * 1e3:.1f} ms; "
-        f"temp {temp / 2**20:.1f} MiB")
+        f"temp {memory.temp_size_in_bytes / 2**20:.1f} MiB; the program needs "
+        f"{batch_search.needed_bytes(memory) / 2**30:.2f} GiB a device (what `aot` plans)"
+        + (f", the device's peak in use {peak_in_use / 2**30:.2f} GiB" if peak_in_use else ""))
   print(f"tokens/s {tokens_per_second:,.0f} ({per_device:,.0f} per device)")
   print(f"peak {peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
   print(f"model TFLOP/s per device {nanogpt_flops / 1e12:.3f} (nanoGPT count), "
