@@ -210,8 +210,9 @@ def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp
   """config.json as the version before the sections moved wrote it (tests/fixtures), beside this
   version's checkpoints: the resume takes it as the same run and continues it exactly."""
   tiny_config.checkpoint.every_steps = 5
-  # That version's default, which a resume would otherwise log as a change.
+  # That version's defaults, which a resume would otherwise log as changes.
   tiny_config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
+  tiny_config.model.compute.splash_fused_backward = False
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "whole")
   as_at_checkpoint(tmp_path / "whole", tmp_path / "resumed", 5)
   old = (FIXTURES / "config_before_issue_30.json").read_text()
