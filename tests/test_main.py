@@ -209,18 +209,23 @@ HELD_CHIP = ("Unable to initialize backend 'tpu': ABORTED: Internal error when a
              "JAX_PLATFORMS='' to automatically choose an available backend)")
 
 
-@pytest.mark.parametrize("opener", ["open_devices", "start"])
+@pytest.mark.parametrize("opener", ["open_devices", "start", "start_distributed"])
 def test_a_chip_another_process_holds_is_one_line(opener, monkeypatch, tiny_config):
-  """Not libtpu's advice to delete its lockfile, which the holder still needs."""
+  """Not libtpu's advice to delete its lockfile, which the holder still needs. On a pod,
+  jax.distributed's start opens the chip first."""
   from levanter_flax.config import to_run_config  # pylint: disable=g-import-not-at-top
   from levanter_flax.parallel import backend  # pylint: disable=g-import-not-at-top
 
-  def held():
+  def held(*args):
     raise RuntimeError(HELD_CHIP)
-  monkeypatch.setattr(backend.jax, "devices", held)
+  if opener == "start_distributed":
+    monkeypatch.setattr(backend, "_distributed_started", lambda: False)
+    monkeypatch.setattr(backend.distributed, "initialize", held)
+  else:
+    monkeypatch.setattr(backend.jax, "devices", held)
   with pytest.raises(UserError, match=r"^another process holds this machine's TPU .*"
                      r"JAX_PLATFORMS=cpu runs on the CPU instead$"):
-    if opener == "start":
+    if opener.startswith("start"):
       backend.start(to_run_config(tiny_config).trainer)
     else:
       backend.open_devices()

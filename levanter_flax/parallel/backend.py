@@ -4,6 +4,7 @@ The train command (commands/train.py) and the Python API (commands/api.py) start
 start it more than once (lf.train called twice): what is already so is kept, and what can no
 longer change is named.
 """
+import contextlib
 import importlib.util
 import os
 
@@ -22,9 +23,10 @@ def start(trainer) -> None:
   else:
     skip_absent_tpu()
     partitioning.split_cpu(trainer.cpu_devices)
-  if not _distributed_started():
-    distributed.initialize(trainer.distributed)
-  _open_backends()
+  with _held_chip_named():  # jax.distributed starts the backends too, on a pod.
+    if not _distributed_started():
+      distributed.initialize(trainer.distributed)
+    jax.devices()
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)
 
@@ -33,14 +35,16 @@ def open_devices() -> None:
   """For commands that run on one host's devices (sample, serve, evaluate, export-hf): the CPU
   alone where there is no chip (skip_absent_tpu), and the backends started now."""
   skip_absent_tpu()
-  _open_backends()
-
-
-def _open_backends() -> None:
-  """Starts jax's backends, so that a chip another process holds is one line here, not a
-  traceback from wherever jax first looks (libtpu lets one program at a time hold a chip)."""
-  try:
+  with _held_chip_named():
     jax.devices()
+
+
+@contextlib.contextmanager
+def _held_chip_named():
+  """Around what starts jax's backends, so that a chip another process holds is one line here,
+  not a traceback from wherever jax first looks (libtpu lets one program at a time hold one)."""
+  try:
+    yield
   except RuntimeError as e:
     text = str(e)
     if "backend 'tpu'" in text and ("lockfile" in text or "already in use" in text):
