@@ -102,6 +102,20 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
   assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-2)
 
 
+def test_rope_on_bfloat16_heads_of_64_rounds_once():
+  """The half rotation's partners come from a product with a signed permutation, exact in
+  bfloat16: the rotated queries are the float64 rotation rounded once to bfloat16."""
+  x = jax.random.normal(jax.random.key(0), (2, 16, 4, 64), jnp.bfloat16)
+  frequencies = rope_frequencies(dataclasses_replace(SMALL, hidden_dim=256, rope_theta=10000.0))
+  rotated = np.asarray(rotary_embedding(x, jnp.arange(16)[None], frequencies, scale=0.9),
+                       np.float64)
+  x64, angles = np.asarray(x, np.float64), np.arange(16)[:, None] * np.float64(frequencies)
+  cos, sin = 0.9 * np.cos(angles)[None, :, None], 0.9 * np.sin(angles)[None, :, None]
+  first, second = x64[..., :32], x64[..., 32:]
+  expected = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  np.testing.assert_allclose(rotated, expected, rtol=2**-8, atol=1e-6)
+
+
 def test_an_unknown_rope_type_in_the_config_is_refused():
   config = load_config_file("llama_nano")
   config.model.rope_type = "longrope"

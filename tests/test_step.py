@@ -221,7 +221,17 @@ def test_flops_per_token_matches_xlas_count_of_the_compiled_step(family):
   cost = loss_and_grads.lower(params, tokens).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
   ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False)
-  assert 1.0 <= xla / ours < 1.02, (xla, ours)
+  assert 1.0 <= xla / ours < 1.02 + rope_permutation_flops(family, cfg, batch) / ours, (xla, ours)
+
+
+def rope_permutation_flops(family: str, cfg, batch: int) -> int:
+  """At most what XLA counts for RoPE's partner products (llama.rotary_embedding), which are
+  not the model's work: a [dims, dims] matmul per rotated head and token, forward and back."""
+  if family.startswith("gpt2"):
+    return 0
+  dims = getattr(cfg, "qk_rope_head_dim", None) or cfg.head_dim
+  rotated_heads = cfg.num_heads + cfg.num_kv_heads
+  return batch * cfg.seq_len * cfg.num_layers * rotated_heads * 2 * (2 * dims * dims)
 
 
 def test_dpo_flops_count_the_reference_forward_as_xla_does():
@@ -238,7 +248,8 @@ def test_dpo_flops_count_the_reference_forward_as_xla_does():
       tokens.shape, jnp.float32)).compile().cost_analysis()
   xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
   ours = batch * cfg.seq_len * models.flops_per_token(cfg, params, causal=False, reference=True)
-  assert 1.0 <= xla / ours < 1.02, (xla, ours)
+  rope = rope_permutation_flops("llama", cfg, batch) * 3 // 2  # The reference's forward too.
+  assert 1.0 <= xla / ours < 1.02 + rope / ours, (xla, ours)
 
 
 def test_mfu_counts_only_the_routed_experts():

@@ -100,8 +100,10 @@ class CausalSelfAttention(nn.Module):
     cfg = self.config
     batch, length, _ = x.shape
     qkv = _dense(3 * cfg.hidden_dim, cfg, "c_attn", cfg.initializer_range)(x)
-    heads = qkv.reshape(batch, length, 3, cfg.num_heads, cfg.head_dim)
-    q, k, v = (constrain(heads[:, :, i], "batch", "length", "heads", None) for i in range(3))
+    # Split on the width, whose thirds are whole lane tiles, before shaping the heads: split
+    # on a [.., 3, heads, head_dim] view, a TPU copied the projection into another layout.
+    q, k, v = (constrain(t.reshape(batch, length, cfg.num_heads, cfg.head_dim),
+                         "batch", "length", "heads", None) for t in jnp.split(qkv, 3, axis=-1))
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
                            splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, segment_ids=segment_ids)

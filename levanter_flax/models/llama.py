@@ -224,11 +224,19 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray
   Dimension pairs (i, i + head_dim/2) turn by position * frequencies[i] (rope_frequencies),
   so a query-key product depends only on the two positions' difference.
   """
-  half = x.shape[-1] // 2
+  head_dim = x.shape[-1]
+  half = head_dim // 2
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(frequencies)  # [b, length, half]
-  cos, sin = scale * jnp.cos(angles)[:, :, None], scale * jnp.sin(angles)[:, :, None]
-  first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None]  # Each pair's, on both its dims.
+  # Each dim's partner, signed: (-x[half:], x[:half]), as a product with a signed permutation,
+  # exact in any dtype. Sliced out instead, the 32-wide halves of 64-wide heads each fill a
+  # TPU's 128 lanes: the rotation took 9% of a 0.47B Llama's step on a v5e chip.
+  swap = np.zeros((head_dim, head_dim), np.float32)
+  swap[np.arange(half) + half, np.arange(half)] = -1.0
+  swap[np.arange(half), np.arange(half) + half] = 1.0
+  partner = jnp.einsum("...d,de->...e", x, jnp.asarray(swap, x.dtype),
+                       preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+  rotated = x.astype(jnp.float32) * (scale * jnp.cos(angles)) + partner * (scale * jnp.sin(angles))
   return rotated.astype(x.dtype)
 
 
