@@ -256,12 +256,11 @@ def test_a_scanned_stack_is_counted_as_the_unrolled_one():
   assert scanned["compiler_flops_per_step"] == pytest.approx(
       unrolled["compiler_flops_per_step"], rel=0.01)
   assert scanned["model_flops_per_step"] == unrolled["model_flops_per_step"]
-  # Each kind's bytes within 3% of all the step's: outside the loop, the scanned step gathers
-  # 114,688 bytes more than the unrolled one (seen), a share that depends on the model's layout.
-  total = sum(unrolled["collective_bytes_per_step"].values())
-  for kind in ("all-gather", "all-reduce"):  # ZeRO-3's gathers, tensor parallelism's sums.
+  # Each kind within 3% or 128 KiB: outside the loop the scanned step gathers 114,688 bytes more
+  # than the unrolled one (seen), 6% of nano's gathers under tensor parallelism.
+  for kind, unrolled_bytes in unrolled["collective_bytes_per_step"].items():
     assert scanned["collective_bytes_per_step"][kind] == pytest.approx(
-        unrolled["collective_bytes_per_step"][kind], abs=0.03 * total)
+        unrolled_bytes, rel=0.03, abs=128 << 10), kind
 
 
 @pytest.mark.slow

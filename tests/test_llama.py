@@ -116,6 +116,18 @@ def test_rope_on_bfloat16_heads_of_64_rounds_once():
   np.testing.assert_allclose(rotated, expected, rtol=2**-8, atol=1e-6)
 
 
+def test_rope_gradient_on_bfloat16_heads_is_rounded_once():
+  """The gradient stays float32 until one rounding to bfloat16: that of the float32 rotation
+  (rounded twice, a quarter of its elements differed)."""
+  x = jax.random.normal(jax.random.key(0), (2, 16, 4, 64), jnp.bfloat16)
+  # bfloat16 values: the bfloat16 output's cotangent is the same in both.
+  upstream = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16).astype(jnp.float32)
+  frequencies = rope_frequencies(dataclasses_replace(SMALL, hidden_dim=256, rope_theta=10000.0))
+  gradient = lambda x: jax.grad(lambda x: jnp.sum(rotary_embedding(
+      x, jnp.arange(16)[None], frequencies).astype(jnp.float32) * upstream))(x)
+  np.testing.assert_array_equal(gradient(x), gradient(x.astype(jnp.float32)).astype(jnp.bfloat16))
+
+
 def test_an_unknown_rope_type_in_the_config_is_refused():
   config = load_config_file("llama_nano")
   config.model.rope_type = "longrope"

@@ -6,7 +6,7 @@ small: 124M parameters, 12 layers, 12 heads, width 768, context 1024. With vocab
     and tied embeddings it has exactly GPT-2's 124,439,808 parameters. On the built-in corpus
     it trains on bytes (the byte tokenizer uses 257 of the 50257 ids), which keeps it runnable
     offline on any machine.
-small_fast: small with the fastest settings we know, for one TPU v5e chip (16 GiB) and up. The
+small_fast: small with the fastest settings we know, for one TPU v5e chip (16 GiB). The
     vocabulary is padded from 50257 to 50304 (a multiple of 128) so the LM head's matmuls tile
     evenly, and so the embedding splits over a `model` axis of 2, 4 or 8; that adds 36,096
     parameters (124,475,904 in all). Compute runs in bfloat16 with float32 parameters, loss and
