@@ -81,7 +81,7 @@ def devices(name: str, num_slices: int = 1) -> list[jax.Device]:
   # v4 runs as megacore, one device per chip, as on a real v4 VM.
   options = {"chip_config_name": "megacore"} if generation == "v4" else {}
   shape = [int(size) for size in jax_name.split(":")[1].split("x")]
-  if len(shape) == 2 and _chip_count(jax_name.split(":")[1]) < 4:
+  if len(shape) == 2 and math.prod(shape) < 4:
     # A one-chip VM (v5litepod-1, v6e-1) is a host of its own: libtpu's default host is 2x2.
     options["chips_per_host_bounds"] = (*shape, 1)
   # jax tries the TPU backend for the chips it looks for here, and says it found none.
