@@ -9,7 +9,7 @@ import pytest
 import forkserver
 from conftest import REPO, load_config_file
 from levanter_flax.training import batch_search, step
-from levanter_flax.config import to_run_config
+from levanter_flax.config import settings, to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
 from test_main import NANO, TINY, assert_one_line_error
@@ -94,6 +94,26 @@ def test_target_search_counts_the_accumulation_the_step_will_run(run_and_partiti
   resolved = batch_search.resolve(dataclasses.replace(run, trainer=trainer, batch_search=search),
                                   partitioner)
   assert (resolved.batch_size, resolved.gradient_accumulation_steps) == (48, 3)
+
+
+class _Device:
+  """A device as memory_budget reads one: its platform and what memory_stats reports."""
+
+  def __init__(self, platform: str, bytes_limit: int):
+    self.platform, self._stats = platform, {"bytes_limit": bytes_limit}
+
+  def memory_stats(self):
+    return self._stats
+
+
+def test_the_budget_is_all_of_a_tpus_memory_and_most_of_a_gpus_unless_set():
+  default = settings.BatchSearchConfig()
+  # A v5e chip's bytes_limit, read on the chip: its compiler refuses a program past it.
+  assert batch_search.memory_budget(default, _Device("tpu", 16_909_336_064)) == 16_909_336_064
+  assert batch_search.memory_budget(default, _Device("gpu", 80 << 30)) == int(0.85 * (80 << 30))
+  half = dataclasses.replace(default, memory_fraction=0.5)
+  assert batch_search.memory_budget(half, _Device("tpu", 1000)) == 500
+  assert batch_search.memory_budget(half, _Device("cpu", 0), capacity=1000) == 500
 
 
 def test_budget_errors_are_named(run_and_partitioner):

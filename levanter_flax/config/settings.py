@@ -165,7 +165,9 @@ class BatchSearchConfig:
   """What trainer.batch_size="auto" searches for (config.batch_search)."""
   target_batch_size: int = setting(0, "The global batch to reach by gradient accumulation (0: "
                                    "what fits, no accumulation)")
-  memory_fraction: float = setting(0.85, "The share of each device's memory a step may use")
+  memory_fraction: float = setting(0.0, "The share of each device's memory a step may use; 0: "
+                                   "all of a TPU's, whose compiler plans every buffer and "
+                                   "refuses what does not fit, 0.85 of another's")
   memory_budget_bytes: int = setting(0, "Bytes per device a step may use where the backend does "
                                      "not report its memory (CPU); 0: the device's")
 
@@ -173,7 +175,7 @@ class BatchSearchConfig:
     checks.ranges(self, "batch_search", {
         "target_batch_size": checks.at_least(0, "0: batch_size"),
         "memory_budget_bytes": checks.at_least(0, "0: the device's"),
-        "memory_fraction": checks.unit(low_open=True)})
+        "memory_fraction": checks.unit()})
 
 
 @dataclasses.dataclass(frozen=True)

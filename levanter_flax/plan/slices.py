@@ -17,9 +17,10 @@ GIB = 1 << 30
 # HBM per chip by jax's device_kind: compile-only devices report no memory of their own.
 HBM_BYTES = {
     "TPU v4": 32 * GIB,
-    # v5e: of its 16 GiB, what its compiler offers a program, here and on the chip ("exceeds
-    # available HBM (15.75G)"): a step planned between the two is refused.
-    "TPU v5 lite": 63 * GIB // 4,
+    # v5e: of its 16 GiB, what it offers a program: the chip's memory_stats()["bytes_limit"],
+    # which its compiler rounds to "available HBM (15.75G)". batch_size=auto on the chip and
+    # `aot` for it then search against the same budget.
+    "TPU v5 lite": 16_909_336_064,
     "TPU v5": 95 * GIB,  # v5p
     "TPU v5p": 95 * GIB,
     "TPU v6 lite": 32 * GIB,  # v6e (Trillium)

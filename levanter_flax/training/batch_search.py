@@ -6,7 +6,8 @@ Each candidate is compiled exactly as it will run (on abstract arrays, so
 nothing is allocated): its global batch, its gradient_accumulation_steps,
 hence the accumulator and the stacked microbatches too. XLA's memory analysis
 gives the bytes it needs per device: arguments + outputs - donated buffers +
-temporaries + code. The budget is batch_search.memory_fraction of the device's memory, or
+temporaries + code. The budget is batch_search.memory_fraction of the device's memory (by
+default all of a TPU's, 0.85 of another's), or
 batch_search.memory_budget_bytes where the backend reports none (CPU).
 
 Without batch_search.target_batch_size, candidates are per-device microbatches with
@@ -40,7 +41,10 @@ def memory_budget(search: BatchSearchConfig, device: jax.Device, capacity: int =
   if not capacity:
     capacity = (device.memory_stats() or {}).get("bytes_limit", 0)
   if capacity:
-    return int(capacity * search.memory_fraction)
+    # A TPU program's every buffer is placed when it compiles, and one that does not fit is
+    # refused then; elsewhere allocators and libraries (cuDNN, NCCL) take memory the plan omits.
+    fraction = search.memory_fraction or (1.0 if device.platform == "tpu" else 0.85)
+    return int(capacity * fraction)
   if not search.memory_budget_bytes:
     raise UserError(f"config.trainer.batch_size 'auto' needs "
                     f"config.batch_search.memory_budget_bytes on {device.platform}, which does "
