@@ -26,6 +26,7 @@ SPLASH_BLOCK_MULTIPLE = 128
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 
 # The collections a layer sows into, stacked per layer like its params: the losses the step adds
 # (a mixture's router losses), the router's metrics, and a sigmoid router's copies per expert
@@ -74,6 +75,10 @@ class ComputeConfig:
   cross_entropy_block_size: int = setting(
       0, "> 0: the loss computes logits this many vocabulary entries at a time and never holds "
       "them all; 0: plain")
+  quantization: str = setting(
+      "none", "none, or int8: the layers' projections multiply int8 x int8 -> int32 in the "
+      "forward and backward passes, with per-channel scales (models/int8.py); the weights, the "
+      "optimizer state, the embeddings and the head keep their dtypes")
 
   @property
   def splash_blocks(self) -> "SplashBlocks":
@@ -91,6 +96,9 @@ class ComputeConfig:
       if getattr(self, key) <= 0 or getattr(self, key) % SPLASH_BLOCK_MULTIPLE:
         raise UserError(f"config.model.compute.{key} must be a positive multiple of "
                         f"{SPLASH_BLOCK_MULTIPLE}; got {getattr(self, key)}")
+    if self.quantization not in QUANTIZATIONS:
+      raise UserError(f"config.model.compute.quantization must be one of "
+                      f"{', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
     if self.cross_entropy_block_size < 0:
       raise UserError(f"config.model.compute.cross_entropy_block_size must be >= 0 (0: off); "
                       f"got {self.cross_entropy_block_size}")
@@ -124,6 +132,9 @@ def check_config(cfg, sizes: tuple[str, ...]) -> None:
   if cfg.hidden_dim % cfg.num_heads:
     raise UserError(f"config.model.hidden_dim ({cfg.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({cfg.num_heads})")
+  if cfg.compute.quantization != "none" and hasattr(cfg, "moe"):
+    raise UserError(f"config.model.compute.quantization={cfg.compute.quantization} does not "
+                    f"take a mixture's expert stacks yet; use none for this family")
 
 
 def platform_in_context() -> str:

@@ -248,7 +248,7 @@ class Gemma3ForCausalLM(nn.Module):
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else llama._dense(
-        cfg.vocab_size, cfg, "lm_head")(x)
+        cfg.vocab_size, cfg, "lm_head", layer=False)(x)
     if cfg.final_logit_softcapping:
       cap = jnp.asarray(cfg.final_logit_softcapping, logits.dtype)
       logits = jnp.tanh(logits / cap) * cap

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from levanter_flax.core.errors import UserError
-from levanter_flax.models import hf_keys, lora
+from levanter_flax.models import hf_keys, int8, lora
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (ComputeConfig, attention_implementation, check_config,
@@ -76,7 +76,7 @@ class GPT2Config:
 def _dense(features: int, cfg: GPT2Config, name: str, std: float) -> lora.Dense:
   return lora.Dense(features, dtype=cfg.compute.dtype, param_dtype=cfg.compute.param_dtype,
                     kernel_init=nn.initializers.normal(std), bias_init=nn.initializers.zeros,
-                    lora=cfg.lora, name=name)
+                    dot_general=int8.layer_dot_general(cfg.compute), lora=cfg.lora, name=name)
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:

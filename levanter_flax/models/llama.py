@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.core.errors import UserError
-from levanter_flax.models import common, hf_keys, lora
+from levanter_flax.models import common, hf_keys, int8, lora
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
 from levanter_flax.models.common import (attention_implementation, check_config, constrain,
@@ -245,11 +245,14 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, frequencies: np.ndarray
   return rotated.astype(x.dtype)
 
 
-def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False) -> lora.Dense:
+def _dense(features: int, cfg: LlamaConfig, name: str, use_bias: bool = False,
+           layer: bool = True) -> lora.Dense:
+  """A projection; `layer`: one of the layers' (int8 under quantization), not the head."""
   return lora.Dense(features, use_bias=use_bias, dtype=cfg.compute.dtype,
                     param_dtype=cfg.compute.param_dtype,
                     kernel_init=nn.initializers.normal(cfg.initializer_range),
-                    bias_init=nn.initializers.zeros, lora=cfg.lora, name=name)
+                    bias_init=nn.initializers.zeros, lora=cfg.lora, name=name,
+                    dot_general=int8.layer_dot_general(cfg.compute) if layer else None)
 
 
 def rms_norm(cfg: LlamaConfig, name: str) -> nn.RMSNorm:
@@ -354,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
     if return_hidden:
       return x
     logits = embed.attend(x) if cfg.tie_word_embeddings else _dense(cfg.vocab_size, cfg,
-                                                                     "lm_head")(x)
+                                                                     "lm_head", layer=False)(x)
     return constrain(logits, "batch", "length", "vocab")
 
   def blocks(self, x: jax.Array, positions_and_masks: tuple) -> jax.Array:
