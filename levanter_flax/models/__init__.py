@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from levanter_flax.core import flops
-from levanter_flax.models import (common, deepseek_v3, gemma3, gpt2, llama, mistral, mixtral,
-                                  olmo2, qwen2, qwen3, qwen3_moe)
+from levanter_flax.models import (common, deepseek_v3, gemma3, gpt2, int8, llama, lora, mistral,
+                                  mixtral, olmo2, qwen2, qwen3, qwen3_moe)
 from levanter_flax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -81,6 +81,17 @@ def flops_per_token(cfg, params, causal: bool = True, frozen=None, reference: bo
                                frozen_params=_matmul_params(cfg, frozen) if frozen else 0,
                                reference_params=(_matmul_params(cfg, reference_params)
                                                  if reference else 0))
+
+
+def int8_flops_per_token(cfg, params, frozen=None, reference: bool = False) -> float:
+  """Of flops_per_token's, those int8 products carry under compute.quantization=int8 (0
+  otherwise): 6 per weight of the layers' projections (int8.QUANTIZED_KERNELS), 4 where
+  frozen (LoRA's base), 2 more for DPO's reference forward."""
+  if cfg.compute.quantization != "int8":
+    return 0.0
+  weights = sum(x.size for path, x in lora.paths(frozen or params)
+                if int8.QUANTIZED_KERNELS.search("/" + path))
+  return (4 if frozen else 6) * weights + (2 * weights if reference else 0)
 
 
 def _matmul_params(cfg, params) -> float:

@@ -13,9 +13,10 @@ The gradient is the straight-through estimator: rounding counts as the identity.
 weights, the optimizer state and everything outside the layers' projections keep their dtypes.
 
 `dot_general` has flax's nn.Dense signature, so a Dense takes it as its `dot_general`
-(`layer_dot_general`). Imports jax and models.common.
+(`layer_dot_general`). Imports jax, models.common and models.lora.
 """
 import functools
+import re
 from typing import Callable, Optional
 
 import jax
@@ -23,8 +24,13 @@ import jax.numpy as jnp
 from absl import logging
 
 from levanter_flax.models.common import platform_in_context
+from levanter_flax.models.lora import DEFAULT_TARGETS
 
 INT8_MAX = 127
+# The kernels whose products `layer_dot_general` makes int8: attention's and the MLP's
+# projections of every family that takes int8 (a mixture's refuses it), which are LoRA's
+# default targets too. tests/test_int8.py checks them against the int8 products a step traces.
+QUANTIZED_KERNELS = re.compile(DEFAULT_TARGETS)
 
 
 def quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

@@ -159,11 +159,12 @@ def is_adapter(path: str) -> bool:
   return any(name == adapter or name.endswith("_" + adapter) for adapter in ADAPTERS)
 
 
-def _paths(tree: dict, prefix: str = ""):
+def paths(tree: dict, prefix: str = ""):
+  """("a/b/kernel", leaf) for each leaf of a nested dict."""
   for name, value in tree.items():
     path = f"{prefix}/{name}" if prefix else name
     if isinstance(value, dict) or hasattr(value, "items"):
-      yield from _paths(value, path)
+      yield from paths(value, path)
     else:
       yield path, value
 
@@ -181,7 +182,7 @@ def _tree(items) -> dict:
 
 def split(params: dict) -> tuple[dict, dict]:
   """(the frozen base, the adapters) of a LoRA model's params: two trees of its leaves."""
-  items = list(_paths(params))
+  items = list(paths(params))
   return (_tree((p, v) for p, v in items if not is_adapter(p)),
           _tree((p, v) for p, v in items if is_adapter(p)))
 
@@ -190,15 +191,15 @@ def merged(base: Optional[dict], adapters: dict) -> dict:
   """The model's params from split's halves; the adapters alone when there is no base."""
   if base is None:
     return adapters
-  return _tree(list(_paths(base)) + list(_paths(adapters)))
+  return _tree(list(paths(base)) + list(paths(adapters)))
 
 
 def check_targets(cfg, params: dict) -> None:
   """A LoRA model with no adapter is a mistake in config.model.lora.targets: said in one line,
   with some of the names it could have matched."""
-  if not cfg.lora.rank or any(is_adapter(p) for p, _ in _paths(params)):
+  if not cfg.lora.rank or any(is_adapter(p) for p, _ in paths(params)):
     return
-  kernels = [_LAYER_INDEX.sub(r"\1/", p) for p, _ in _paths(params)
+  kernels = [_LAYER_INDEX.sub(r"\1/", p) for p, _ in paths(params)
              if p.endswith("/kernel") or "/experts/" in p]
   names = list(dict.fromkeys(kernels))[:6]
   raise UserError(f"config.model.lora.targets {cfg.lora.targets!r} matches no projection of "
@@ -210,7 +211,7 @@ def merge_into_base(cfg, params: dict) -> tuple[Any, dict]:
   """(the config without LoRA, each targeted kernel W + A B * alpha / rank) on the host, in
   float32: the plain model that computes what the LoRA model does (a scanned stack alike)."""
   base, adapters = split(params)
-  flat = dict(_paths(base))
+  flat = dict(paths(base))
   for weight, (a, b) in adapters_of(adapters).items():  # An expert stack's: a matmul per expert.
     low_rank = np.matmul(np.asarray(a, np.float32), np.asarray(b, np.float32))
     flat[weight] = np.asarray(flat[weight], np.float32) + low_rank * np.float32(cfg.lora.scale)
@@ -223,7 +224,7 @@ def without_lora(cfg) -> Any:
 
 def adapters_of(params: dict) -> dict[str, tuple[Any, Any]]:
   """The adapted weight's path (a kernel's, or an expert stack's) -> (its A, its B)."""
-  flat = dict(_paths(params))
+  flat = dict(paths(params))
   adapted = {}
   for path in flat:
     for separator, weight_of in (("/", lambda stem: f"{stem}/kernel"), ("_", lambda stem: stem)):

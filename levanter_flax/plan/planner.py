@@ -136,6 +136,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "hbm_per_chip_bytes": capacity,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * steps.flops_per_token(run.model),
+      "int8_model_flops_per_step": tokens * steps.int8_flops_per_token(run.model),
   }
   accumulation = trainer.gradient_accumulation_steps
   chosen = searched.get((trainer.batch_size // (partitioner.data_parallel_size * accumulation),
@@ -229,7 +230,9 @@ def describe(result: dict[str, Any]) -> str:
       f"(temporaries {gib(result['temp_bytes_per_chip'])}): "
       + (f"fits, {gib(margin)} to spare" if result["fits"] else f"does NOT fit, {gib(-margin)} "
          "short"),
-      f"model FLOPs per step {result['model_flops_per_step']:.4g}",
+      f"model FLOPs per step {result['model_flops_per_step']:.4g}" + (
+          f", {result['int8_model_flops_per_step']:.4g} of them int8"
+          if result.get("int8_model_flops_per_step") else ""),
   ]
   if "generation_bytes_per_chip" in result:
     lines.insert(3, f"memory per chip while generating (the state and the KV cache of "

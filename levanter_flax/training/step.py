@@ -473,6 +473,12 @@ class ShardedSteps:
     return models.flops_per_token(cfg, state.model_params, frozen=state.frozen,
                                   reference=self.objective.needs_reference)
 
+  def int8_flops_per_token(self, cfg) -> float:
+    """Of flops_per_token's, those int8 products carry (models.int8_flops_per_token)."""
+    state = self.abstract_state
+    return models.int8_flops_per_token(cfg, state.model_params, frozen=state.frozen,
+                                       reference=self.objective.needs_reference)
+
   def layout_table(self) -> str:
     return partitioning.layout_table(self.abstract_state.model_params,
                                      self.state_shardings.model_params,
