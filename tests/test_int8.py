@@ -1,6 +1,8 @@
 """int8 training (model.compute.quantization=int8): the products against a NumPy int8
 reference, the gradient against the straight-through estimator, training against float."""
+import contextlib
 import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +14,13 @@ from levanter_flax import models
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE
 from levanter_flax.models import int8
-from levanter_flax.models.common import ComputeConfig, with_compute
+from levanter_flax.models.common import REMAT_POLICIES, ComputeConfig, with_compute
 from levanter_flax.models.lora import LoraConfig
+from levanter_flax.config import to_run_config
 from levanter_flax.training import step
+from levanter_flax.training.loop import train_and_evaluate
+import conftest
+from conftest import load_config_file
 from test_step import tiny
 
 
@@ -193,3 +199,57 @@ def test_int8_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
                            parameter_axis="data", strict=True)
   eight, _ = train((("data", 4), ("model", 2)), config, model=model)
   np.testing.assert_allclose(eight, one_device_losses(model), rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_the_remat_policies_that_keep_dots_keep_int8_products(policy):
+  """Hidden in a custom_vjp, an int8 product is no dot to jax's policies: named, it is kept as
+  the float product would be, and not computed again."""
+  x, w = (jnp.asarray(a) for a in operands((4, 16), (16, 8), seed=3))
+  def residuals(product):
+    layer = jax.checkpoint(lambda x, w: jnp.sum(jnp.sin(product(x, w))),
+                           policy=REMAT_POLICIES[policy])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      jax.ad_checkpoint.print_saved_residuals(layer, x, w)
+    return printed.getvalue()
+  assert "output of dot_general" in residuals(lambda x, w: x @ w)
+  assert "named 'int8_product'" in residuals(
+      lambda x, w: int8.dot_general(x, w, (((1,), (0,)), ((), ()))))
+
+
+def test_a_product_whose_int32_could_overflow_is_refused_in_one_line():
+  tokens = int8.MAX_TERMS + 1
+  shapes = jax.ShapeDtypeStruct((tokens, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 4),
+                                                                                 jnp.bfloat16)
+  jax.eval_shape(int8.matmul, *shapes)  # The forward pass sums over 8.
+  with pytest.raises(UserError, match=f"quantization=int8 sums {tokens:,} int8 products into "
+                     f"one int32, which can overflow past {int8.MAX_TERMS:,}: use fewer tokens per "
+                     f"microbatch"):
+    jax.eval_shape(jax.grad(lambda x, w: int8.matmul(x, w).sum(), argnums=1), *shapes)
+
+
+def test_sophia_with_int8_is_refused_in_one_line():
+  config = load_config_file("gpt2_nano")
+  config.optimizer.name, config.model.compute.quantization = "sophia_h", "int8"
+  with pytest.raises(UserError, match="config.optimizer.name=sophia_h needs config.model."
+                     "compute.quantization=none"):
+    to_run_config(config)
+
+
+@pytest.mark.slow
+def test_an_int8_run_resumes_a_float_runs_checkpoint_and_back(tiny_config, tmp_path):
+  """Float for 4 steps, int8 to 8, float to 12, resumed in one workdir, against the same three
+  stretches in float: the int8 stretch's losses are not float's, but within int8's 3%."""
+  tiny_config.checkpoint.every_steps = 4
+  for workdir, middle in ((tmp_path / "float", "none"), (tmp_path / "switched", "int8")):
+    for steps, quantization in ((4, "none"), (8, middle), (12, "none")):
+      tiny_config.trainer.num_train_steps = steps
+      tiny_config.model.compute.quantization = quantization
+      train_and_evaluate(to_run_config(tiny_config), workdir)
+  floats, mixed = (conftest.train_losses(tmp_path / name) for name in ("float", "switched"))
+  assert sorted(mixed) == list(range(1, 13))
+  assert [mixed[s] for s in range(1, 5)] == [floats[s] for s in range(1, 5)]
+  assert all(mixed[s] != floats[s] for s in range(5, 9))
+  np.testing.assert_allclose([mixed[s] for s in range(5, 13)],
+                             [floats[s] for s in range(5, 13)], rtol=0.03)

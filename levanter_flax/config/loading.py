@@ -507,6 +507,10 @@ def _check_across_sections(run: RunConfig) -> None:
   if run.trainer.nan_policy not in ("halt", "skip"):
     raise UserError(f"config.trainer.nan_policy must be 'halt' or 'skip'; "
                     f"got {run.trainer.nan_policy!r}")
+  if run.optimizer.name == "sophia_h" and run.model.compute.quantization != "none":
+    raise UserError(f"config.optimizer.name=sophia_h needs config.model.compute.quantization="
+                    f"none: its Hessian-vector products cannot differentiate "
+                    f"{run.model.compute.quantization}'s straight-through gradient")
   _check_optimizer(run.optimizer, run.trainer.num_train_steps)
 
 

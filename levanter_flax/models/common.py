@@ -11,14 +11,35 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import STATE, setting
 
 
+# The name int8's products carry (models/int8.py): their dot_general hides in a custom_vjp,
+# where the policies that keep dots' outputs cannot see it.
+INT8_PRODUCT = "int8_product"
+
+
+def _keeping_int8_products(policy, products_policy):
+  """`policy`, and `products_policy` for the outputs named INT8_PRODUCT."""
+  def combined(prim, *args, **params):
+    if prim.name == "name" and params.get("name") == INT8_PRODUCT:
+      return products_policy(prim, *args, **params)
+    return policy(prim, *args, **params)
+  return combined
+
+
+_policies = jax.checkpoint_policies
+_SAVE_PRODUCTS = _policies.save_only_these_names(INT8_PRODUCT)
 # What each transformer block keeps for the backward pass; the rest is recomputed.
 REMAT_POLICIES = {
     "none": None,  # Keep everything: no recomputation.
-    "full": jax.checkpoint_policies.nothing_saveable,  # Keep only the block's input.
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": _policies.nothing_saveable,  # Keep only the block's input.
+    "dots_saveable": _keeping_int8_products(_policies.dots_saveable, _SAVE_PRODUCTS),
+    "dots_with_no_batch_dims_saveable": _keeping_int8_products(
+        _policies.dots_with_no_batch_dims_saveable, _SAVE_PRODUCTS),
     # Like the above, but the saved matmul outputs wait in host memory.
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload": _keeping_int8_products(
+        _policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        _policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[INT8_PRODUCT],
+            offload_src="device", offload_dst="pinned_host")),
 }
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 # Splash attention's blocks tile the sequence in multiples of a TPU vector register's lanes.

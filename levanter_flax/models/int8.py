@@ -11,53 +11,71 @@ scales:
 
 The gradient is the straight-through estimator: rounding counts as the identity. The master
 weights, the optimizer state and everything outside the layers' projections keep their dtypes.
+A product of more than MAX_TERMS terms (dw's, over a microbatch's tokens) could overflow its
+int32 and is refused. A custom_vjp has no forward-mode derivative, so Sophia-H's
+Hessian-vector products cannot run through it (config/loading.py refuses the pair).
 
 `dot_general` has flax's nn.Dense signature, so a Dense takes it as its `dot_general`
-(`layer_dot_general`). Imports jax, models.common and models.lora.
+(`layer_dot_general`). Imports jax, core.errors, models.common and models.lora.
 """
 import functools
+import math
 import re
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from absl import logging
+from jax.ad_checkpoint import checkpoint_name
 
-from levanter_flax.models.common import platform_in_context
+from levanter_flax.core.errors import UserError
+from levanter_flax.models.common import INT8_PRODUCT, platform_in_context
 from levanter_flax.models.lora import DEFAULT_TARGETS
 
 INT8_MAX = 127
+# int8 products an int32 holds however they fall: 127 ** 2 each.
+MAX_TERMS = (2 ** 31 - 1) // INT8_MAX ** 2
 # The kernels whose products `layer_dot_general` makes int8: attention's and the MLP's
 # projections of every family that takes int8 (a mixture's refuses it), which are LoRA's
 # default targets too. tests/test_int8.py checks them against the int8 products a step traces.
 QUANTIZED_KERNELS = re.compile(DEFAULT_TARGETS)
 
 
-def quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """x as int8 and its float32 scales, one per slice along `axis` (kept, size 1): x ≈ q * scale.
-  An all-zero slice gets scale 1."""
+def quantize(x: jax.Array, axis) -> tuple[jax.Array, jax.Array]:
+  """x as int8 and its float32 scales, one per slice along `axis` (an axis or a tuple of them,
+  kept with size 1): x ≈ q * scale. An all-zero slice gets scale 1."""
   x = x.astype(jnp.float32)
   scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / INT8_MAX
   scale = jnp.where(scale == 0, 1.0, scale)
   return jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
-def int32_product(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a [m, k] int8 times b [k, n] int8, accumulated in int32."""
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+def int32_product(a: jax.Array, b: jax.Array, contracting: tuple[tuple[int, ...], tuple[int, ...]]
+                  = ((1,), (0,))) -> jax.Array:
+  """int8 a times int8 b over their `contracting` axes, accumulated in int32."""
+  return jax.lax.dot_general(a, b, (contracting, ((), ())), preferred_element_type=jnp.int32)
 
 
-def _matmul(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-  """a [m, k] times b [k, n] through int8: a per row, b per column."""
-  qa, scale_a = quantize(a, axis=1)
-  qb, scale_b = quantize(b, axis=0)
-  return (int32_product(qa, qb).astype(jnp.float32) * scale_a * scale_b).astype(dtype)
+def _product(a: jax.Array, b: jax.Array, contracting: tuple[tuple[int, ...], tuple[int, ...]],
+             dtype) -> jax.Array:
+  """a times b over their `contracting` axes through int8, each quantized over those axes: the
+  result's axes are a's others, then b's."""
+  terms = math.prod(a.shape[axis] for axis in contracting[0])
+  if terms > MAX_TERMS:
+    raise UserError(f"config.model.compute.quantization=int8 sums {terms:,} int8 products into "
+                    f"one int32, which can overflow past {MAX_TERMS:,}: use fewer tokens per "
+                    f"microbatch (config.trainer.gradient_accumulation_steps)")
+  (qa, scale_a), (qb, scale_b) = quantize(a, contracting[0]), quantize(b, contracting[1])
+  kept_a = [n for axis, n in enumerate(a.shape) if axis not in contracting[0]]
+  kept_b = [n for axis, n in enumerate(b.shape) if axis not in contracting[1]]
+  scale = scale_a.reshape(kept_a + [1] * len(kept_b)) * scale_b.reshape(kept_b)
+  return (int32_product(qa, qb, contracting).astype(jnp.float32) * scale).astype(dtype)
 
 
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [m, k] times w [k, n], each of the three products int8 (the module's docstring)."""
-  return _matmul(x, w, jnp.result_type(x, w))
+  """x [..., k] times w [k, n], each of the three products int8 (the module's docstring)."""
+  return _product(x, w, ((x.ndim - 1,), (0,)), jnp.result_type(x, w))
 
 
 def _forward(x, w):
@@ -66,7 +84,9 @@ def _forward(x, w):
 
 def _backward(residuals, g):
   x, w = residuals
-  return _matmul(g, w.T, x.dtype), _matmul(x.T, g, w.dtype)
+  tokens = tuple(range(x.ndim - 1))  # dw sums over every token: each feature's scale spans them.
+  return (_product(g, w, ((g.ndim - 1,), (1,)), x.dtype),
+          _product(x, g, (tokens, tokens), w.dtype))
 
 
 matmul.defvjp(_forward, _backward)
@@ -74,13 +94,13 @@ matmul.defvjp(_forward, _backward)
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
                 preferred_element_type=None) -> jax.Array:
-  """nn.Dense's product, lhs [..., k] times rhs [k, n], through `matmul`."""
+  """nn.Dense's product, lhs [..., k] times rhs [k, n], through `matmul`; its output named
+  INT8_PRODUCT, so that the remat policies that keep dots' outputs keep it."""
   del precision, preferred_element_type  # int8 products have one precision, int32 results.
   if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
     raise ValueError(f"int8 dot_general takes a Dense's product, not {dimension_numbers}")
   _say_once_off_tpu()
-  y = matmul(lhs.reshape(-1, lhs.shape[-1]), rhs)
-  return y.reshape(*lhs.shape[:-1], rhs.shape[1])
+  return checkpoint_name(matmul(lhs, rhs), INT8_PRODUCT)
 
 
 def layer_dot_general(compute) -> Optional[Callable]:
