@@ -213,6 +213,7 @@ def test_a_config_json_with_the_old_key_names_resumes_unchanged(tiny_config, tmp
   # That version's defaults, which a resume would otherwise log as changes.
   tiny_config.trainer.jax_persistent_cache_min_compile_time_secs = 1.0
   tiny_config.model.compute.splash_fused_backward = False
+  tiny_config.batch_search.memory_fraction = 0.85
   train_and_evaluate(to_run_config(tiny_config), tmp_path / "whole")
   as_at_checkpoint(tmp_path / "whole", tmp_path / "resumed", 5)
   old = (FIXTURES / "config_before_issue_30.json").read_text()
