@@ -179,8 +179,8 @@ def test_a_grpo_search_keeps_whole_groups(run_and_partitioner):
 
 
 # The errors of a step that does not fit, as XLA words them: a TPU v5e chip's compiler (seen on
-# the chip, gpt2.py:small_fast at 32 sequences a microbatch), the form planner.py's ahead-of-time compiles meet,
-# and failed allocations as a program runs, on a CPU and on a TPU.
+# the chip, gpt2.py:small_fast at 32 sequences a microbatch), the form planner.py's
+# ahead-of-time compiles meet, and failed allocations as a program runs, on a CPU and on a TPU.
 @pytest.mark.parametrize("error, line", [
     ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
      "temporaries (15.86G) exceeds available HBM (15.75G).",
