@@ -115,6 +115,36 @@ def test_the_cache_grows_and_shrinks_with_the_live_requests():
   assert [len(r.tokens) for r in requests] == [10, 40]
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma3_scanned", "deepseek_v3"])
+def test_a_bfloat16_cache_keeps_the_float32_caches_greedy_tokens_in_half_the_bytes(name):
+  """A float32 model decoding on a bfloat16 cache (compute.cache_dtype): its keys and values
+  (a ring where windowed, DeepSeek's latents) rounded to 8 bits of mantissa, the same greedy
+  tokens as the float32 cache's for 4 prompts x 16 tokens, with the cache's entries at half
+  the bytes. The tokens may part only where the float32 model's two candidates lie within
+  0.01 of each other in logit (Gemma 3's soft-capped logits part on one prompt of 4, at its
+  first token, whose two candidates are 0.004 apart)."""
+  cfg, params = random_model(name)
+  sampling = dataclasses.replace(GREEDY, max_tokens=16)
+  engines = {dtype: Engine(common.with_compute(cfg, cache_dtype=dtype), params, slots=4,
+                           prefill_chunk=4) for dtype in ("auto", "bfloat16")}
+  tokens = {dtype: [r.tokens for r in engine.generate(PROMPTS, sampling)]
+            for dtype, engine in engines.items()}
+  model = models.build(cfg)
+  for prompt, exact, rounded in zip(PROMPTS, tokens["auto"], tokens["bfloat16"]):
+    if exact != rounded:
+      at = next(i for i, (a, b) in enumerate(zip(exact, rounded)) if a != b)
+      logits = model.apply({"params": params}, jnp.asarray([prompt + exact[:at]]))[0, -1]
+      assert abs(float(logits[exact[at]] - logits[rounded[at]])) < 0.01, (prompt, at)
+  assert sum(a == b for a, b in zip(tokens["auto"], tokens["bfloat16"])) >= 3
+  entries = {dtype: [leaf for leaf in jax.tree.leaves(engine._cache)
+                     if jnp.issubdtype(leaf.dtype, jnp.floating)]
+             for dtype, engine in engines.items()}
+  assert {leaf.dtype for leaf in entries["auto"]} == {jnp.dtype(jnp.float32)}
+  assert {leaf.dtype for leaf in entries["bfloat16"]} == {jnp.dtype(jnp.bfloat16)}
+  assert (sum(leaf.nbytes for leaf in entries["bfloat16"]) * 2
+          == sum(leaf.nbytes for leaf in entries["auto"]) > 0)
+
+
 def test_32_requests_on_4_slots_equal_each_alone():
   """Greedy and seeded sampling, 32 requests of different lengths through 4 slots: the same
   tokens as each request alone on an engine of its own; the slots are reused."""

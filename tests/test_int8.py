@@ -24,14 +24,29 @@ from conftest import load_config_file
 from test_step import tiny
 
 
-def numpy_int8_matmul(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def numpy_dither(x: np.ndarray) -> np.ndarray:
+  """int8.dither in NumPy: lowbias32 of each float32's bfloat16 bits and its flat position."""
+  position = np.arange(x.size, dtype=np.uint32).reshape(x.shape)
+  value = np.ascontiguousarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+  h = value ^ (position * np.uint32(0x9E3779B9))
+  h = (h ^ (h >> np.uint32(16))) * np.uint32(0x7FEB352D)
+  h = (h ^ (h >> np.uint32(15))) * np.uint32(0x846CA68B)
+  h = h ^ (h >> np.uint32(16))
+  return (h >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)
+
+
+def numpy_int8_matmul(a: np.ndarray, b: np.ndarray, stochastic=(None, None)
+                      ) -> tuple[np.ndarray, np.ndarray]:
   """The recipe in NumPy: a per row and b per column as int8 (absmax / 127, rounded half to
-  even), their exact product in int64, and that product rescaled in float32."""
-  def quantize(x, axis):
+  even, or down after adding the dither of the array given in `stochastic`), their exact
+  product in int64, and that product rescaled in float32."""
+  def quantize(x, axis, dithered):
     scale = np.max(np.abs(x), axis=axis, keepdims=True).astype(np.float32) / np.float32(127)
     scale = np.where(scale == 0, np.float32(1), scale)
-    return np.clip(np.round(x / scale), -127, 127).astype(np.int8), scale
-  (qa, sa), (qb, sb) = quantize(a, 1), quantize(b, 0)
+    scaled = x / scale
+    rounded = np.round(scaled) if dithered is None else np.floor(scaled + dithered)
+    return np.clip(rounded, -127, 127).astype(np.int8), scale
+  (qa, sa), (qb, sb) = quantize(a, 1, stochastic[0]), quantize(b, 0, stochastic[1])
   exact = qa.astype(np.int64) @ qb.astype(np.int64)
   return exact, exact.astype(np.float32) * sa * sb
 
@@ -62,14 +77,36 @@ def test_the_int32_product_is_numpys_int8_product_bit_for_bit():
 def test_both_gradients_are_int8_products_of_the_straight_through_estimator():
   """For L = sum(y * c), dL/dy = c: the straight-through estimator's gradients are c w^T and
   x^T c, here each an int8 product (c per row and w^T per column; x^T per row and c per
-  column), within int8's error of the float32 ones."""
+  column), c rounded stochastically, within int8's error of the float32 ones."""
   x, w, c = operands((64, 32), (32, 24), (64, 24), seed=1)
   dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(int8.matmul(x, w) * c), argnums=(0, 1)))(
       jnp.asarray(x), jnp.asarray(w))
-  np.testing.assert_allclose(np.asarray(dx), numpy_int8_matmul(c, w.T)[1], rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(dw), numpy_int8_matmul(x.T, c)[1], rtol=1e-6, atol=1e-6)
+  dither = numpy_dither(c)
+  np.testing.assert_allclose(np.asarray(dx), numpy_int8_matmul(c, w.T, (dither, None))[1],
+                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dw), numpy_int8_matmul(x.T, c, (None, dither))[1],
+                             rtol=1e-6, atol=1e-6)
   for got, exact in ((dx, c @ w.T), (dw, x.T @ c)):
     assert np.linalg.norm(np.asarray(got) - exact) / np.linalg.norm(exact) < 0.02
+
+
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
+  """The bias stochastic rounding removes from dw: 10,000 tokens whose gradient is 0.3 of a
+  step of the int8 grid. Rounded to nearest, each is 0, and so is their sum; the dither keeps
+  the sum, and varies with the element's position and its value."""
+  g = jnp.full((10_001,), 0.3).at[0].set(127.0)
+  nearest, _ = int8.quantize(g, 0)
+  assert not np.any(np.asarray(nearest)[1:])
+  dithered, scale = int8.quantize(g, 0, stochastic=True)
+  assert float(scale[0]) == 1.0
+  np.testing.assert_allclose(np.mean(np.asarray(dithered)[1:]), 0.3, atol=0.015)
+  u = np.asarray(int8.dither(jax.random.normal(jax.random.PRNGKey(0), (256, 256))))
+  np.testing.assert_array_equal(u, numpy_dither(np.asarray(jax.random.normal(
+      jax.random.PRNGKey(0), (256, 256)))))
+  assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+  assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.02
+  same_value = np.asarray(int8.dither(jnp.full((4096,), 0.25)))
+  assert abs(same_value.mean() - 0.5) < 0.02 and len(np.unique(same_value)) > 4000
 
 
 def test_a_dense_layers_product_takes_any_leading_axes():
@@ -97,14 +134,14 @@ def train_losses(cfg, steps: int = 40) -> list[float]:
     ("gpt2", {}), pytest.param("llama", {"scan_layers": True}, marks=pytest.mark.slow),
     pytest.param("llama", {"remat": "full"}, marks=pytest.mark.slow)], ids=str)
 def test_int8_training_learns_as_bfloat16_does(family, compute):
-  """Within 3% of bfloat16's loss at every step of 40, as both fall by more than half (seen:
-  1.1% for GPT-2, 1.3% for the scanned Llama, 2.4% for the remat one, as its loss falls
-  fastest)."""
+  """Within 3% (and 0.02) of bfloat16's loss at every step of 40, as both fall by more than
+  half. The tiny model memorizes its batch, from 4.9 to 0.3 for GPT-2, where the stochastic
+  rounding's noise is about 0.01 of loss: 3.9% of the last step's, 1.1% rounded to nearest."""
   cfg = with_compute(tiny(family), dtype="bfloat16", **compute)
   float_losses = train_losses(cfg)
   int8_losses = train_losses(with_compute(cfg, quantization="int8"))
   assert int8_losses != float_losses  # The products were int8.
-  np.testing.assert_allclose(int8_losses, float_losses, rtol=0.03)
+  np.testing.assert_allclose(int8_losses, float_losses, rtol=0.03, atol=0.02)
   assert int8_losses[-1] < int8_losses[0] / 2
 
 

@@ -317,3 +317,16 @@ def test_a_tensor_parallel_that_does_not_divide_the_devices_names_the_flag(hf):
   with pytest.raises(UserError, match=f"^--tensor_parallel 3 must divide the "
                                       f"{jax.device_count()} devices$"):
     server_lib.load_server("", str(hf[0]), tensor_parallel=3)
+
+
+def test_the_cache_dtype_flag_sets_the_engines_cache(hf):
+  """--cache_dtype=bfloat16 on a float32 checkpoint: the engine's keys and values are bfloat16."""
+  import jax
+  import jax.numpy as jnp
+  from levanter_flax.generate import server as server_lib
+  served = server_lib.load_server("", str(hf[0]), slots=2, max_len=32, cache_dtype="bfloat16")
+  assert served.engine.model_cfg.compute.cache_dtype == "bfloat16"
+  served.engine.generate([[1, 2, 3]], server_lib.SamplingParams(max_tokens=2, temperature=0))
+  floats = {leaf.dtype for leaf in jax.tree.leaves(served.engine._cache)
+            if jnp.issubdtype(leaf.dtype, jnp.floating)}
+  assert floats == {jnp.dtype(jnp.bfloat16)}

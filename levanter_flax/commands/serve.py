@@ -36,7 +36,8 @@ def main(argv: list[str]) -> None:
     server = serving.load_server(
         flag.workdir, flag.init_from_hf, model_name=flag.model_name,
         chat_template=flag.chat_template, slots=flag.slots, max_len=flag.max_len,
-        prefill_chunk=flag.prefill_chunk, tensor_parallel=flag.tensor_parallel)
+        prefill_chunk=flag.prefill_chunk, tensor_parallel=flag.tensor_parallel,
+        cache_dtype=flag.cache_dtype or "")
   except UserError as e:
     exit_with_error(str(e))
   serving.serve(server, flag.host, flag.port, flag.warm_up)
@@ -57,6 +58,9 @@ if __name__ == "__main__":
   flags.DEFINE_integer("tensor_parallel", 1, "Devices each layer's heads and widths split over "
                        "(the rest take slots); their count must divide the devices.",
                        lower_bound=1)
+  flags.DEFINE_enum("cache_dtype", None, ["auto", "float32", "bfloat16", "float16"],
+                    "The KV cache's dtype (auto: the compute dtype); default: the model "
+                    "config's compute.cache_dtype. bfloat16 halves a float32 model's cache.")
   flags.DEFINE_bool("warm_up", True, "Compile every step shape before serving, so that no "
                     "request waits for a compile (seconds to minutes, with the model and slots).")
   flags.DEFINE_string("model_name", "", "The name clients ask for (default: the directory's).")

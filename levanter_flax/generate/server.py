@@ -34,6 +34,7 @@ from levanter_flax import models
 from levanter_flax.core.errors import UserError
 from levanter_flax.generate import prompts, trained
 from levanter_flax.generate.engine import Engine, Request, SamplingParams
+from levanter_flax.models import common
 from levanter_flax.parallel import partitioning
 
 # How often a request that streams nothing asks whether its client is still there.
@@ -390,9 +391,10 @@ def _event(chunk: dict) -> str:
 
 def load_server(workdir: str, hf_dir: str, *, model_name: str = "", chat_template: str = "",
                 slots: int = 8, max_len: int = 0, prefill_chunk: int = 128,
-                tensor_parallel: int = 1) -> Server:
+                tensor_parallel: int = 1, cache_dtype: str = "") -> Server:
   """The server of a run's newest checkpoint or an HF checkpoint directory, on a mesh of every
-  device: `tensor_parallel` ways over the model's heads and widths, the rest over the slots."""
+  device: `tensor_parallel` ways over the model's heads and widths, the rest over the slots.
+  cache_dtype: the KV cache's (compute.cache_dtype), "" for the model config's."""
   from levanter_flax.data import chat  # pylint: disable=g-import-not-at-top
   directory = trained.model_directory(workdir, hf_dir)
   if jax.device_count() % tensor_parallel:  # Said before the model loads.
@@ -407,6 +409,8 @@ def load_server(workdir: str, hf_dir: str, *, model_name: str = "", chat_templat
     model_cfg, params, tokenizer = trained.model_and_tokenizer(directory, is_run=False)
     template = _optional(lambda: chat.load_template(str(directory / "tokenizer.json"),
                                                     chat_template), chat_template)
+  if cache_dtype:
+    model_cfg = common.with_compute(model_cfg, cache_dtype=cache_dtype)
   reply_stop_ids = () if template is None else prompts.reply_stop_ids(
       template, tokenizer, [{"role": "user", "content": "Hello"}], "the chat template")
   mesh = partitioning.make_mesh((("data", -1), ("model", tensor_parallel)))

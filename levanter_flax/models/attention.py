@@ -39,9 +39,11 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
                      implementation: str, splash_blocks: SplashBlocks | tuple[int, int],
                      decode: bool = False, token_mask: jax.Array | None = None, window: int = 0,
                      segment_ids: jax.Array | None = None,
-                     windowed: bool | jax.Array = True, scale: float | None = None) -> jax.Array:
+                     windowed: bool | jax.Array = True, scale: float | None = None,
+                     cache_dtype=None) -> jax.Array:
   """q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim] (v's head_dim
   may differ: DeepSeek's; in training only). scale: of the scores, by default head_dim ** -0.5.
+  cache_dtype: decoding's cache's (common.cache_dtype), by default k's.
 
   implementation: xla, cudnn or splash (common.attention_implementation), for training;
   splash_blocks: splash's kernel blocks (common.SplashBlocks). segment_ids [batch, length]
@@ -70,7 +72,8 @@ def causal_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
                                         implementation=implementation,
                                         local_window_size=(window - 1, 0) if window else None
                                         )[..., :value_dim]
-  cache, mask = append_to_cache(module, {"keys": k, "values": v}, token_mask, window, windowed)
+  cache, mask = append_to_cache(module, {"keys": k, "values": v}, token_mask, window, windowed,
+                                dtype=cache_dtype)
   if cache is None:  # model.init with a cache-sized input: shapes only.
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
   return attend_to_cache(q, cache["keys"], cache["values"], mask, scale)
@@ -88,18 +91,21 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.
   scores = jnp.einsum("blkgd,bksd->bkgls", q, keys, preferred_element_type=jnp.float32)
   scores = scores * (head_dim ** -0.5 if scale is None else scale)
   scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  return jnp.einsum("bkgls,bksd->blkgd", weights, values).reshape(batch, length, heads, -1)
+  weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  # A cache narrower than the compute dtype (compute.cache_dtype) is read and widened.
+  return jnp.einsum("bkgls,bksd->blkgd", weights, values.astype(q.dtype)).reshape(
+      batch, length, heads, -1)
 
 
 def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
                     token_mask: jax.Array | None, window: int = 0,
-                    windowed: bool | jax.Array = True
+                    windowed: bool | jax.Array = True, dtype=None
                     ) -> tuple[dict[str, jax.Array] | None, jax.Array | None]:
   """Writes `entries` (name: [batch, length, ...], the new tokens') into `module`'s "cache"
   collection (per-head ones heads-major, [batch, heads, cache, d]), each row at its own index
   (`index` [batch]: a row is a generation engine's slot, at its own position), and moves each
-  row's index past its real tokens (token_mask [batch, length], by default all). A row's
+  row's index past its real tokens (token_mask [batch, length], by default all), as `dtype`
+  (by default the entries'). A row's
   padding comes after its real tokens and is not written, nor is anything past the cache's end.
 
   Returns (the entries to attend to, the mask [batch, 1, length, their positions] of those each
@@ -112,7 +118,7 @@ def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],
   ring = window if window and windowed is True else 0
   creating = not module.has_variable("cache", next(iter(entries)))
   cache = {name: module.variable("cache", name, jnp.zeros, _cached_shape(value.shape, ring),
-                                 value.dtype)
+                                 dtype or value.dtype)
            for name, value in entries.items()}
   index = module.variable("cache", "index", jnp.zeros, (batch,), jnp.int32)
   if creating:

@@ -100,6 +100,9 @@ class ComputeConfig:
       "none", "none, or int8: the layers' projections multiply int8 x int8 -> int32 in the "
       "forward and backward passes, with per-channel scales (models/int8.py); the weights, the "
       "optimizer state, the embeddings and the head keep their dtypes")
+  cache_dtype: str = setting(
+      "auto", "Decoding's key/value cache: auto (the compute dtype), float32, bfloat16 or "
+      "float16; bfloat16 halves a float32 model's cache, which each decode step reads whole")
 
   @property
   def splash_blocks(self) -> "SplashBlocks":
@@ -110,6 +113,9 @@ class ComputeConfig:
       if getattr(self, key) not in DTYPES:
         raise UserError(f"config.model.compute.{key} must be {', '.join(DTYPES[:-1])} or "
                         f"{DTYPES[-1]}; got {getattr(self, key)!r}")
+    if self.cache_dtype not in ("auto", *DTYPES):
+      raise UserError(f"config.model.compute.cache_dtype must be auto, {', '.join(DTYPES[:-1])} "
+                      f"or {DTYPES[-1]}; got {self.cache_dtype!r}")
     if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
       raise UserError(f"config.model.compute.attention_impl must be one of "
                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}; got {self.attention_impl!r}")
@@ -137,6 +143,11 @@ def compute_section() -> Any:
   the family's required fields."""
   return setting(ComputeConfig(), "How the model computes: remat, dtypes, attention, scan",
                  kw_only=True)
+
+
+def cache_dtype(compute: ComputeConfig) -> str | None:
+  """Decoding's key/value cache's dtype, or None for the compute dtype's (its `auto`)."""
+  return None if compute.cache_dtype == "auto" else compute.cache_dtype
 
 
 def with_compute(cfg, **changes):

@@ -158,7 +158,8 @@ class LatentAttention(nn.Module):
     length, heads, nope] through kv_b_proj's key half scores against the latents themselves,
     and the weighted latents go through its value half. Returns [batch, length, heads, v]."""
     cfg = self.config
-    cache, mask = append_to_cache(self, {"latents": latent, "rope_keys": k_rope}, token_mask)
+    cache, mask = append_to_cache(self, {"latents": latent, "rope_keys": k_rope}, token_mask,
+                                  dtype=common.cache_dtype(cfg.compute))
     if cache is None:  # model.init with a cache-sized input: shapes only (and kv_b_proj's params).
       expand(latent)
       return jnp.zeros((*q_nope.shape[:3], cfg.v_head_dim), q_nope.dtype)

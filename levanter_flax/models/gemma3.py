@@ -36,7 +36,8 @@ import numpy as np
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, llama
 from levanter_flax.models.attention import causal_attention, document_positions
-from levanter_flax.models.common import attention_implementation, constrain, stack_layers
+from levanter_flax.models.common import (attention_implementation, cache_dtype, constrain,
+                                         stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
 from levanter_flax.core.schema import MODEL, overridden, setting
 
@@ -172,7 +173,8 @@ class Attention(nn.Module):
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
                            splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
-                           windowed=windowed, segment_ids=segment_ids)
+                           windowed=windowed, segment_ids=segment_ids,
+                           cache_dtype=cache_dtype(cfg.compute))
     return llama._dense(cfg.hidden_dim, cfg, "o_proj")(
         out.reshape(batch, length, cfg.num_heads * cfg.head_dim))
 

@@ -19,8 +19,8 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.models import hf_keys, int8, lora
 from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.attention import causal_attention, document_positions
-from levanter_flax.models.common import (ComputeConfig, attention_implementation, check_config,
-                                         compute_section, constrain, stack_layers)
+from levanter_flax.models.common import (ComputeConfig, attention_implementation, cache_dtype,
+                                         check_config, compute_section, constrain, stack_layers)
 from levanter_flax.models.family import HFLayout, ModelFamily
 from levanter_flax.core.schema import MODEL, STATE, setting
 
@@ -106,7 +106,8 @@ class CausalSelfAttention(nn.Module):
                          "batch", "length", "heads", None) for t in jnp.split(qkv, 3, axis=-1))
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
                            splash_blocks=cfg.compute.splash_blocks,
-                           decode=self.decode, token_mask=token_mask, segment_ids=segment_ids)
+                           decode=self.decode, token_mask=token_mask, segment_ids=segment_ids,
+                           cache_dtype=cache_dtype(cfg.compute))
     out = out.reshape(batch, length, cfg.hidden_dim)
     return _dense(cfg.hidden_dim, cfg, "c_proj", _residual_std(cfg))(out)
 

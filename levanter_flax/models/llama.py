@@ -288,7 +288,7 @@ class Attention(nn.Module):
     out = causal_attention(self, q, k, v, implementation=attention_implementation(cfg),
                            splash_blocks=cfg.compute.splash_blocks,
                            decode=self.decode, token_mask=token_mask, window=cfg.sliding_window,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, cache_dtype=common.cache_dtype(cfg.compute))
     return _dense(cfg.hidden_dim, cfg, "o_proj")(
         out.reshape(batch, length, cfg.num_heads * cfg.head_dim))
 

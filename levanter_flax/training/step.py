@@ -536,7 +536,8 @@ def _build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
     optimizer = spikes.skip_spikes(optimizer, run.trainer.spike_window, run.trainer.spike_threshold)
   init = functools.partial(init_state, model, optimizer,
                            keep_reference=objective.needs_reference)
-  shapes = jax.eval_shape(init, jax.random.key(0))
+  with jax.sharding.use_abstract_mesh(partitioner.mesh.abstract_mesh):  # The mesh's platform.
+    shapes = jax.eval_shape(init, jax.random.key(0))
   frozen_shardings = lambda tree: None if tree is None else partitioner.param_shardings(tree)
   shardings = TrainState(
       step=partitioner.replicated,
