@@ -255,15 +255,42 @@ def test_the_remat_policies_that_keep_dots_keep_int8_products(policy):
       lambda x, w: int8.dot_general(x, w, (((1,), (0,)), ((), ()))))
 
 
-def test_a_product_whose_int32_could_overflow_is_refused_in_one_line():
-  tokens = int8.MAX_TERMS + 1
-  shapes = jax.ShapeDtypeStruct((tokens, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 4),
-                                                                                 jnp.bfloat16)
-  jax.eval_shape(int8.matmul, *shapes)  # The forward pass sums over 8.
-  with pytest.raises(UserError, match=f"quantization=int8 sums {tokens:,} int8 products into "
-                     f"one int32, which can overflow past {int8.MAX_TERMS:,}: use fewer tokens per "
-                     f"microbatch"):
-    jax.eval_shape(jax.grad(lambda x, w: int8.matmul(x, w).sum(), argnums=1), *shapes)
+@pytest.mark.parametrize("rows, per_row", [(2, 66_576), (1, int8.MAX_TERMS + 1)],
+                         ids=["rows", "flat"])
+def test_past_an_int32s_terms_dw_sums_blocks_in_float32_and_wider_features_are_refused(
+    rows, per_row):
+  """dw over more than MAX_TERMS tokens, in two blocks: a sequence each (2 x 66,576), or a
+  sequence of 133,145 cut in two (the second block padded with a zero row). Each block is
+  NumPy's int8 product with its own scales, the blocks added in float32: bit for bit, on values
+  whose quotients by their scales are exact (x on the int8 grid, g on a quarter of it, rounded
+  stochastically), so that no division rounds apart."""
+  tokens, rng = rows * per_row, np.random.default_rng(3)
+  size = -(-tokens // 2)
+  x = rng.integers(-127, 128, (tokens, 8)).astype(np.float32) * 0.5
+  g = rng.integers(-4 * 127, 4 * 127 + 1, (tokens, 4)).astype(np.float32) * 0.5
+  x[[0, size]], g[[0, size]] = 127 * 0.5, 4 * 127 * 0.5  # Each block's scales: 0.5 and 2.
+  dw = jax.jit(int8.weight_gradient, static_argnums=2)(
+      jnp.asarray(x).reshape(rows, per_row, 8), jnp.asarray(g).reshape(rows, per_row, 4),
+      jnp.float32)
+  blocks = [np.concatenate([a, np.zeros((2 * size - tokens, a.shape[1]), np.float32)])
+            for a in (x, g)]
+  expected = sum(numpy_int8_matmul(xb.T, gb, (None, numpy_dither(gb)))[1]
+                 for xb, gb in zip(*(np.split(a, 2) for a in blocks)))
+  np.testing.assert_array_equal(np.asarray(dw), expected)
+  assert np.linalg.norm(np.asarray(dw) - x.T @ g) / np.linalg.norm(x.T @ g) < 0.02
+  if rows == 2:  # The same with the rows over 2 devices and the tokens over 4.
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    sharded = jax.jit(int8.weight_gradient, static_argnums=2, in_shardings=(
+        jax.NamedSharding(mesh, jax.P("data", "context")),) * 2)
+    np.testing.assert_array_equal(np.asarray(sharded(
+        jnp.asarray(x).reshape(rows, per_row, 8), jnp.asarray(g).reshape(rows, per_row, 4),
+        jnp.float32)), expected)
+  wide = int8.MAX_TERMS + 1
+  with pytest.raises(UserError, match=f"^config.model.compute.quantization=int8 cannot multiply "
+                     f"over {wide:,} features: the sum of their int8 products can overflow an "
+                     f"int32 past {int8.MAX_TERMS:,}"):
+    jax.eval_shape(int8.matmul, jax.ShapeDtypeStruct((2, wide), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((wide, 4), jnp.bfloat16))
 
 
 def test_sophia_with_int8_is_refused_in_one_line():

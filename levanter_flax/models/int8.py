@@ -18,8 +18,9 @@ bit for bit and no key is threaded through the layers.
 
 The gradient is the straight-through estimator: rounding counts as the identity. The master
 weights, the optimizer state and everything outside the layers' projections keep their dtypes.
-A product of more than MAX_TERMS terms (dw's, over a microbatch's tokens) could overflow its
-int32 and is refused. A custom_vjp has no forward-mode derivative, so Sophia-H's
+An int32 holds MAX_TERMS int8 products however they fall: dw sums a microbatch of more tokens
+in blocks of at most that many, each its own int8 product with its own scales, and adds the
+blocks in float32; a product over more features than that is refused. A custom_vjp has no forward-mode derivative, so Sophia-H's
 Hessian-vector products cannot run through it (config/loading.py refuses the pair).
 
 `dot_general` has flax's nn.Dense signature, so a Dense takes it as its `dot_general`
@@ -85,9 +86,9 @@ def _product(a: jax.Array, b: jax.Array, contracting: tuple[tuple[int, ...], tup
   rounded `stochastic`ally or not): the result's axes are a's others, then b's."""
   terms = math.prod(a.shape[axis] for axis in contracting[0])
   if terms > MAX_TERMS:
-    raise UserError(f"config.model.compute.quantization=int8 sums {terms:,} int8 products into "
-                    f"one int32, which can overflow past {MAX_TERMS:,}: use fewer tokens per "
-                    f"microbatch (config.trainer.gradient_accumulation_steps)")
+    raise UserError(f"config.model.compute.quantization=int8 cannot multiply over {terms:,} "
+                    f"features: the sum of their int8 products can overflow an int32 past "
+                    f"{MAX_TERMS:,}")
   (qa, scale_a), (qb, scale_b) = (quantize(a, contracting[0], stochastic[0]),
                                   quantize(b, contracting[1], stochastic[1]))
   kept_a = [n for axis, n in enumerate(a.shape) if axis not in contracting[0]]
@@ -108,9 +109,39 @@ def _forward(x, w):
 
 def _backward(residuals, g):
   x, w = residuals
-  tokens = tuple(range(x.ndim - 1))  # dw sums over every token: each feature's scale spans them.
   return (_product(g, w, ((g.ndim - 1,), (1,)), x.dtype, stochastic=(True, False)),
-          _product(x, g, (tokens, tokens), w.dtype, stochastic=(False, True)))
+          weight_gradient(x, g, w.dtype))
+
+
+def weight_gradient(x: jax.Array, g: jax.Array, dtype) -> jax.Array:
+  """dw = x^T g [k, n], summed over every token of x [..., k] and g [..., n]: one int8 product,
+  each feature's scale spanning the tokens; past MAX_TERMS tokens, one per block of at most
+  that many, added in float32. The blocks split the leading (batch) axis where it divides
+  into them, which keeps its sharding; else the flat tokens, the last block padded with zeros.
+  """
+  count = math.prod(x.shape[:-1])
+  if count <= MAX_TERMS:
+    tokens = tuple(range(x.ndim - 1))
+    return _product(x, g, (tokens, tokens), dtype, stochastic=(False, True))
+  rows = _fewest_blocks(x.shape[0], count // x.shape[0])
+  if rows:
+    split = lambda a: a.reshape(rows, a.shape[0] // rows, *a.shape[1:])
+  else:
+    blocks = -(-count // MAX_TERMS)
+    size = -(-count // blocks)
+    split = lambda a: jnp.pad(a.reshape(count, a.shape[-1]),
+                              ((0, blocks * size - count), (0, 0))).reshape(blocks, size, -1)
+  x, g = split(x), split(g)
+  tokens = tuple(range(x.ndim - 2))  # A block's.
+  block_product = lambda xb, gb: _product(xb, gb, (tokens, tokens), jnp.float32, (False, True))
+  return jax.vmap(block_product)(x, g).sum(axis=0).astype(dtype)
+
+
+def _fewest_blocks(batch: int, tokens_per_row: int) -> int:
+  """The fewest blocks of whole rows, of `batch` rows of `tokens_per_row`, that each hold at
+  most MAX_TERMS tokens and split the rows evenly; 0 if none do."""
+  return next((n for n in range(1, batch + 1)
+               if batch % n == 0 and batch // n * tokens_per_row <= MAX_TERMS), 0)
 
 
 matmul.defvjp(_forward, _backward)
