@@ -367,3 +367,28 @@ def test_a_mesh_of_8_devices_generates_as_one_device():
     keys = cache["layers_0"]["self_attn"]["keys"]  # [slots, kv heads, length, head_dim]
     assert keys.sharding.spec == jax.sharding.PartitionSpec("data", "model", None, None)
   assert sharded == single
+
+
+def test_the_decode_rooflines_bytes_are_the_engines_cache_and_the_weights_read():
+  """bench/decode_roofline.py's accounting: its bytes per cached token times the rows are the
+  engine's cache (bfloat16 and float32), and a step reads an untied input embedding's slots'
+  rows only."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "bench" / "decode_roofline.py"
+  spec = importlib.util.spec_from_file_location("decode_roofline", path)
+  roofline = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(roofline)
+  for cache_dtype in ("auto", "float32"):
+    cfg, params = roofline.model("tiny", 48, cache_dtype)
+    engine = Engine(cfg, params, slots=4, prefill_chunk=16)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0))
+    cache = sum(leaf.nbytes for leaf in jax.tree.leaves(engine._cache)
+                if jnp.issubdtype(leaf.dtype, jnp.floating))
+    assert cache == 4 * engine._length * roofline.cache_bytes_per_token(cfg)
+  table = params["embed_tokens"]["embedding"]
+  every = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert not cfg.tie_word_embeddings
+  assert roofline.weight_bytes_read(cfg, params, 4) == every - table.nbytes + 4 * table[0].nbytes
+  tied = dataclasses.replace(cfg, tie_word_embeddings=True)
+  assert roofline.weight_bytes_read(tied, params, 4) == every

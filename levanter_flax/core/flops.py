@@ -1,4 +1,5 @@
-"""Model FLOPs per token and device peak FLOP/s: the two halves of MFU.
+"""Model FLOPs per token and device peak FLOP/s: the two halves of MFU; and the devices' HBM
+bandwidth, the memory roofline of generation's decode steps.
 
 Pure jax, so the benchmarks can use it on machines without clu or TensorFlow.
 """
@@ -16,6 +17,21 @@ PEAK_FLOPS = {
     "NVIDIA H100 80GB HBM3": 989e12,
     "NVIDIA H100": 989e12,
     "NVIDIA H200": 989e12,
+}
+
+
+# HBM bandwidth, bytes/s per chip (per GPU), by jax's device_kind: the vendors' figures.
+HBM_BANDWIDTH = {
+    "TPU v4": 1200e9,
+    "TPU v5 lite": 819e9,
+    "TPU v5": 2765e9,
+    "TPU v5p": 2765e9,
+    "TPU v6 lite": 1640e9,
+    "NVIDIA A100-SXM4-40GB": 1555e9,
+    "NVIDIA A100-SXM4-80GB": 2039e9,
+    "NVIDIA H100 80GB HBM3": 3350e9,
+    "NVIDIA H100": 3350e9,
+    "NVIDIA H200": 4800e9,
 }
 
 
