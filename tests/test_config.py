@@ -192,6 +192,14 @@ def test_bad_family_values_are_named(family, key, value, message):
     to_run_config(config)
 
 
+def test_a_bad_cache_dtype_is_named():
+  config = load_config_file("gpt2:nano")
+  config.model.compute.cache_dtype = "int4"
+  with pytest.raises(UserError, match=re.escape(
+      "config.model.compute.cache_dtype must be auto, float32, bfloat16 or float16; got 'int4'")):
+    to_run_config(config)
+
+
 def test_gemma3s_final_soft_cap_with_the_blockwise_loss_is_one_line():
   config = load_config_file("gemma3:nano")
   config.model.final_logit_softcapping = 30.0
