@@ -85,12 +85,18 @@ def flops_per_token(cfg, params, causal: bool = True, frozen=None, reference: bo
 
 def int8_flops_per_token(cfg, params, frozen=None, reference: bool = False) -> float:
   """Of flops_per_token's, those int8 products carry under compute.quantization=int8 (0
-  otherwise): 6 per weight of the layers' projections (int8.QUANTIZED_KERNELS), 4 where
+  otherwise): 6 per weight of the layers' projections (int8.QUANTIZED_KERNELS) and of the
+  experts a token is routed to (int8.QUANTIZED_EXPERTS, k / num_experts of the stacks), 4 where
   frozen (LoRA's base), 2 more for DPO's reference forward."""
   if cfg.compute.quantization != "int8":
     return 0.0
-  weights = sum(x.size for path, x in lora.paths(frozen or params)
-                if int8.QUANTIZED_KERNELS.search("/" + path))
+  def share(path: str) -> float:  # Of the weight's products a token makes.
+    if int8.QUANTIZED_KERNELS.search("/" + path):
+      return 1.0
+    if int8.QUANTIZED_EXPERTS.search("/" + path):
+      return cfg.moe.num_experts_per_token / cfg.moe.num_experts
+    return 0.0
+  weights = sum(x.size * share(path) for path, x in lora.paths(frozen or params))
   return (4 if frozen else 6) * weights + (2 * weights if reference else 0)
 
 

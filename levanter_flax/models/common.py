@@ -97,9 +97,10 @@ class ComputeConfig:
       0, "> 0: the loss computes logits this many vocabulary entries at a time and never holds "
       "them all; 0: plain")
   quantization: str = setting(
-      "none", "none, or int8: the layers' projections multiply int8 x int8 -> int32 in the "
-      "forward and backward passes, with per-channel scales (models/int8.py); the weights, the "
-      "optimizer state, the embeddings and the head keep their dtypes")
+      "none", "none, or int8: the layers' projections and a mixture's experts multiply int8 x "
+      "int8 -> int32 in the forward and backward passes, with per-channel scales "
+      "(models/int8.py); the weights, the optimizer state, the embeddings, the router and the "
+      "head keep their dtypes")
   cache_dtype: str = setting(
       "auto", "Decoding's key/value cache: auto (the compute dtype), float32, bfloat16 or "
       "float16; bfloat16 halves a float32 model's cache, which each decode step reads whole")
@@ -164,9 +165,9 @@ def check_config(cfg, sizes: tuple[str, ...]) -> None:
   if cfg.hidden_dim % cfg.num_heads:
     raise UserError(f"config.model.hidden_dim ({cfg.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({cfg.num_heads})")
-  if cfg.compute.quantization != "none" and hasattr(cfg, "moe"):
+  if cfg.compute.quantization != "none" and hasattr(cfg, "kv_lora_rank"):
     raise UserError(f"config.model.compute.quantization={cfg.compute.quantization} does not "
-                    f"take a mixture's expert stacks yet; use none for this family")
+                    f"take DeepSeek-V3's latent attention yet; use none for this family")
 
 
 def platform_in_context() -> str:

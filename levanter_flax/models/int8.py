@@ -38,15 +38,17 @@ from jax.ad_checkpoint import checkpoint_name
 
 from levanter_flax.core.errors import UserError
 from levanter_flax.models.common import INT8_PRODUCT, platform_in_context
-from levanter_flax.models.lora import DEFAULT_TARGETS
+from levanter_flax.models.lora import DEFAULT_TARGETS, EXPERT_TARGETS
 
 INT8_MAX = 127
 # int8 products an int32 holds however they fall: 127 ** 2 each.
 MAX_TERMS = (2 ** 31 - 1) // INT8_MAX ** 2
 # The kernels whose products `layer_dot_general` makes int8: attention's and the MLP's
-# projections of every family that takes int8 (a mixture's refuses it), which are LoRA's
+# projections of every family that takes int8 (DeepSeek-V3 refuses it), which are LoRA's
 # default targets too. tests/test_int8.py checks them against the int8 products a step traces.
 QUANTIZED_KERNELS = re.compile(DEFAULT_TARGETS)
+# And a mixture's expert stacks, through grouped_matmul.
+QUANTIZED_EXPERTS = re.compile(EXPERT_TARGETS)
 
 
 def quantize(x: jax.Array, axis, stochastic: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -54,11 +56,21 @@ def quantize(x: jax.Array, axis, stochastic: bool = False) -> tuple[jax.Array, j
   kept with size 1): x ≈ q * scale. An all-zero slice gets scale 1. Rounded to nearest, or
   `stochastic`ally: up with probability the fraction, so that E[q * scale] = x."""
   x = x.astype(jnp.float32)
-  scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / INT8_MAX
-  scale = jnp.where(scale == 0, 1.0, scale)
+  scale = _scale(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
+  return _rounded(x, scale, stochastic), scale
+
+
+def _scale(absmax: jax.Array) -> jax.Array:
+  """The scale of slices whose largest magnitude is `absmax`: 1 for an all-zero (or empty)
+  slice."""
+  return jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+
+
+def _rounded(x: jax.Array, scale: jax.Array, stochastic: bool) -> jax.Array:
+  """float32 x over its scales, rounded (quantize's) to int8."""
   scaled = x / scale
   rounded = jnp.floor(scaled + dither(x)) if stochastic else jnp.round(scaled)
-  return jnp.clip(rounded, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+  return jnp.clip(rounded, -INT8_MAX, INT8_MAX).astype(jnp.int8)
 
 
 def dither(x: jax.Array) -> jax.Array:
@@ -145,6 +157,75 @@ def _fewest_blocks(batch: int, tokens_per_row: int) -> int:
 
 
 matmul.defvjp(_forward, _backward)
+
+
+@jax.custom_vjp
+def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """A mixture's grouped product through int8 (jax.lax.ragged_dot's): rows [m, k], sorted into
+  groups of group_sizes [E] rows (any rows after them give zeros), each times its group's
+  w [E, k, n]. Scales: rows per row and w per group and column in the forward pass; g per row
+  and w per group and input row for dx; rows and g per group and feature, over the group's
+  rows, for dw. Named INT8_PRODUCT, as a Dense's."""
+  _check_rows(rows)
+  qx, scale_x = quantize(rows, 1)
+  qw, scale_w = quantize(w, 1)
+  product = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.int32)
+  scale = scale_x * _per_row(scale_w[:, 0], group_sizes, rows.shape[0])
+  y = (product.astype(jnp.float32) * scale).astype(jnp.result_type(rows, w))
+  return checkpoint_name(y, INT8_PRODUCT)
+
+
+def _check_rows(rows: jax.Array) -> None:
+  # A group's dw sums its rows; a device's rows bound every group.
+  if rows.shape[0] > MAX_TERMS:
+    raise UserError(f"config.model.compute.quantization=int8 sums up to {rows.shape[0]:,} of a "
+                    f"device's expert rows into one int32, which can overflow past "
+                    f"{MAX_TERMS:,}: use fewer tokens per microbatch "
+                    f"(config.trainer.gradient_accumulation_steps)")
+
+
+def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+  """Each row's group, len(group_sizes) for rows after the groups."""
+  return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _per_row(per_group: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+  """per_group [E, d] as each row's [rows, d] (the last group's for rows after the groups,
+  whose products are zeros)."""
+  return jnp.take(per_group, _row_groups(group_sizes, rows), axis=0, mode="clip")
+
+
+def _grouped_forward(rows, w, group_sizes):
+  return grouped_matmul(rows, w, group_sizes), (rows, w, group_sizes)
+
+
+def _grouped_backward(residuals, g):
+  rows, w, group_sizes = residuals
+  m, groups = rows.shape[0], w.shape[0]
+  qg, scale_g = quantize(g, 1, stochastic=True)
+  qw, scale_w = quantize(w, 2)  # Per group and input row: [E, k, 1].
+  dx = jax.lax.ragged_dot(qg, qw.transpose(0, 2, 1), group_sizes,
+                          preferred_element_type=jnp.int32)
+  dx = dx.astype(jnp.float32) * scale_g * _per_row(scale_w[..., 0], group_sizes, m)
+  # dw: each group's rows and gradients, per feature over the group's rows.
+  group = _row_groups(group_sizes, m)
+  def per_group_int8(x, stochastic):
+    x = x.astype(jnp.float32)
+    absmax = jax.ops.segment_max(jnp.abs(x), group, num_segments=groups)  # Empty: -inf.
+    scale = _scale(absmax)
+    q = _rounded(x, jnp.take(scale, group, axis=0, mode="clip"), stochastic)
+    return jnp.where((group < groups)[:, None], q, 0).astype(jnp.int8), scale
+  (qx, scale_x), (qg_, scale_g_) = per_group_int8(rows, False), per_group_int8(g, True)
+  numbers = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  dw = jax.lax.ragged_dot_general(qx, qg_, group_sizes, numbers,
+                                  preferred_element_type=jnp.int32)
+  dw = dw.astype(jnp.float32) * scale_x[:, :, None] * scale_g_[:, None, :]
+  return dx.astype(rows.dtype), dw.astype(w.dtype), None
+
+
+grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,

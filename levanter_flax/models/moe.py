@@ -1,7 +1,7 @@
 """Mixtures of experts: the config section (config.model.moe), routing, and the routed experts
 computed as one grouped matmul over each device's tokens, sent to their experts' devices.
 
-May import core and the models package's common and lora; the families with experts
+May import core and the models package's common, int8 and lora; the families with experts
 (mixtral, qwen3_moe) build their feed-forward block from `MoeBlock`.
 
 Routing is data-parallel, as any layer: the router (`mlp/gate`, no bias) scores each token,
@@ -27,7 +27,8 @@ The experts run inside `jax.shard_map` over the mesh in context, on each device'
    does not split (the batch on "data" only) are split over it on the way in, and gathered
    back on the way out.
 3. Each device multiplies its experts' contiguous groups in one grouped matmul
-   (`jax.lax.ragged_dot`, no batch dimension; or Pallas megablox `gmm`). Under ZeRO-3 the
+   (`jax.lax.ragged_dot`, no batch dimension; or Pallas megablox `gmm`; under int8 training,
+   `int8.grouped_matmul`). Under ZeRO-3 the
    weights come in split as the partitioner stores them (their largest free dimension:
    Mixtral's expert width, Qwen3-MoE's model width) and are gathered there, in the compute
    dtype, so that their gradients leave reduce-scattered. With the width split over a tensor
@@ -57,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, MODEL, STATE, setting
-from levanter_flax.models import lora
+from levanter_flax.models import int8, lora
 from levanter_flax.models.common import (BALANCE, cast_in_layer, constrain,
                                          platform_in_context)
 
@@ -375,7 +376,8 @@ class Experts(nn.Module):
     stacks = [cast_in_layer(lora.with_stack_adapters(self, cfg.lora, name, self.param(
         name, init, shape, cfg.compute.param_dtype)), cfg.compute.dtype)
               for name, shape in shapes.items()]
-    return routed_experts(cfg.moe, x, experts, weights, *stacks)
+    return routed_experts(cfg.moe, x, experts, weights, *stacks,
+                          int8_products=cfg.compute.quantization == "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,20 +406,21 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: jax.Array,
-                   gate: jax.Array, up: jax.Array, down: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   gate: jax.Array, up: jax.Array, down: jax.Array, *, int8_products: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
   """Experts' computation over the mesh in context (see the module docstring); without a mesh,
-  on one device."""
+  on one device. int8_products: the grouped matmuls through int8 (int8.grouped_matmul)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not nn.get_logical_axis_rules():
-    return _on_device(cfg, _Layout(), x, experts, weights, gate, up, down)
+    return _on_device(cfg, _Layout(), int8_products, x, experts, weights, gate, up, down)
   layout, token_spec, stack_specs = _layout(dict(mesh.shape), x.shape,
                                             dict(zip(EXPERT_AXES["gate_proj"], gate.shape)))
   routing_spec = P(*token_spec[:2], None)
   # Megablox declares its outputs without the mesh axes they vary over, which only an
   # unchecked shard_map accepts.
   on_device = jax.shard_map(
-      lambda *args: _on_device(cfg, layout, *args), out_specs=(P(*token_spec), P()),
-      check_vma=grouped_matmul(cfg) != "gmm",
+      lambda *args: _on_device(cfg, layout, int8_products, *args),
+      out_specs=(P(*token_spec), P()), check_vma=int8_products or grouped_matmul(cfg) != "gmm",
       in_specs=(P(*token_spec), routing_spec, routing_spec, *stack_specs))
   return on_device(x, experts, weights, gate, up, down)
 
@@ -478,7 +481,8 @@ def _zero3_placement(sizes: dict[str, int], logical: tuple[str, ...], shape: tup
   return max(free, key=lambda d: shape[d]), tuple(a for a in zero3 if sizes[a] > 1)
 
 
-def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, down):
+def _on_device(cfg: MoeConfig, layout: _Layout, int8_products: bool, x, experts, weights, gate,
+               up, down):
   """One device's tokens through their experts: (outputs like x, dropped copies, summed over
   the mesh)."""
   shape = x.shape
@@ -496,7 +500,8 @@ def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, d
     experts = take(pad(experts, cfg.num_experts))  # Padding goes to no expert.
   gate, up, down = (jax.lax.all_gather(w, axes, tiled=True, axis=dim) if axes else w
                     for w, (axes, dim) in zip((gate, up, down), layout.zero3))
-  outputs, dropped = _copies_through_experts(cfg, layout, x, experts, weights, gate, up, down)
+  outputs, dropped = _copies_through_experts(cfg, layout, int8_products, x, experts, weights,
+                                             gate, up, down)
   if shares > 1:
     outputs = jax.lax.all_gather(outputs, share_axes, tiled=True, to="invarying")[:total]
     dropped = jax.lax.psum(dropped, share_axes)
@@ -505,7 +510,8 @@ def _on_device(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, d
   return outputs.reshape(shape), dropped
 
 
-def _copies_through_experts(cfg: MoeConfig, layout: _Layout, x, experts, weights, gate, up, down):
+def _copies_through_experts(cfg: MoeConfig, layout: _Layout, int8_products: bool, x, experts,
+                            weights, gate, up, down):
   """x [T, hidden], experts and weights [T, k]: each token's weighted sum of its experts'
   outputs, and the number of copies dropped (float32)."""
   k = experts.shape[-1]
@@ -514,9 +520,10 @@ def _copies_through_experts(cfg: MoeConfig, layout: _Layout, x, experts, weights
   counts = jnp.bincount(copies, length=cfg.num_experts + 1)[:-1].astype(jnp.int32)
   rows = x[order // k]
   if layout.size(layout.expert_axes) > 1:
-    outputs = _exchange(cfg, layout, rows, counts, gate, up, down, _inbox_rows(cfg, layout, rows))
+    outputs = _exchange(cfg, layout, int8_products, rows, counts, gate, up, down,
+                        _inbox_rows(cfg, layout, rows))
   else:
-    outputs = _grouped_mlp(cfg, layout, rows, counts, gate, up, down)
+    outputs = _grouped_mlp(cfg, layout, int8_products, rows, counts, gate, up, down)
   # Each sorted copy, weighted, added to its token's row: no unsorted copy of the outputs.
   weighted = outputs * weights.reshape(-1)[order][:, None]
   return jnp.zeros_like(x).at[order // k].add(weighted), dropped
@@ -546,10 +553,14 @@ def _inbox_rows(cfg: MoeConfig, layout: _Layout, rows: jax.Array) -> int:
   return devices * (cfg.num_experts // devices) * capacity
 
 
-def _grouped_mlp(cfg: MoeConfig, layout: _Layout, rows, group_sizes, gate, up, down):
+def _grouped_mlp(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, group_sizes, gate,
+                 up, down):
   """SwiGLU per expert on rows grouped by expert (group_sizes rows each; any rows after them
-  give zeros), summed over the axes that split the width."""
-  if grouped_matmul(cfg) == "gmm":
+  give zeros), summed over the axes that split the width. int8 products go through ragged_dot,
+  whatever grouped_matmul says: megablox gmm multiplies floats."""
+  if int8_products:
+    outputs = _swiglu(lambda a, w: int8.grouped_matmul(a, w, group_sizes), rows, gate, up, down)
+  elif grouped_matmul(cfg) == "gmm":
     # gmm leaves the rows after the groups unwritten, forward and back: they are zeroed going
     # in (which zeroes their gradient) and coming out.
     grouped = (jnp.arange(rows.shape[0] - rows.shape[0] % -GMM_ROW_TILE)
@@ -572,7 +583,8 @@ def _exclusive_cumsum(a: jax.Array, axis: int = 0) -> jax.Array:
   return jnp.cumsum(a, axis=axis) - a
 
 
-def _exchange(cfg: MoeConfig, layout: _Layout, rows, counts, gate, up, down, inbox_rows: int):
+def _exchange(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, counts, gate, up, down,
+              inbox_rows: int):
   """Expert parallelism: rows (sorted by expert, counts [num_experts] each) go to their
   experts' devices, through the grouped MLP there, and back in the same order."""
   axes = layout.expert_axes
@@ -590,7 +602,8 @@ def _exchange(cfg: MoeConfig, layout: _Layout, rows, counts, gate, up, down, inb
   segment = jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), jnp.arange(inbox_rows), side="right")
   expert = jnp.where(segment < mine.size, segment % local_experts, local_experts)
   regroup = jnp.argsort(expert, stable=True)
-  outputs = _grouped_mlp(cfg, layout, inbox[regroup], mine.sum(0), gate, up, down)
+  outputs = _grouped_mlp(cfg, layout, int8_products, inbox[regroup], mine.sum(0), gate, up,
+                         down)
   # Back in the inbox's order, by a gather: a scatter would start from a zeroed copy.
   outputs = outputs[jnp.argsort(regroup)]
   return _ragged_all_to_all(outputs, jnp.zeros_like(rows), inbox_offsets, received,
