@@ -6,7 +6,8 @@
 A decode step must at least read the weights once (bfloat16 here; an untied input embedding
 only its slots' rows) and every live key and value of the cache. At the device's HBM
 bandwidth that takes `roofline` ms; "of roofline" is that time over the step's measured
-median, over the steps in which every slot decodes. Prefill is the time until every request
+median, over the steps in which every slot decodes. The engine reads a power-of-two bucket of
+each row, not only its live tokens: that padding counts against it here. Prefill is the time until every request
 has its first token, as MFU: 2 FLOPs per weight per prompt token (the embedding lookup
 aside) and causal attention's, over the device's bf16 peak.
 
@@ -65,10 +66,13 @@ def cache_bytes_per_token(cfg) -> int:
 
 
 def prefill_flops(cfg, params, prompts: int, prompt_len: int) -> float:
-  lookups = 0 if cfg.tie_word_embeddings else params["embed_tokens"]["embedding"].size
-  weights = sum(x.size for x in jax.tree.leaves(params)) - lookups
+  """2 per weight per prompt token, but the head's logits only at the prompt's last token (the
+  engine's), and causal attention's scores and values."""
+  head = cfg.vocab_size * cfg.hidden_dim
+  tables = head if cfg.tie_word_embeddings else 2 * head  # The head, and an untied lookup.
+  body = sum(x.size for x in jax.tree.leaves(params)) - tables
   attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len ** 2 / 2
-  return prompts * (2 * weights * prompt_len + attention)
+  return prompts * (2 * body * prompt_len + 2 * head + attention)
 
 
 def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int):
@@ -84,8 +88,7 @@ def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int):
     seconds = time.perf_counter() - t
     if prefilled is None and all(r.tokens for r in requests):
       prefilled = time.perf_counter() - start
-    elif prefilled is not None and all(not r.finished or len(r.tokens) > b
-                                       for r, b in zip(requests, before)):
+    elif prefilled is not None and all(len(r.tokens) > b for r, b in zip(requests, before)):
       decodes.append((seconds, sum(len(p) + b for p, b in zip(prompts, before))))
   assert all(len(r.tokens) == new_tokens for r in requests), "a request stopped early"
   return prefilled, decodes

@@ -273,6 +273,11 @@ def test_bad_quantization_is_one_line_naming_the_setting():
   with pytest.raises(UserError, match=r"config.model.compute.quantization=int8 does not take "
                      r"DeepSeek-V3's latent attention yet; use none for this family"):
     with_compute(tiny("deepseek_v3"), quantization="int8")
+  with pytest.raises(UserError, match=f"quantization=int8 sums up to {int8.MAX_TERMS + 1:,} of an "
+                     f"expert's rows on a device into one int32, which can overflow past "
+                     f"{int8.MAX_TERMS:,}: use fewer tokens per microbatch"):
+    int8.check_group_rows(int8.MAX_TERMS + 1)
+  int8.check_group_rows(int8.MAX_TERMS)
 
 
 @pytest.mark.slow
@@ -290,13 +295,22 @@ def test_int8_trains_on_a_2d_mesh_with_zero3_as_on_one_device(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["data2_expert4_zero3", "expert8_zero3"])
+@pytest.mark.parametrize("layout", ["data2_expert4_zero3", "expert8_zero3", "data2_expert4",
+                                    "data4_model2"])
 def test_int8_experts_over_an_expert_axis_train_as_on_one_device(layout):
-  """A mixture's int8 grouped products, the experts split over an expert axis (the rows sent
-  to their devices and back) with ZeRO-3: 5 steps as on one device, within int8's 1e-4."""
-  from test_partitioning import MOE_LAYOUTS, one_device_losses, tiny as mesh_tiny, train
+  """A mixture's int8 grouped products with the experts split over an expert axis (the rows
+  sent to their devices and back), with ZeRO-3 or without (the stacks then the same on every
+  device of the token axes), or their width over a tensor axis: 5 steps as on one device,
+  within 1e-4. Not bit for bit: inside the shard_map each device dithers its own rows."""
+  from test_partitioning import (MOE_LAYOUTS, MOE_RULES, one_device_losses, sharding_config,
+                                 tiny as mesh_tiny, train)
+  layouts = MOE_LAYOUTS | {
+      "data2_expert4": ((("data", 2), ("expert", 4)), sharding_config(
+          rules=MOE_RULES, expert_axis="expert")),
+      "data4_model2": ((("data", 4), ("model", 2)), sharding_config(
+          rules=MOE_RULES, tensor_axis="model"))}
   model = with_compute(mesh_tiny("mixtral"), quantization="int8")
-  losses, _ = train(*MOE_LAYOUTS[layout], model=model)
+  losses, _ = train(*layouts[layout], model=model)
   np.testing.assert_allclose(losses, one_device_losses(model), rtol=1e-4)
 
 

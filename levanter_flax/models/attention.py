@@ -91,10 +91,11 @@ def attend_to_cache(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.
   scores = jnp.einsum("blkgd,bksd->bkgls", q, keys, preferred_element_type=jnp.float32)
   scores = scores * (head_dim ** -0.5 if scale is None else scale)
   scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
   # A cache narrower than the compute dtype (compute.cache_dtype) is read and widened.
-  return jnp.einsum("bkgls,bksd->blkgd", weights, values.astype(q.dtype)).reshape(
-      batch, length, heads, -1)
+  dtype = jnp.promote_types(q.dtype, values.dtype)
+  weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgls,bksd->blkgd", weights, values.astype(dtype))
+  return out.reshape(batch, length, heads, -1).astype(q.dtype)
 
 
 def append_to_cache(module: nn.Module, entries: dict[str, jax.Array],

@@ -129,17 +129,18 @@ def weight_gradient(x: jax.Array, g: jax.Array, dtype) -> jax.Array:
   """dw = x^T g [k, n], summed over every token of x [..., k] and g [..., n]: one int8 product,
   each feature's scale spanning the tokens; past MAX_TERMS tokens, one per block of at most
   that many, added in float32. The blocks split the leading (batch) axis where it divides
-  into them, which keeps its sharding; else the flat tokens, the last block padded with zeros.
+  into at most twice the fewest blocks (a block axis the batch's sharding can keep); else the
+  flat tokens, the last block padded with zeros.
   """
   count = math.prod(x.shape[:-1])
   if count <= MAX_TERMS:
     tokens = tuple(range(x.ndim - 1))
     return _product(x, g, (tokens, tokens), dtype, stochastic=(False, True))
+  blocks = -(-count // MAX_TERMS)
   rows = _fewest_blocks(x.shape[0], count // x.shape[0])
-  if rows:
+  if rows and rows <= 2 * blocks:  # More would hold as many [k, n] products before the sum.
     split = lambda a: a.reshape(rows, a.shape[0] // rows, *a.shape[1:])
   else:
-    blocks = -(-count // MAX_TERMS)
     size = -(-count // blocks)
     split = lambda a: jnp.pad(a.reshape(count, a.shape[-1]),
                               ((0, blocks * size - count), (0, 0))).reshape(blocks, size, -1)
@@ -165,8 +166,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
   groups of group_sizes [E] rows (any rows after them give zeros), each times its group's
   w [E, k, n]. Scales: rows per row and w per group and column in the forward pass; g per row
   and w per group and input row for dx; rows and g per group and feature, over the group's
-  rows, for dw. Named INT8_PRODUCT, as a Dense's."""
-  _check_rows(rows)
+  rows, for dw, whose int32 sums the caller bounds (check_group_rows). Named INT8_PRODUCT, as
+  a Dense's."""
   qx, scale_x = quantize(rows, 1)
   qw, scale_w = quantize(w, 1)
   product = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.int32)
@@ -175,13 +176,12 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
   return checkpoint_name(y, INT8_PRODUCT)
 
 
-def _check_rows(rows: jax.Array) -> None:
-  # A group's dw sums its rows; a device's rows bound every group.
-  if rows.shape[0] > MAX_TERMS:
-    raise UserError(f"config.model.compute.quantization=int8 sums up to {rows.shape[0]:,} of a "
-                    f"device's expert rows into one int32, which can overflow past "
-                    f"{MAX_TERMS:,}: use fewer tokens per microbatch "
-                    f"(config.trainer.gradient_accumulation_steps)")
+def check_group_rows(rows: int) -> None:
+  """Refuses grouped_matmul on groups of up to `rows` rows, whose dw's int32 could overflow."""
+  if rows > MAX_TERMS:
+    raise UserError(f"config.model.compute.quantization=int8 sums up to {rows:,} of an expert's "
+                    f"rows on a device into one int32, which can overflow past {MAX_TERMS:,}: "
+                    f"use fewer tokens per microbatch (config.trainer.gradient_accumulation_steps)")
 
 
 def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:

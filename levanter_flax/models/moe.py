@@ -559,7 +559,10 @@ def _grouped_mlp(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, gro
   give zeros), summed over the axes that split the width. int8 products go through ragged_dot,
   whatever grouped_matmul says: megablox gmm multiplies floats."""
   if int8_products:
-    outputs = _swiglu(lambda a, w: int8.grouped_matmul(a, w, group_sizes), rows, gate, up, down)
+    # A token's copies go to distinct experts: a group holds at most a k-th of the rows.
+    int8.check_group_rows(rows.shape[0] // cfg.num_experts_per_token)
+    outputs = _swiglu(lambda a, w: int8.grouped_matmul(*_varying_alike(a, w), group_sizes),
+                      rows, gate, up, down)
   elif grouped_matmul(cfg) == "gmm":
     # gmm leaves the rows after the groups unwritten, forward and back: they are zeroed going
     # in (which zeroes their gradient) and coming out.
@@ -573,6 +576,16 @@ def _grouped_mlp(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, gro
   else:
     outputs = _swiglu(lambda a, w: jax.lax.ragged_dot(a, w, group_sizes), rows, gate, up, down)
   return jax.lax.psum(outputs, layout.width_axes) if layout.width_axes else outputs
+
+
+def _varying_alike(*arrays: jax.Array) -> list[jax.Array]:
+  """`arrays` cast to vary over every mesh axis any of them varies over (inside a shard_map).
+  A custom_vjp's gradients must vary as its inputs do; lax's own products get there by their
+  transposes' psums, which the casts' transposes are here."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+  axes = frozenset().union(*map(varying, arrays))
+  return [jax.lax.pcast(a, tuple(sorted(axes - varying(a))), to="varying")
+          if axes - varying(a) else a for a in arrays]
 
 
 def _swiglu(matmul, rows, gate, up, down):
