@@ -1,7 +1,7 @@
 """The TPU tier: on a TPU chip, with its own kernels and compiler, what the CPU suite checks in
 Pallas' interpreter or on CPU devices: splash attention and the grouped matmul against XLA's
-arithmetic, the train step against the CPU's, a resume bit for bit, the engine's greedy tokens
-and cast_in_layer.
+arithmetic, the train step against the CPU's (and int8's products and step), a resume bit for
+bit, the engine's greedy tokens and cast_in_layer.
 
 `pytest -m tpu tests/test_tpu.py` on a machine with one chip, in one process (one program at a
 time holds the chip): the chip is the default device, and the host's CPU beside it gives the
@@ -24,7 +24,7 @@ from levanter_flax import models
 from levanter_flax.config import settings, to_run_config
 from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax.generate.trained import run_params
-from levanter_flax.models import attention, common, moe
+from levanter_flax.models import attention, common, int8, moe
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.models.gpt2 import GPT2Config
 from levanter_flax.models.llama import LlamaConfig
@@ -112,10 +112,10 @@ STEP_MODEL = GPT2Config(vocab_size=384, seq_len=128, num_layers=2, num_heads=4, 
 CHIP_LOSS_RTOL = 2e-3
 
 
-def three_losses(devices) -> list[float]:
+def three_losses(devices, model=STEP_MODEL) -> list[float]:
   """The losses of 3 train steps on one batch, on a 1-device mesh of `devices`, from key 0."""
   run = settings.RunConfig(
-      model=STEP_MODEL, trainer=settings.TrainerConfig(batch_size=8, num_train_steps=3),
+      model=model, trainer=settings.TrainerConfig(batch_size=8, num_train_steps=3),
       optimizer=optimizers.OptimizerConfig(learning_rate=3e-3, warmup_steps=0,
                                            schedule="constant"))
   partitioner = partitioning.Partitioner(
@@ -140,6 +140,29 @@ def test_the_train_step_on_the_chip_takes_the_cpus_losses():
   chip, cpu = three_losses(jax.devices()), three_losses(jax.devices("cpu"))
   np.testing.assert_allclose(chip, cpu, rtol=CHIP_LOSS_RTOL)
   assert cpu[2] < cpu[0] - 0.3  # It learns: the comparison covers the updates.
+
+
+def test_int8_products_on_the_chip_are_numpys_and_an_int8_step_takes_the_cpus_losses():
+  """The chip's int8 x int8 -> int32 products, dense and grouped (ragged_dot), equal NumPy's
+  exact integer products; the train step with quantization=int8 on the chip takes the CPU's
+  losses as the float step does (the quantized operands, rounded from the chip's float work,
+  may differ in a rounding step: within the float step's tolerance)."""
+  rng = np.random.default_rng(0)
+  a, b = (rng.integers(-127, 128, shape, dtype=np.int8) for shape in ((256, 512), (512, 384)))
+  product = np.asarray(jax.jit(int8.int32_product)(a, b))
+  np.testing.assert_array_equal(product, a.astype(np.int64) @ b.astype(np.int64))
+  groups = rng.integers(-127, 128, (3, 512, 384), dtype=np.int8)
+  sizes = np.array([100, 0, 120], np.int32)
+  grouped = np.asarray(jax.jit(lambda a, w, s: jax.lax.ragged_dot(
+      a, w, s, preferred_element_type=jnp.int32))(a, groups, sizes))
+  exact = np.concatenate([a[:100].astype(np.int64) @ groups[0].astype(np.int64),
+                          a[100:220].astype(np.int64) @ groups[2].astype(np.int64),
+                          np.zeros((36, 384), np.int64)])
+  np.testing.assert_array_equal(grouped, exact)
+  model = common.with_compute(STEP_MODEL, quantization="int8")
+  chip, cpu = three_losses(jax.devices(), model), three_losses(jax.devices("cpu"), model)
+  np.testing.assert_allclose(chip, cpu, rtol=CHIP_LOSS_RTOL)
+  assert cpu[2] < cpu[0] - 0.3
 
 
 def test_a_run_stopped_at_a_checkpoint_resumes_bit_exact_on_the_chip(data_cache, tmp_path):
