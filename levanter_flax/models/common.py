@@ -165,9 +165,6 @@ def check_config(cfg, sizes: tuple[str, ...]) -> None:
   if cfg.hidden_dim % cfg.num_heads:
     raise UserError(f"config.model.hidden_dim ({cfg.hidden_dim}) must be divisible by "
                     f"config.model.num_heads ({cfg.num_heads})")
-  if cfg.compute.quantization != "none" and hasattr(cfg, "kv_lora_rank"):
-    raise UserError(f"config.model.compute.quantization={cfg.compute.quantization} does not "
-                    f"take DeepSeek-V3's latent attention yet; use none for this family")
 
 
 def platform_in_context() -> str:

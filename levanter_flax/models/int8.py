@@ -44,9 +44,12 @@ INT8_MAX = 127
 # int8 products an int32 holds however they fall: 127 ** 2 each.
 MAX_TERMS = (2 ** 31 - 1) // INT8_MAX ** 2
 # The kernels whose products `layer_dot_general` makes int8: attention's and the MLP's
-# projections of every family that takes int8 (DeepSeek-V3 refuses it), which are LoRA's
-# default targets too. tests/test_int8.py checks them against the int8 products a step traces.
-QUANTIZED_KERNELS = re.compile(DEFAULT_TARGETS)
+# projections of every family, which are LoRA's default targets too, and DeepSeek-V3's latent
+# attention's and shared experts'. tests/test_int8.py checks them against the int8 products a
+# step traces.
+QUANTIZED_KERNELS = re.compile(
+    DEFAULT_TARGETS + r"|/self_attn/(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)/kernel$"
+    r"|/mlp/shared_experts/(gate_proj|up_proj|down_proj)/kernel$")
 # And a mixture's expert stacks, through grouped_matmul.
 QUANTIZED_EXPERTS = re.compile(EXPERT_TARGETS)
 
