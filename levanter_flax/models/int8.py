@@ -174,7 +174,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax
   qx, scale_x = quantize(rows, 1)
   qw, scale_w = quantize(w, 1)
   product = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.int32)
-  scale = scale_x * _per_row(scale_w[:, 0], group_sizes, rows.shape[0])
+  scale = scale_x * _per_row(scale_w[:, 0], _row_groups(group_sizes, rows.shape[0]))
   y = (product.astype(jnp.float32) * scale).astype(jnp.result_type(rows, w))
   return checkpoint_name(y, INT8_PRODUCT)
 
@@ -192,10 +192,10 @@ def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
   return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
 
 
-def _per_row(per_group: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+def _per_row(per_group: jax.Array, row_groups: jax.Array) -> jax.Array:
   """per_group [E, d] as each row's [rows, d] (the last group's for rows after the groups,
   whose products are zeros)."""
-  return jnp.take(per_group, _row_groups(group_sizes, rows), axis=0, mode="clip")
+  return jnp.take(per_group, row_groups, axis=0, mode="clip")
 
 
 def _grouped_forward(rows, w, group_sizes):
@@ -204,28 +204,33 @@ def _grouped_forward(rows, w, group_sizes):
 
 def _grouped_backward(residuals, g):
   rows, w, group_sizes = residuals
-  m, groups = rows.shape[0], w.shape[0]
+  row_groups = _row_groups(group_sizes, rows.shape[0])
   qg, scale_g = quantize(g, 1, stochastic=True)
   qw, scale_w = quantize(w, 2)  # Per group and input row: [E, k, 1].
   dx = jax.lax.ragged_dot(qg, qw.transpose(0, 2, 1), group_sizes,
                           preferred_element_type=jnp.int32)
-  dx = dx.astype(jnp.float32) * scale_g * _per_row(scale_w[..., 0], group_sizes, m)
+  dx = dx.astype(jnp.float32) * scale_g * _per_row(scale_w[..., 0], row_groups)
   # dw: each group's rows and gradients, per feature over the group's rows.
-  group = _row_groups(group_sizes, m)
-  def per_group_int8(x, stochastic):
-    x = x.astype(jnp.float32)
-    absmax = jax.ops.segment_max(jnp.abs(x), group, num_segments=groups)  # Empty: -inf.
-    scale = _scale(absmax)
-    q = _rounded(x, jnp.take(scale, group, axis=0, mode="clip"), stochastic)
-    return jnp.where((group < groups)[:, None], q, 0).astype(jnp.int8), scale
-  (qx, scale_x), (qg_, scale_g_) = per_group_int8(rows, False), per_group_int8(g, True)
+  groups = w.shape[0]
+  (qx, scale_x), (qg, scale_g) = (_quantize_per_group(rows, row_groups, groups, False),
+                                  _quantize_per_group(g, row_groups, groups, True))
   numbers = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[])
-  dw = jax.lax.ragged_dot_general(qx, qg_, group_sizes, numbers,
+  dw = jax.lax.ragged_dot_general(qx, qg, group_sizes, numbers,
                                   preferred_element_type=jnp.int32)
-  dw = dw.astype(jnp.float32) * scale_x[:, :, None] * scale_g_[:, None, :]
+  dw = dw.astype(jnp.float32) * scale_x[:, :, None] * scale_g[:, None, :]
   return dx.astype(rows.dtype), dw.astype(w.dtype), None
+
+
+def _quantize_per_group(x: jax.Array, row_groups: jax.Array, groups: int, stochastic: bool
+                        ) -> tuple[jax.Array, jax.Array]:
+  """x [rows, d] as int8, each feature scaled over its group's rows: the scales [groups, d];
+  the rows after the groups zeros."""
+  x = x.astype(jnp.float32)
+  scale = _scale(jax.ops.segment_max(jnp.abs(x), row_groups, num_segments=groups))
+  q = _rounded(x, _per_row(scale, row_groups), stochastic)
+  return jnp.where((row_groups < groups)[:, None], q, 0).astype(jnp.int8), scale
 
 
 grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
