@@ -17,7 +17,7 @@ from levanter_flax.generate.engine import Engine, SamplingParams
 from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
 from test_hf import hf_model
-from levanter_flax.models import common
+from levanter_flax.models import attention, common
 from levanter_flax.models.mistral import MistralConfig
 from test_sample import MODELS, full_forward_greedy
 
@@ -143,6 +143,24 @@ def test_a_bfloat16_cache_keeps_the_float32_caches_greedy_tokens_in_half_the_byt
   assert {leaf.dtype for leaf in entries["bfloat16"]} == {jnp.dtype(jnp.bfloat16)}
   assert (sum(leaf.nbytes for leaf in entries["bfloat16"]) * 2
           == sum(leaf.nbytes for leaf in entries["auto"]) > 0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "gemma3_scanned", "deepseek_v3"])
+def test_a_decode_steps_write_on_a_tpu_is_the_scatters(name, monkeypatch):
+  """On a TPU a decode step selects each row's new keys and values into the cache rather than
+  scatter them (attention._write): the same cache, to the bit, and the same greedy tokens as
+  the scatter's, whole rows, rings (Mistral's, Gemma 3's local layers) and latents (DeepSeek's)
+  alike."""
+  cfg, params = random_model(name)
+  sampling = dataclasses.replace(GREEDY, max_tokens=8)
+  runs = []
+  for platform in ("cpu", "tpu"):
+    monkeypatch.setattr(attention, "platform_in_context", lambda: platform)
+    engine = Engine(cfg, params, slots=4, prefill_chunk=4)
+    runs.append(([r.tokens for r in engine.generate(PROMPTS, sampling)], engine._cache))
+  (scattered, scatter_cache), (selected, select_cache) = runs
+  assert selected == scattered
+  jax.tree.map(np.testing.assert_array_equal, select_cache, scatter_cache)
 
 
 def test_32_requests_on_4_slots_equal_each_alone():

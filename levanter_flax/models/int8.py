@@ -166,7 +166,8 @@ matmul.defvjp(_forward, _backward)
 @jax.custom_vjp
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """A mixture's grouped product through int8 (jax.lax.ragged_dot's): rows [m, k], sorted into
-  groups of group_sizes [E] rows (any rows after them give zeros), each times its group's
+  groups of group_sizes [E] rows (the rows after them unspecified: zeros on a CPU, unwritten
+  on a TPU), each times its group's
   w [E, k, n]. Scales: rows per row and w per group and column in the forward pass; g per row
   and w per group and input row for dx; rows and g per group and feature, over the group's
   rows, for dw, whose int32 sums the caller bounds (check_group_rows). Named INT8_PRODUCT, as

@@ -558,23 +558,24 @@ def _grouped_mlp(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, gro
   """SwiGLU per expert on rows grouped by expert (group_sizes rows each; any rows after them
   give zeros), summed over the axes that split the width. int8 products go through ragged_dot,
   whatever grouped_matmul says: megablox gmm multiplies floats."""
+  pad = 0
   if int8_products:
     # A token's copies go to distinct experts: a group holds at most a k-th of the rows.
     int8.check_group_rows(rows.shape[0] // cfg.num_experts_per_token)
-    outputs = _swiglu(lambda a, w: int8.grouped_matmul(*_varying_alike(a, w), group_sizes),
-                      rows, gate, up, down)
+    matmul = lambda a, w: int8.grouped_matmul(*_varying_alike(a, w), group_sizes)
   elif grouped_matmul(cfg) == "gmm":
-    # gmm leaves the rows after the groups unwritten, forward and back: they are zeroed going
-    # in (which zeroes their gradient) and coming out.
-    grouped = (jnp.arange(rows.shape[0] - rows.shape[0] % -GMM_ROW_TILE)
-               < group_sizes.sum())[:, None]
+    pad = -rows.shape[0] % GMM_ROW_TILE
     interpret = platform_in_context() != "tpu"
     matmul = lambda a, w: megablox.gmm(a, w, group_sizes, a.dtype, (GMM_ROW_TILE, 128, 128),
                                        None, None, False, interpret)
-    padded = jnp.where(grouped, jnp.pad(rows, ((0, grouped.size - rows.shape[0]), (0, 0))), 0)
-    outputs = jnp.where(grouped, _swiglu(matmul, padded, gate, up, down), 0)[:rows.shape[0]]
   else:
-    outputs = _swiglu(lambda a, w: jax.lax.ragged_dot(a, w, group_sizes), rows, gate, up, down)
+    matmul = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
+  # On a TPU the grouped products leave the rows after the groups unwritten, forward and back
+  # (gmm, and ragged_dot's int32 products: seen on a v5e chip), where a dropped copy's row
+  # would take them: they are zeroed going in (which zeroes their gradient) and coming out.
+  grouped = (jnp.arange(rows.shape[0] + pad) < group_sizes.sum())[:, None]
+  padded = jnp.where(grouped, jnp.pad(rows, ((0, pad), (0, 0))), 0)
+  outputs = jnp.where(grouped, _swiglu(matmul, padded, gate, up, down), 0)[:rows.shape[0]]
   return jax.lax.psum(outputs, layout.width_axes) if layout.width_axes else outputs
 
 
