@@ -18,6 +18,7 @@ from levanter_flax.hf import snapshot
 from levanter_flax.parallel import partitioning
 from test_hf import hf_model
 from levanter_flax.models import attention, common
+from levanter_flax.models.llama import LlamaConfig
 from levanter_flax.models.mistral import MistralConfig
 from test_sample import MODELS, full_forward_greedy
 
@@ -161,6 +162,26 @@ def test_a_decode_steps_write_on_a_tpu_is_the_scatters(name, monkeypatch):
   (scattered, scatter_cache), (selected, select_cache) = runs
   assert selected == scattered
   jax.tree.map(np.testing.assert_array_equal, select_cache, scatter_cache)
+
+
+def test_a_decode_step_compiled_for_a_tpu_copies_no_cache():
+  """The decode step compiled for a v5e chip (Engine.lowered_decode_forward, as
+  bench/decode_roofline.py --topology does): no scatter, and no layer's keys or values copied
+  to another layout, which XLA did around a scatter."""
+  from levanter_flax.plan import slices
+  device = slices.devices("v5e:1x1")[0]
+  cfg = LlamaConfig(vocab_size=256, seq_len=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                    hidden_dim=256, intermediate_dim=512, compute=common.ComputeConfig(
+                        dtype="bfloat16", param_dtype="bfloat16"))
+  replicated = jax.NamedSharding(jax.sharding.Mesh(np.array([device]), ("data",)), jax.P())
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                        jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))))
+  engine = Engine(cfg, None, slots=16, prefill_chunk=64)
+  compiled = engine.lowered_decode_forward(params, 256, replicated).compile()
+  text = compiled.as_text()
+  assert " scatter(" not in text
+  cache_shape = "bf16[16,2,256,64]"
+  assert not [line for line in text.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
 
 
 def test_32_requests_on_4_slots_equal_each_alone():

@@ -482,6 +482,19 @@ class Engine:
     request._done.set()
     _notify(request)
 
+  def lowered_decode_forward(self, params: Any, length: int, sharding: NamedSharding):
+    """The decode step's forward (every slot's token through the model, its cache rows `length`
+    long) lowered for abstract `params` (ShapeDtypeStructs) and inputs laid out by `sharding`,
+    under its mesh, so that the model traces for those devices' platform: a compile ahead of
+    time for devices this host may lack (bench/decode_roofline.py --topology)."""
+    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    cache = jax.tree.map(lambda x: abstract(x.shape, x.dtype), self._abstract_cache(length))
+    slots = self.slots
+    with jax.set_mesh(sharding.mesh):
+      return self._forward(None, length).lower(
+          params, cache, abstract((slots,), jnp.int32), abstract((slots, 1), jnp.int32),
+          abstract((slots,), jnp.int32), abstract((slots,), jnp.int32))
+
   # The compiled steps.
   def _compile(self, rows: int | None, length: int):
     """The prefill of `rows` slots' chunks (rows None: the decode step of every slot, one token
