@@ -16,11 +16,12 @@ second is timed. Every slot gets a prompt of prompt_len random tokens and greedy
 new_tokens (no stop). The machine allows no sockets, so there is no HTTP here
 (bench/serve.py has it). Uses jax and flax only.
 
-With --topology (libtpu installed, no chip needed) nothing runs: the last decode step is
-compiled for that topology's chip, and XLA's count of the bytes it accesses is printed beside
-those it must read. The count is XLA's estimate, not a measurement: for the scatter-written
-cache it put the 0.47B Llama's steps at 4.2, 7.2 and 11.5 ms at 819 GB/s where a v5e chip
-took 3.8, 7.3 and 12.4 (16, 64 and 128 slots). Good for comparing two versions of a step.
+With --topology (libtpu installed, no chip needed) nothing runs: the last decode step's
+forward (the model, not the sampler) is compiled for that topology's chip, and XLA's count of
+the bytes it accesses is printed beside those it must read. The count is XLA's estimate, not a
+measurement: for the scatter-written cache it put the 0.47B Llama's steps at 4.2, 7.2 and 11.5
+ms at 819 GB/s where a v5e chip took 3.8, 7.3 and 12.4 (16, 64 and 128 slots). Good for
+comparing two versions of a step.
 """
 import argparse
 import statistics
@@ -129,8 +130,8 @@ def row(shape: str, slots: int, args, bandwidth: float, peak: float) -> dict:
 
 
 def compiled_row(shape: str, slots: int, args, device) -> dict:
-  """The last decode step (every slot's row the whole context long) compiled for `device`, no
-  array made: XLA's count of the bytes it accesses against what it must read."""
+  """The last decode step's forward (every slot's row the whole context long) compiled for
+  `device`, no array made: XLA's count of the bytes it accesses against what it must read."""
   length = args.prompt_len + args.new_tokens
   cfg = config(shape, length, args.cache_dtype)
   replicated = NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec())
@@ -165,7 +166,7 @@ def main():
   parser.add_argument("--hbm_bandwidth", type=float, default=0.0,
                       help="bytes/s; 0 looks the device up in flops.HBM_BANDWIDTH")
   parser.add_argument("--topology", default="",
-                      help="compile the last decode step for this TPU topology's first chip "
+                      help="compile the last decode step's forward for this TPU topology's chip "
                       "(e.g. v5e:1x1) on any host, with libtpu, and print XLA's count of the "
                       "bytes it accesses instead of running the workload")
   args = parser.parse_args()

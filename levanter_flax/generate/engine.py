@@ -484,9 +484,13 @@ class Engine:
 
   def lowered_decode_forward(self, params: Any, length: int, sharding: NamedSharding):
     """The decode step's forward (every slot's token through the model, its cache rows `length`
-    long) lowered for abstract `params` (ShapeDtypeStructs) and inputs laid out by `sharding`,
-    under its mesh, so that the model traces for those devices' platform: a compile ahead of
-    time for devices this host may lack (bench/decode_roofline.py --topology)."""
+    long; not the sampler) lowered for abstract `params` (ShapeDtypeStructs) and inputs laid
+    out by `sharding`, under its mesh, so that the model traces for those devices' platform: a
+    compile ahead of time for devices this host may lack (bench/decode_roofline.py
+    --topology). For an engine without a mesh of its own."""
+    if self._batch_sharding is not None:
+      raise ValueError("lowered_decode_forward lays out its inputs by `sharding`: the engine "
+                       "must have no batch_sharding of its own")
     abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     cache = jax.tree.map(lambda x: abstract(x.shape, x.dtype), self._abstract_cache(length))
     slots = self.slots

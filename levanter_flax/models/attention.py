@@ -178,13 +178,12 @@ def _ring_append(cache: dict, entries: dict[str, jax.Array], start: jax.Array, r
 
 def _write(cache: dict, entries: dict[str, jax.Array], written: jax.Array) -> None:
   """Each row's new entries into the cache at positions `written` [batch, length]; those out of
-  its bounds are dropped. A chunk of tokens (prefill) is scattered in. One token a row (a
-  decode step) on a TPU is selected in, position by position, in whatever layout attention's
-  product keeps the cache: a scatter there made XLA copy each layer's keys and values to
-  another layout and back, every step (12.4 ms a step at 128 slots on a v5e chip, against 1.8
-  to read what it must; docs/serving.md). Elsewhere a scatter writes in place, and a select
-  would rewrite the whole cache."""
-  rows = jnp.arange(written.shape[0])[:, None]
+  its bounds are dropped. Several tokens a row (a prefill chunk) are scattered in. One token a
+  row (a decode step) on a TPU is selected in, position by position, in whatever layout
+  attention's product keeps the cache: that reads and writes each layer's whole cache, but a
+  scatter there made XLA copy each layer's keys and values to another layout and back as
+  well, every step (12.4 ms a step at 128 slots on a v5e chip, against 1.8 to read what it
+  must; docs/serving.md). Elsewhere a scatter writes in place."""
   select = written.shape[1] == 1 and platform_in_context() == "tpu"
   for name, value in entries.items():
     stored = cache[name].value
@@ -196,6 +195,7 @@ def _write(cache: dict, entries: dict[str, jax.Array], written: jax.Array) -> No
     else:
       # Per-head entries [batch, length, heads, d] go to [batch, heads, cache, d]: the indexed
       # positions come first in the update, as the new tokens' entries lie.
+      rows = jnp.arange(written.shape[0])[:, None]
       where = (rows, slice(None), written) if value.ndim == 4 else (rows, written)
       cache[name].value = stored.at[where].set(value.astype(stored.dtype), mode="drop")
 

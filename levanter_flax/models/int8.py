@@ -166,9 +166,8 @@ matmul.defvjp(_forward, _backward)
 @jax.custom_vjp
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """A mixture's grouped product through int8 (jax.lax.ragged_dot's): rows [m, k], sorted into
-  groups of group_sizes [E] rows (the rows after them unspecified: zeros on a CPU, unwritten
-  on a TPU), each times its group's
-  w [E, k, n]. Scales: rows per row and w per group and column in the forward pass; g per row
+  groups of group_sizes [E] rows, each times its group's w [E, k, n]; the rows after the groups
+  unspecified (zeros on a CPU, left unwritten on a TPU). Scales: rows per row and w per group and column in the forward pass; g per row
   and w per group and input row for dx; rows and g per group and feature, over the group's
   rows, for dw, whose int32 sums the caller bounds (check_group_rows). Named INT8_PRODUCT, as
   a Dense's."""
@@ -194,8 +193,7 @@ def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def _per_row(per_group: jax.Array, row_groups: jax.Array) -> jax.Array:
-  """per_group [E, d] as each row's [rows, d] (the last group's for rows after the groups,
-  whose products are zeros)."""
+  """per_group [E, d] as each row's [rows, d] (the last group's for rows after the groups)."""
   return jnp.take(per_group, row_groups, axis=0, mode="clip")
 
 

@@ -570,12 +570,13 @@ def _grouped_mlp(cfg: MoeConfig, layout: _Layout, int8_products: bool, rows, gro
                                        None, None, False, interpret)
   else:
     matmul = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
-  # On a TPU the grouped products leave the rows after the groups unwritten, forward and back
-  # (gmm, and ragged_dot's int32 products: seen on a v5e chip), where a dropped copy's row
-  # would take them: they are zeroed going in (which zeroes their gradient) and coming out.
+  # On a TPU the grouped products leave the rows after the groups (the dropped copies, and
+  # gmm's padding) unwritten, forward and back (gmm; ragged_dot's int32 products on a v5e
+  # chip): they are zeroed going in (which zeroes their gradient) and out of each product.
   grouped = (jnp.arange(rows.shape[0] + pad) < group_sizes.sum())[:, None]
   padded = jnp.where(grouped, jnp.pad(rows, ((0, pad), (0, 0))), 0)
-  outputs = jnp.where(grouped, _swiglu(matmul, padded, gate, up, down), 0)[:rows.shape[0]]
+  outputs = _swiglu(lambda a, w: jnp.where(grouped, matmul(a, w), 0), padded, gate, up,
+                    down)[:rows.shape[0]]
   return jax.lax.psum(outputs, layout.width_axes) if layout.width_axes else outputs
 
 
