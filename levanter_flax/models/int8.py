@@ -167,10 +167,10 @@ matmul.defvjp(_forward, _backward)
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """A mixture's grouped product through int8 (jax.lax.ragged_dot's): rows [m, k], sorted into
   groups of group_sizes [E] rows, each times its group's w [E, k, n]; the rows after the groups
-  unspecified (zeros on a CPU, left unwritten on a TPU). Scales: rows per row and w per group and column in the forward pass; g per row
-  and w per group and input row for dx; rows and g per group and feature, over the group's
-  rows, for dw, whose int32 sums the caller bounds (check_group_rows). Named INT8_PRODUCT, as
-  a Dense's."""
+  unspecified (zeros on a CPU, left unwritten on a TPU). Scales: rows per row and w per group
+  and column in the forward pass; g per row and w per group and input row for dx; rows and g
+  per group and feature, over the group's rows, for dw, whose int32 sums the caller bounds
+  (check_group_rows). Named INT8_PRODUCT, as a Dense's."""
   qx, scale_x = quantize(rows, 1)
   qw, scale_w = quantize(w, 1)
   product = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.int32)
