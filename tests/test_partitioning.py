@@ -19,6 +19,7 @@ from levanter_flax.parallel.partitioning import Partitioner, ShardingConfig, mak
 from levanter_flax.models.common import ComputeConfig, with_compute
 from levanter_flax.models import moe
 from levanter_flax.models.moe import MoeConfig
+from levanter_flax.models.pipeline import PipelineConfig
 from test_main import NANO, assert_one_line_error, run_main
 
 MODEL = GPT2Config(vocab_size=384, seq_len=32, num_layers=2, num_heads=4, hidden_dim=64)
@@ -72,10 +73,13 @@ def spec_of(array: jax.Array) -> tuple:
 
 
 def build(partitioner: Partitioner, model: GPT2Config = MODEL,
-          optimizer: optimizers.OptimizerConfig = OPTIMIZER) -> step.ShardedSteps:
-  """The model's steps with `optimizer`, its schedule over 100 steps, one microbatch a step."""
+          optimizer: optimizers.OptimizerConfig = OPTIMIZER,
+          pipeline: PipelineConfig = PipelineConfig(), accumulation: int = 1) -> step.ShardedSteps:
+  """The model's steps with `optimizer`, its schedule over 100 steps, `accumulation`
+  microbatches a step, pipelined by `pipeline` where the mesh has stages."""
   nano = to_run_config(load_config_file("gpt2_nano"))
-  trainer = dataclasses.replace(nano.trainer, num_train_steps=100, gradient_accumulation_steps=1)
+  trainer = dataclasses.replace(nano.trainer, num_train_steps=100,
+                                gradient_accumulation_steps=accumulation, pipeline=pipeline)
   run = dataclasses.replace(nano, model=model, optimizer=optimizer, trainer=trainer)
   return step.build(run, partitioner)
 

@@ -20,6 +20,7 @@ from levanter_flax.monitoring.wandb_config import WandbConfig
 from levanter_flax.monitoring.watch import MonitoringConfig
 from levanter_flax.optim.optimizers import OptimizerConfig
 from levanter_flax.parallel.partitioning import ShardingConfig
+from levanter_flax.models.pipeline import PipelineConfig
 from levanter_flax.core.schema import CHOSEN, STATE, setting
 
 _AUTO_BATCH = ("trainer.batch_size", "auto")
@@ -55,6 +56,9 @@ class TrainerConfig:
       (("data", -1),), "Multi-slice TPU: how many slices each mesh axis spans, over the "
       "data-center network (-1: all of them); device_mesh's sizes are then per slice. Read only "
       "when the devices span several slices", convert=_device_mesh, written={"data": -1})
+  pipeline: PipelineConfig = setting(
+      PipelineConfig(), "A stage axis of device_mesh (stage=N) pipelines the scanned layers "
+      "over N stages: the microbatches and the schedule (docs/scaling.md)")
   cpu_devices: int = setting(
       0, "On a CPU backend, split each process's CPU into this many XLA devices (0: JAX's "
       "default, one): small models run faster data-parallel, one device per core")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import STATE, setting
+from levanter_flax.models import pipeline
 
 
 # The name int8's products carry (models/int8.py): their dot_general hides in a custom_vjp,
@@ -257,6 +258,9 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
   layers, unrolled_name: a model of two kinds of layer (DeepSeek-V3's dense ones, then its
   mixtures) stacks each kind apart: `layers` the indices of this kind (by default all), named
   <unrolled_name>_<i> unrolled (by default <name>_<i>).
+
+  A scanned stack traced by a pipelined step on a mesh with stages runs as pipeline.run
+  schedules it, on the params the scan initialised.
   """
   layers = range(cfg.num_layers) if layers is None else layers
   if not layers:
@@ -272,17 +276,22 @@ def stack_layers(layer_cls, cfg, decode: bool, name: str, x: jax.Array, shared,
                                mutable=True)
     return stacked(layer, cfg, tuple(per_layer[i] for i in layers), name=name)(x, shared)
   if cfg.compute.scan_layers:
+    stack = layer(cfg, decode, name=name)
+    schedule = None if decode else pipeline.schedule_in_context()
+    if schedule is not None and not stack.is_initializing():
+      return pipeline.run(layer, cfg, stack, x, shared, per_layer, schedule, SOWN_COLLECTIONS,
+                          (BALANCE,))
     scanned = dict(variable_axes={name: 0 for name in ("params", "cache", *SOWN_COLLECTIONS)},
                    split_rngs={"params": True, "dropout": True},  # LoRA's dropout, per layer.
                    length=len(layers))
     if per_layer is None:
       scan = nn.scan(lambda module, carry, shared: (module(carry, shared), None),
                      in_axes=nn.broadcast, **scanned)
-      x, _ = scan(layer(cfg, decode, name=name), x, shared)
+      x, _ = scan(stack, x, shared)
     else:
       scan = nn.scan(lambda module, carry, shared, value: (module(carry, shared, value), None),
                      in_axes=(nn.broadcast, 0), **scanned)
-      x, _ = scan(layer(cfg, decode, name=name), x, shared, jnp.asarray(per_layer))
+      x, _ = scan(stack, x, shared, jnp.asarray(per_layer))
     return x
   for i in layers:
     extra = () if per_layer is None else (per_layer[i],)

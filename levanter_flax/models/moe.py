@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import FREE, MODEL, STATE, setting
-from levanter_flax.models import int8, lora
+from levanter_flax.models import int8, lora, pipeline
 from levanter_flax.models.common import (BALANCE, cast_in_layer, constrain,
                                          platform_in_context)
 
@@ -417,10 +417,12 @@ def routed_experts(cfg: MoeConfig, x: jax.Array, experts: jax.Array, weights: ja
                                             dict(zip(EXPERT_AXES["gate_proj"], gate.shape)))
   routing_spec = P(*token_spec[:2], None)
   # Megablox declares its outputs without the mesh axes they vary over, which only an
-  # unchecked shard_map accepts.
+  # unchecked shard_map accepts; and jax 0.10 cannot vmap a checked one over a pipeline's
+  # stages (spmd_axis_name: its batching rule marks the stage axis varying twice).
+  checked = (int8_products or grouped_matmul(cfg) != "gmm") and not pipeline.in_stage()
   on_device = jax.shard_map(
       lambda *args: _on_device(cfg, layout, int8_products, *args),
-      out_specs=(P(*token_spec), P()), check_vma=int8_products or grouped_matmul(cfg) != "gmm",
+      out_specs=(P(*token_spec), P()), check_vma=checked,
       in_specs=(P(*token_spec), routing_spec, routing_spec, *stack_specs))
   return on_device(x, experts, weights, gate, up, down)
 

@@ -29,6 +29,8 @@ from levanter_flax.core.errors import UserError
 from levanter_flax.core.schema import setting
 
 AxisNames = Union[None, str, tuple[str, ...]]
+# The mesh axis of a pipeline's stages (trainer.device_mesh stage=N): models/pipeline.py.
+STAGE_AXIS = "stage"
 # (logical axis, mesh axes) pairs, as t5x's and Flax's logical_axis_rules write them.
 AxisRules = tuple[tuple[str, AxisNames], ...]
 
@@ -257,8 +259,11 @@ class Partitioner:
                         f"another name")
       for axis in axes_of(axes):
         self._check_axis(axis, where)
-    # The one table for parameters (the rules' logical names) and activations.
-    self.logical_axes = {**role_presets(config), **dict(config.logical_axis_rules)}
+    # The one table for parameters (the rules' logical names) and activations. A layer stack's
+    # leading dimension goes on the pipeline's stages (models/pipeline.py).
+    stages = {"layers": STAGE_AXIS} if STAGE_AXIS in mesh.shape else {}
+    self.logical_axes = {**role_presets(config), **stages, **dict(config.logical_axis_rules)}
+    self._layers = self._mesh_axes("layers", "layers")
     self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
                         for pattern, spec in with_adapter_rules(config.rules))
 
@@ -298,13 +303,15 @@ class Partitioner:
 
   def rule_spec(self, name: str, shape: tuple[int, ...]) -> tuple[AxisNames, ...]:
     """The first matching rule's spec, on the mesh. A spec shorter than the array names its
-    trailing dimensions; the leading ones (the layer axis of scanned blocks) are not split."""
+    trailing dimensions; the first leading one (the layer axis of scanned blocks) has the
+    logical axis "layers" (the pipeline's stages, if any), the others are not split."""
     for pattern, spec in self._rules:
       if re.search(pattern, name):
         if len(spec) > len(shape):
           raise UserError(f"config.sharding.rules entry {pattern!r} gives {len(spec)} "
                           f"dimensions to parameter {name} of shape {shape}")
-        return (None,) * (len(shape) - len(spec)) + tuple(spec)
+        leading = len(shape) - len(spec)
+        return (self._layers,)[:leading] + (None,) * (leading - 1) + tuple(spec)
     if self.config.strict:
       raise UserError(f"parameter {name} {shape} matches no rule in config.sharding.rules "
                       "(config.sharding.strict is set)")

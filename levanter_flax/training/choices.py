@@ -20,6 +20,7 @@ from levanter_flax.config.settings import RunConfig, TrainerConfig
 from levanter_flax.core.errors import UserError
 from levanter_flax.data.manifest import PreparedDataset
 from levanter_flax.data.position import default_reader_groups
+from levanter_flax.models import pipeline
 from levanter_flax.parallel import partitioning
 
 
@@ -81,6 +82,10 @@ def _warn_if_search_changed(saved: dict, kept: dict, trainer: TrainerConfig,
 
 def check_batch_size(trainer: TrainerConfig, partitioner: partitioning.Partitioner) -> None:
   partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
+  schedule = pipeline.schedule_of(trainer.pipeline,
+                                  partitioner.logical_axis_size(pipeline.LAYERS))
+  pipeline.check_batch(schedule, trainer.batch_size // trainer.gradient_accumulation_steps,
+                       partitioner.data_parallel_size)
   if (trainer.batch_size // trainer.gradient_accumulation_steps) % jax.process_count():
     raise UserError(f"config.trainer.batch_size ({trainer.batch_size}) / "
                     f"gradient_accumulation_steps ({trainer.gradient_accumulation_steps}) "

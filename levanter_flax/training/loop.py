@@ -143,6 +143,8 @@ def _build_and_train(run: RunConfig, workdir: epath.Path, lock: locks.JobLock,
     logging.info("Model: %s, %s parameters; mesh %s", start.run.model, f"{num_params:,}",
                  dict(mesh.shape))
     logging.info("Parameter layout:\n%s", steps.layout_table())
+    if steps.pipeline_schedule:
+      logging.info("Pipeline: %s (trainer.pipeline)", steps.pipeline_schedule.describe())
     with partitioner.activation_context(), opened.pop_all():
       return _restore_and_train(start, workdir, steps, partitioner, checkpointer, stop, lock,
                                 due_callbacks)

@@ -16,7 +16,7 @@ from levanter_flax import models
 from levanter_flax.objectives import base as objective_base, next_token
 from levanter_flax.optim import optimizers, spikes
 from levanter_flax.parallel import partitioning
-from levanter_flax.models import common, lora, moe
+from levanter_flax.models import common, lora, moe, pipeline
 
 if TYPE_CHECKING:  # settings.py imports batch_search.py, which imports this module.
   from levanter_flax.config import settings
@@ -449,6 +449,7 @@ class ShardedSteps:
   # trains on what it samples.
   log_probs: Callable[[Any, jax.Array], jax.Array]
   unmatched_params: frozenset[str]  # Those no partition rule matches.
+  pipeline_schedule: pipeline.Schedule | None = None  # How the layers are pipelined, if at all.
 
   def abstract_inputs(self, batch_size: int) -> tuple[TrainState, Batch]:
     """train_step's arguments as ShapeDtypeStructs with their shardings, for global batches of
@@ -526,6 +527,8 @@ def _build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
            eos_id: int | None, objective: objective_base.Objective) -> ShardedSteps:
   if moe.section_of(run.model) is not None:
     moe.check_expert_axis(run.model.moe, partitioner.logical_axis_size("experts"))
+  pipeline_schedule = _pipeline_schedule(run, partitioner)
+  pipelined = scheduled_by(pipeline_schedule, run.trainer.pipeline)
   platform = partitioner.mesh.devices.flat[0].platform
   attention = common.attention_implementation(run.model, platform)
   common.check_attention_platform(attention, platform)
@@ -563,15 +566,38 @@ def _build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
       # (restore.py), so a start holds the params at most twice (policy and reference).
       init=jax.jit(lambda rng: init(rng).replace(reference=None),
                    out_shardings=shardings.replace(reference=None)),
-      train_step=jax.jit(train_step, in_shardings=(shardings, batch),
+      train_step=jax.jit(pipelined(train_step), in_shardings=(shardings, batch),
                          out_shardings=(shardings, replicated), donate_argnums=(0,)),
-      eval_step=jax.jit(make_eval_step(model, eos_id, objective),
+      eval_step=jax.jit(pipelined(make_eval_step(model, eos_id, objective)),
                         in_shardings=(eval_params, batch), out_shardings=replicated),
-      log_probs=jax.jit(lambda params, tokens: -_token_losses(
-          model, params, tokens, eos_id, temperature=objective.logit_temperature)[0],
+      log_probs=jax.jit(pipelined(lambda params, tokens: -_token_losses(
+          model, params, tokens, eos_id, temperature=objective.logit_temperature)[0]),
                         in_shardings=(shardings.model_params, batch), out_shardings=batch),
       unmatched_params=frozenset(partitioner.unmatched(shapes.model_params)),
+      pipeline_schedule=pipeline_schedule,
   )
+
+
+def _pipeline_schedule(run, partitioner: partitioning.Partitioner) -> pipeline.Schedule | None:
+  """The pipeline's schedule on the partitioner's mesh (None: no stage axis), checked."""
+  family = models.family(run.model)
+  return pipeline.check(run.trainer.pipeline, partitioner.logical_axis_size(pipeline.LAYERS),
+                        run.model, family.name, family.layer_stacks is not None)
+
+
+def scheduled_by(schedule: pipeline.Schedule | None, config: pipeline.PipelineConfig):
+  """f -> f tracing its model pipelined by `config` (models/pipeline.py), where the mesh has
+  stages; f itself where it has none."""
+  if schedule is None:
+    return lambda f: f
+
+  def wrap(f):
+    @functools.wraps(f)
+    def traced_pipelined(*args):
+      with pipeline.scheduled(config):
+        return f(*args)
+    return traced_pipelined
+  return wrap
 
 
 def _cross_slice_batch_axis(run, partitioner: partitioning.Partitioner,

@@ -1,0 +1,255 @@
+"""Pipeline parallelism: a scanned layer stack split into stages over the `stage` mesh axis,
+the batch cut into microbatches that flow through them (trainer.pipeline).
+
+Stage s of N holds layers s*C .. s*C + C - 1 of each of R repeats (C = layers / (N * R)): with
+R = 1 consecutive layers (GPipe), with R > 1 every N*C-th chunk (the circular schedule, as
+MaxText's). Each iteration every stage runs its chunk on one microbatch, then the activations
+move one stage on (a collective permute over `stage`); microbatch m reaches stage s, repeat r at
+iteration r*M + m + s, so a step takes M*R + N - 1 iterations, N - 1 of them partly idle (the
+bubble). The backward pass is the loop's transpose: all forwards, then all backwards.
+
+The params keep the unstaged layout [layers, ...] (checkpoints, export and any other mesh read
+them as they are); partitioning splits their layer dimension over `stage`, so that for R = 1
+each stage's chunk is already on its devices. A step's functions trace the model inside
+`scheduled(config)`; stack_layers (common.py) asks `schedule_in_context` whether to pipeline.
+Imports jax, flax and core only.
+"""
+import contextlib
+import dataclasses
+import math
+import threading
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from levanter_flax.core import checks
+from levanter_flax.core.errors import UserError
+from levanter_flax.core.schema import setting
+
+# The logical axis of a layer stack's leading dimension and of the stages' activations: the
+# partitioner maps it onto the mesh's `stage` axis, whose size is the stages'.
+LAYERS = "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """How a `stage` axis of trainer.device_mesh pipelines the layers (config.trainer.pipeline)."""
+  microbatches: int = setting(
+      0, "Microbatches each batch (each accumulation microbatch) is cut into to flow through "
+      "the stages, at least the stages; 0: as many as the stages. More shrink the bubble, "
+      "(stages - 1) / (microbatches * repeats + stages - 1)")
+  repeats: int = setting(
+      1, "Chunks of layers each stage holds, every stages-th chunk (the circular schedule): "
+      "the bubble shrinks by this factor, at the cost of repeats times the sends")
+
+  def __post_init__(self):
+    checks.ranges(self, "trainer.pipeline", {"microbatches": checks.at_least(0, "0: the stages")})
+    checks.positive(self, "trainer.pipeline", ("repeats",))
+
+
+class Schedule(NamedTuple):
+  """N stages, M microbatches, R repeats."""
+  stages: int
+  microbatches: int
+  repeats: int
+
+  @property
+  def iterations(self) -> int:
+    return self.microbatches * self.repeats + self.stages - 1
+
+  @property
+  def bubble(self) -> float:
+    """The fraction of stage-iterations idle: (N - 1) / (M*R + N - 1)."""
+    return (self.stages - 1) / self.iterations
+
+  def describe(self) -> str:
+    return (f"{self.stages} stages x {self.repeats} repeats, {self.microbatches} microbatches: "
+            f"{self.iterations} iterations, bubble {self.bubble:.1%}")
+
+
+def schedule_of(config: PipelineConfig, stages: int) -> Schedule | None:
+  """The schedule on a mesh of `stages` stages; None (no pipeline) for one."""
+  if stages <= 1:
+    return None
+  return Schedule(stages, config.microbatches or stages, config.repeats)
+
+
+def check(config: PipelineConfig, stages: int, model_config, family_name: str,
+          stacks_apart: bool) -> Schedule | None:
+  """The schedule, or one line naming the setting that cannot pipeline `model_config`.
+  stacks_apart: the family stacks its kinds of layer apart (DeepSeek's dense, then mixtures)."""
+  schedule = schedule_of(config, stages)
+  if schedule is None:
+    return None
+  where = f"trainer.device_mesh stage={stages}"
+  if stacks_apart:
+    raise UserError(f"{where}: {family_name} stacks its kinds of layer apart (dense, then "
+                    f"mixtures), which cannot be pipelined; use a mesh without stage")
+  if not model_config.compute.scan_layers:
+    raise UserError(f"{where} pipelines a scanned layer stack: set "
+                    f"config.model.compute.scan_layers=True")
+  if schedule.microbatches < stages:
+    raise UserError(f"trainer.pipeline.microbatches ({schedule.microbatches}) must be at least "
+                    f"the stages ({where})")
+  if model_config.num_layers % (stages * schedule.repeats):
+    raise UserError(f"{where} x trainer.pipeline.repeats ({schedule.repeats}) = "
+                    f"{stages * schedule.repeats} must divide config.model.num_layers "
+                    f"({model_config.num_layers})")
+  return schedule
+
+
+def check_batch(schedule: Schedule | None, rows: int, data_parallel: int) -> None:
+  """Each microbatch (rows per accumulation microbatch / microbatches) splits over the batch's
+  axes."""
+  if schedule and rows % (schedule.microbatches * data_parallel):
+    raise UserError(f"config.trainer.batch_size / gradient_accumulation_steps ({rows}) must be "
+                    f"divisible by trainer.pipeline.microbatches ({schedule.microbatches}) x the "
+                    f"activation axis size ({data_parallel})")
+
+
+_CONTEXT = threading.local()
+
+
+@contextlib.contextmanager
+def scheduled(config: PipelineConfig):
+  """Within it, a model traced on a mesh with a `stage` axis pipelines its layer stack."""
+  previous = getattr(_CONTEXT, "config", None)
+  _CONTEXT.config = config
+  try:
+    yield
+  finally:
+    _CONTEXT.config = previous
+
+
+def stage_axes() -> tuple[str, ...]:
+  """The mesh axes the stages are on, by the logical axis rules in context."""
+  axes = dict(nn.get_logical_axis_rules()).get(LAYERS)
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def schedule_in_context() -> Schedule | None:
+  """The schedule of the step being traced (scheduled()) on the mesh in context; None if none."""
+  config = getattr(_CONTEXT, "config", None)
+  if config is None:
+    return None
+  mesh = jax.sharding.get_abstract_mesh()
+  return schedule_of(config, math.prod(mesh.shape[axis] for axis in stage_axes()))
+
+
+def in_stage() -> bool:
+  """Whether the model being traced is one stage's chunk, vmapped over the stages."""
+  return getattr(_CONTEXT, "in_stage", False)
+
+
+@contextlib.contextmanager
+def _tracing_a_stage():
+  _CONTEXT.in_stage = True
+  try:
+    yield
+  finally:
+    _CONTEXT.in_stage = False
+
+
+def microbatches(rows: jax.Array, count: int) -> jax.Array:
+  """[batch, ...] -> [count, batch / count, ...]: microbatch i is rows i, i + count, ...,
+  so that each one is spread over every device of the batch axis (as accumulation's)."""
+  if rows.shape[0] % count:
+    raise UserError(f"a batch of {rows.shape[0]} rows cannot be cut into "
+                    f"trainer.pipeline.microbatches ({count})")
+  return rows.reshape(rows.shape[0] // count, count, *rows.shape[1:]).swapaxes(0, 1)
+
+
+def _rows(micro: jax.Array) -> jax.Array:
+  """microbatches' inverse."""
+  return micro.swapaxes(0, 1).reshape(-1, *micro.shape[2:])
+
+
+def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
+        schedule: Schedule, collections: tuple[str, ...], summed: tuple[str, ...]) -> jax.Array:
+  """The layers of `stack` (a layer_cls module whose params are stacked [layers, ...], as
+  stack_layers' scan makes them) applied to x [batch, length, embed] as `schedule` pipelines
+  them. What the layers sow into `collections` is put in `stack`'s as the scan would: per
+  layer, each microbatch's mean (their sum for the collections in `summed`: counts)."""
+  stages, count, repeats = schedule
+  params = stack.variables["params"]
+  num_layers = jax.tree.leaves(params)[0].shape[0]
+  chunk = num_layers // (stages * repeats)
+
+  def staged(a):  # [layers, ...] -> [stage, repeat, layer in the chunk, ...]
+    return a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
+  stage_params = jax.tree.map(staged, params)
+  values = None if per_layer is None else staged(jnp.asarray(per_layer))
+  batch = x.shape[0]
+  inputs = _constrain(microbatches(x, count), None)
+  shared = jax.tree.map(
+      lambda a: microbatches(jnp.broadcast_to(a, (batch, *a.shape[1:])), count), shared)
+  dropout = stack.make_rng("dropout") if stack.has_rng("dropout") else None
+  layer = layer_cls(cfg, False)
+
+  @_tracing_a_stage()
+  def stage(p, h, sh, vals, index, step):
+    """One stage's chunk on one microbatch; index: the stage's, step: r*M + m."""
+    repeat = step // count
+    p = jax.tree.map(lambda a: a[repeat] if repeats > 1 else a[0], p)
+    vals = None if vals is None else vals[repeat] if repeats > 1 else vals[0]
+
+    def one_layer(h, xs):
+      p_layer, value, j = xs
+      rngs = None
+      if dropout is not None:  # Per layer and microbatch, whatever the stages.
+        layer_index = (repeat * stages + index) * chunk + j
+        rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(dropout, step % count),
+                                              layer_index)}
+      extra = () if value is None else (value,)
+      return layer.apply({"params": p_layer}, h, sh, *extra, rngs=rngs,
+                         mutable=list(collections))
+    return jax.lax.scan(one_layer, h, (p, vals, jnp.arange(chunk)))
+
+  per_stage = jax.vmap(stage, spmd_axis_name=stage_axes())
+  indices = jnp.arange(stages)
+
+  def iteration(carry, t):
+    state, buffer = carry
+    step = t - indices  # Each stage's work: microbatch step % M of repeat step // M.
+    step = jnp.clip(step, 0, count * repeats - 1)
+    state = state.at[0].set(buffer[t % count])
+    state = _constrain(state, LAYERS)
+    sh = jax.tree.map(lambda a: a[step % count], shared)
+    out, sown = per_stage(stage_params, state, sh, values, indices, step)
+    out = _constrain(out, LAYERS)
+    done = t - (stages - 1)  # The last stage's step: written back for the next repeat, or out.
+    last = jnp.clip(done, 0, count * repeats - 1) % count
+    kept = jnp.where((done >= 0) & (done < count * repeats), out[-1], buffer[last])
+    buffer = _constrain(buffer.at[last].set(kept), None)
+    return (jnp.roll(out, 1, axis=0), buffer), sown
+
+  state = _constrain(jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype), LAYERS)
+  (_, outputs), sown = jax.lax.scan(iteration, (state, inputs),
+                                    jnp.arange(schedule.iterations))
+  for collection, tree in _per_layer(sown, schedule, summed).items():
+    for name, value in tree.items():
+      stack.put_variable(collection, name, value)
+  return _rows(outputs)
+
+
+def _per_layer(sown: dict, schedule: Schedule, summed: tuple[str, ...]) -> dict:
+  """The loop's sown values [iterations, stage, layer in the chunk, ...] as [layers, ...],
+  each layer's combined over the microbatches it ran."""
+  stages, count, repeats = schedule
+  m, r, s = jnp.meshgrid(jnp.arange(count), jnp.arange(repeats), jnp.arange(stages),
+                         indexing="ij")
+  t = r * count + m + s  # When stage s ran microbatch m of repeat r.
+
+  def per_layer(collection, a):
+    a = a[t, s]  # [M, R, N, chunk, ...]: layer (r*N + s)*chunk + j.
+    a = a.reshape(count, -1, *a.shape[5:])
+    return a.sum(0) if collection in summed else a.mean(0)
+  return {collection: jax.tree.map(lambda a, c=collection: per_layer(c, a), dict(tree))
+          for collection, tree in sown.items() if tree}
+
+
+def _constrain(x: jax.Array, first: Any) -> jax.Array:
+  """[first, microbatch rows, length, embed] laid out: rows over the batch's axes."""
+  return nn.with_logical_constraint(x, (first, "batch", "length", "embed"))
