@@ -16,6 +16,7 @@ from levanter_flax.config import settings
 from levanter_flax.training import step
 from levanter_flax.data import DataConfig
 from levanter_flax.models.gpt2 import GPT2Config
+from levanter_flax.models.pipeline import PipelineConfig
 
 OPTIMIZER = optimizers.OptimizerConfig(learning_rate=1e-3, warmup_steps=10)
 DATA_PARALLEL = partitioning.ShardingConfig(tensor_axis=None)
@@ -45,12 +46,14 @@ class CompiledStep:
 def run_config(model_cfg: GPT2Config, batch_size: int, device_mesh=(("data", -1),),
                sharding: partitioning.ShardingConfig = DATA_PARALLEL,
                optimizer: optimizers.OptimizerConfig = OPTIMIZER, num_microbatches: int = 1,
-               document_masking: bool = False, spike_policy: str = "none") -> settings.RunConfig:
-  """A benchmark's run: the model on `device_mesh`, its learning rate scheduled over 1000 steps."""
+               document_masking: bool = False, spike_policy: str = "none",
+               pipeline: PipelineConfig = PipelineConfig()) -> settings.RunConfig:
+  """A benchmark's run: the model on `device_mesh` (pipelined by `pipeline` where it has a
+  stage axis), its learning rate scheduled over 1000 steps."""
   trainer = settings.TrainerConfig(batch_size=batch_size, num_train_steps=1000,
                                    device_mesh=device_mesh,
                                    gradient_accumulation_steps=num_microbatches,
-                                   spike_policy=spike_policy)
+                                   spike_policy=spike_policy, pipeline=pipeline)
   return settings.RunConfig(model=model_cfg, trainer=trainer, optimizer=optimizer,
                             data=DataConfig(document_masking=document_masking), sharding=sharding)
 

@@ -1,21 +1,25 @@
 """Pipeline parallelism (models/pipeline.py) on 8 fake CPU devices: each layout trains as one
 device does, resumes on another stage count, and bad settings are one line."""
 import dataclasses
+import re
 import shutil
 
 import jax
 import numpy as np
 import pytest
+from absl import flags
 
 from conftest import train_losses
 from levanter_flax import models
-from levanter_flax.config import mesh, to_run_config
+from levanter_flax.config import loading, mesh, to_run_config
 from levanter_flax.core.errors import UserError
-from levanter_flax.models import pipeline
+from levanter_flax.models import moe, pipeline
+from levanter_flax.models.moe import MoeConfig
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
 from levanter_flax.training import step
 from levanter_flax.training.loop import train_and_evaluate
+from test_main import NANO
 from test_partitioning import BATCH_SIZE, build, sharding_config, tiny
 
 NUM_STEPS = 5
@@ -50,14 +54,14 @@ EXPERT_LAYOUT = Layout((("stage", 2), ("data", 2), ("expert", 2)), 2,
                        sharding={"expert_axis": "expert", "parameter_axis": "data"})
 
 
-def model_of(name: str, remat: str = "none"):
-  return tiny(name, num_layers=4, compute=ComputeConfig(scan_layers=True, remat=remat))
+def model_of(name: str, remat: str = "none", **fields):
+  return tiny(name, num_layers=4, compute=ComputeConfig(scan_layers=True, remat=remat), **fields)
 
 
-def trained(name: str, layout: Layout, devices=None):
-  """(losses of NUM_STEPS steps, the gradient at the first batch, the steps), on fixed random
-  batches."""
-  model = model_of(name, layout.remat)
+def trained(name: str, layout: Layout, devices=None, **fields):
+  """(losses of NUM_STEPS steps, the gradient at the first batch, the steps, the last state),
+  on fixed random batches; `fields`: the model's, over the tiny one's."""
+  model = model_of(name, layout.remat, **fields)
   config = pipeline.PipelineConfig(microbatches=layout.microbatches, repeats=layout.repeats)
   accumulation = layout.accumulation
   partitioner = Partitioner(make_mesh(layout.device_mesh, devices), sharding_config(
@@ -75,7 +79,7 @@ def trained(name: str, layout: Layout, devices=None):
     for batch in batches:
       state, metrics = steps.train_step(state, batch)
       losses.append(float(metrics["train/loss"]))
-  return np.array(losses), grads, steps
+  return np.array(losses), grads, steps, state
 
 
 _REFERENCE = {}
@@ -93,7 +97,7 @@ def one_device(name: str, accumulation: int):
 
 def assert_trains_as_on_one_device(name: str, layout: str):
   spec = EXPERT_LAYOUT if layout == "expert" else LAYOUTS[layout]
-  losses, grads, steps = trained(name, spec)
+  losses, grads, steps, _ = trained(name, spec)
   assert steps.pipeline_schedule == (dict(spec.device_mesh)["stage"], spec.microbatches,
                                      spec.repeats)
   cuts = spec.accumulation * spec.microbatches if name == "mixtral" else 1
@@ -117,19 +121,36 @@ def test_each_layout_trains_as_on_one_device(name, layout):
   assert_trains_as_on_one_device(name, layout)
 
 
+@pytest.mark.slow
+def test_sigmoid_routers_balance_as_under_accumulation():
+  """The copies per expert that move a sigmoid router's biases add up over the microbatches, as
+  accumulation's: losses and the biases after 5 steps are one device's."""
+  moe_cfg = MoeConfig(scoring="sigmoid", bias_update_rate=0.01)
+  layout = LAYOUTS["stage2_data4"]
+  losses, _, _, state = trained("mixtral", layout, moe=moe_cfg)
+  one, _, _, one_state = trained("mixtral", Layout((("data", 1),), 0, accumulation=2),
+                                 devices=jax.devices()[:1], moe=moe_cfg)
+  np.testing.assert_allclose(losses, one, rtol=1e-5)
+  biases = [np.asarray(s.params["layers"]["mlp"][moe.BIAS]) for s in (state, one_state)]
+  assert biases[0].shape == (4, 8)
+  np.testing.assert_allclose(*biases, atol=1e-6)
+  assert np.abs(biases[1]).max() > 0.001
+
+
 def test_the_stages_hold_their_layers_and_pass_activations_on():
   """Each stack's layer dimension is split over the stages, and the compiled step sends
   activations from stage to stage (collective permutes) without gathering any layer stack."""
   partitioner = Partitioner(make_mesh(LAYOUTS["stage2_data4"].device_mesh), sharding_config(
       rules=models.FAMILIES["gpt2"].partition_rules))
   steps = build(partitioner, model_of("gpt2"), pipeline=pipeline.PipelineConfig(microbatches=2))
-  for name, sharding in jax.tree_util.tree_leaves_with_path(steps.state_shardings.params):
-    if "h" == name[0].key:
-      assert sharding.spec[0] == "stage", name
+  stacks = {path: x for path, x in jax.tree_util.tree_leaves_with_path(steps.abstract_state.params)
+            if path[0].key == "h"}
+  assert stacks and all(x.sharding.spec[0] == "stage" for x in stacks.values())
   with partitioner.activation_context():
     hlo = steps.train_step.lower(*steps.abstract_inputs(BATCH_SIZE)).compile().as_text()
   assert "collective-permute" in hlo
-  assert " all-gather(" not in hlo
+  gathered = set(re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo))
+  assert not gathered & {",".join(map(str, x.shape)) for x in stacks.values()}, gathered
 
 
 def test_the_bubble_is_the_schedules():
@@ -208,4 +229,26 @@ def test_a_batch_the_microbatches_cannot_split_is_named(tiny_config, tmp_path):
   with pytest.raises(UserError, match=r"config.trainer.batch_size / gradient_accumulation_steps "
                                       r"\(8\) must be divisible by trainer.pipeline.microbatches "
                                       r"\(4\) x the activation axis size \(4\)"):
+    train_and_evaluate(to_run_config(tiny_config), tmp_path)
+
+
+def test_a_stage_axis_is_added_to_the_mesh_from_the_command_line():
+  """--config.trainer.device_mesh.stage=N adds the axis the config's mesh lacks, outermost."""
+  argv = ["train", f"--config={NANO}", "--config.trainer.device_mesh.stage=2",
+          "--config.trainer.dcn_mesh.stage=2", "--config.trainer.dcn_mesh.data=1"]
+  values = flags.FlagValues()
+  loading.define_config_flag("the config", values, sys_argv=argv)
+  values(argv)
+  run = loading.run_config_of_flags(values)
+  assert run.trainer.device_mesh == (("stage", 2), ("data", -1), ("model", 1))
+  assert run.trainer.dcn_mesh == (("stage", 2), ("data", 1))
+
+
+def test_the_batch_search_refuses_a_pipelined_run(tiny_config, tmp_path):
+  tiny_config.model.num_layers = 4
+  tiny_config.model.compute.scan_layers = True
+  tiny_config.trainer.device_mesh = mesh(stage=2, data=4, model=1)
+  tiny_config.trainer.batch_size = "auto"
+  with pytest.raises(UserError, match=r"config.trainer.batch_size=auto does not search a "
+                                      r"pipelined run's batch"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)

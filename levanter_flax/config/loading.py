@@ -218,8 +218,25 @@ def define_config_flag(help_string: str, flag_values: flags.FlagValues = flags.F
   load_config_file."""
   holder = config_flags.DEFINE_config_file("config", None, help_string, flag_values,
                                            lock_config=True, sys_argv=sys_argv)
-  flag_values["config"].parser = _ConfigFileParser()
+  flag_values["config"].parser = _ConfigFileParser(sys_argv)
   return holder
+
+
+# The meshes a --config.<mesh>.<axis>=N override may add an axis to.
+_MESHES = ("trainer.device_mesh", "trainer.dcn_mesh")
+
+
+def _add_mesh_axes(config: ml_collections.ConfigDict, argv: list[str]) -> None:
+  """Adds to each mesh of `config` the axes an override names that it lacks (a pipeline's
+  `stage`), of size 1 until the override sets it, before its own axes: the outermost."""
+  for mesh_key in _MESHES:
+    prefix = f"--config.{mesh_key}."
+    named = [arg.removeprefix(prefix).split("=", 1)[0] for arg in argv if arg.startswith(prefix)]
+    section = _section_at(config, mesh_key.split("."))
+    added = [axis for axis in dict.fromkeys(named) if section is not None and axis not in section]
+    if added:
+      *parents, name = mesh_key.split(".")
+      _section_at(config, parents)[name] = mesh(**{axis: 1 for axis in added}, **section)
 
 
 class _ConfigFileParser(flags.ArgumentParser):
@@ -230,8 +247,13 @@ class _ConfigFileParser(flags.ArgumentParser):
   get_config() comes out as a missing config key ("config_config").
   """
 
+  def __init__(self, sys_argv: Optional[list[str]] = None):
+    super().__init__()
+    self._argv = sys_argv
+
   def parse(self, argument: str) -> ml_collections.ConfigDict:
     config = load_config_file(argument)
+    _add_mesh_axes(config, self._argv if self._argv is not None else sys.argv)
     config.lock()
     return config
 

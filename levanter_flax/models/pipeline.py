@@ -211,26 +211,33 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
   indices = jnp.arange(stages)
 
   def iteration(carry, t):
-    state, buffer = carry
-    step = t - indices  # Each stage's work: microbatch step % M of repeat step // M.
-    step = jnp.clip(step, 0, count * repeats - 1)
-    state = state.at[0].set(buffer[t % count])
-    state = _constrain(state, LAYERS)
+    """state: each stage's input at iteration t; queue: the microbatches waiting for stage 0,
+    the one it takes at iteration t + 1 + p at position p."""
+    state, queue = carry
+    step = jnp.clip(t - indices, 0, count * repeats - 1)  # Microbatch step % M, repeat step // M.
     sh = jax.tree.map(lambda a: a[step % count], shared)
-    out, sown = per_stage(stage_params, state, sh, values, indices, step)
+    out, sown = per_stage(stage_params, _constrain(state, LAYERS), sh, values, indices, step)
     out = _constrain(out, LAYERS)
-    done = t - (stages - 1)  # The last stage's step: written back for the next repeat, or out.
-    last = jnp.clip(done, 0, count * repeats - 1) % count
-    kept = jnp.where((done >= 0) & (done < count * repeats), out[-1], buffer[last])
-    buffer = _constrain(buffer.at[last].set(kept), None)
-    return (jnp.roll(out, 1, axis=0), buffer), sown
+    # The last stage's output waits for its next repeat (or the end) at position M - N, which
+    # stage 0 reaches M - N + 1 iterations on; static positions keep the queue laid out as the
+    # batch (a position picked by t made XLA gather it).
+    done = t - (stages - 1)
+    finished = (done >= 0) & (done < count * repeats)
+    last = nn.with_logical_constraint(out[-1], ("batch", "length", "embed"))  # On every stage.
+    queue = jnp.roll(queue, -1, axis=0)
+    queue = _constrain(queue.at[count - stages].set(
+        jnp.where(finished, last, queue[count - stages])), None)
+    # Each stage's output moves one stage on; none from the last to the first.
+    return (jnp.concatenate([queue[:1], out[:-1]], axis=0), queue), sown
 
-  state = _constrain(jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype), LAYERS)
-  (_, outputs), sown = jax.lax.scan(iteration, (state, inputs),
-                                    jnp.arange(schedule.iterations))
+  state = jnp.concatenate([inputs[:1], jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
+  (_, queue), sown = jax.lax.scan(iteration, (state, inputs), jnp.arange(schedule.iterations))
   for collection, tree in _per_layer(sown, schedule, summed).items():
     for name, value in tree.items():
       stack.put_variable(collection, name, value)
+  # Microbatch m's last output was queued at iteration (R-1)M + m + N - 1, M - 1 - m
+  # iterations before the end: at position m - N + 1.
+  outputs = jnp.roll(queue, stages - 1, axis=0)
   return _rows(outputs)
 
 
@@ -244,7 +251,7 @@ def _per_layer(sown: dict, schedule: Schedule, summed: tuple[str, ...]) -> dict:
 
   def per_layer(collection, a):
     a = a[t, s]  # [M, R, N, chunk, ...]: layer (r*N + s)*chunk + j.
-    a = a.reshape(count, -1, *a.shape[5:])
+    a = a.reshape(count, -1, *a.shape[4:])
     return a.sum(0) if collection in summed else a.mean(0)
   return {collection: jax.tree.map(lambda a, c=collection: per_layer(c, a), dict(tree))
           for collection, tree in sown.items() if tree}

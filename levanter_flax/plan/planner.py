@@ -25,12 +25,12 @@ from levanter_flax import objectives
 from levanter_flax.config import settings
 from levanter_flax.core import progress
 from levanter_flax.core.errors import UserError
-from levanter_flax.models import common
+from levanter_flax.models import common, pipeline
 from levanter_flax.objectives.base import Objective
 from levanter_flax.parallel import partitioning
 from levanter_flax.plan.hlo import collective_bytes
 from levanter_flax.plan.slices import GIB, HBM_BYTES, devices
-from levanter_flax.training import batch_search, step
+from levanter_flax.training import batch_search, choices, step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
     run = dataclasses.replace(run, trainer=batch_search.resolve(run, partitioner, capacity,
                                                                 searched, objective=objective))
   trainer = run.trainer
-  partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
+  choices.check_batch_size(trainer, partitioner, processes=1)
   logging.info("Compiling the train step for %s x %d (%d chips), batch %d", topology_name,
                num_slices, len(target), trainer.batch_size)
   steps = _steps(run, partitioner, objective)
@@ -137,6 +137,7 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
       "tokens_per_step": tokens,
       "model_flops_per_step": tokens * steps.flops_per_token(run.model),
       "int8_model_flops_per_step": tokens * steps.int8_flops_per_token(run.model),
+      "pipeline": steps.pipeline_schedule and steps.pipeline_schedule._asdict(),
   }
   accumulation = trainer.gradient_accumulation_steps
   chosen = searched.get((trainer.batch_size // (partitioner.data_parallel_size * accumulation),
@@ -177,8 +178,11 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
+  # The cost model counts a loop's body once, and a pipeline's loops (iterations, then each
+  # stage's layers) have no unrolled equivalent to count them by.
   costs = (step_costs(run, partitioner, compiled, steps.objective)
-           if compiler_costs or not run.model.compute.scan_layers else None)
+           if (compiler_costs or not run.model.compute.scan_layers)
+           and steps.pipeline_schedule is None else None)
   return {
       "bytes_per_chip": needed,
       "argument_bytes_per_chip": memory.argument_size_in_bytes,
@@ -230,6 +234,8 @@ def describe(result: dict[str, Any]) -> str:
       f"(temporaries {gib(result['temp_bytes_per_chip'])}): "
       + (f"fits, {gib(margin)} to spare" if result["fits"] else f"does NOT fit, {gib(-margin)} "
          "short"),
+      *([f"pipeline: {pipeline.Schedule(**result['pipeline']).describe()}"]
+        if result.get("pipeline") else []),
       f"model FLOPs per step {result['model_flops_per_step']:.4g}" + (
           f", {result['int8_model_flops_per_step']:.4g} of them int8"
           if result.get("int8_model_flops_per_step") else ""),
@@ -246,7 +252,8 @@ def describe(result: dict[str, Any]) -> str:
       "collective bytes per chip per step: " + (", ".join(
           f"{k} {gib(v)}" for k, v in result["collective_bytes_per_step"].items() if v) or "none"),
       f"the compiler counts {flops:.4g} FLOPs per step" if flops is not None else
-      "the compiler's FLOPs and bound: not counted (--nocompiler_costs)",
+      "the compiler's FLOPs and bound: not counted (" + (
+          "a pipelined step's loops" if result.get("pipeline") else "--nocompiler_costs") + ")",
       "compiler's idealized bound: " + (f"{bound:.4g} s (a relative signal between compiles, "
                                         "not a step time)" if bound else "none given"),
   ]

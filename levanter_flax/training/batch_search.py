@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import jax
 from absl import app, flags, logging
 
+from levanter_flax.models import pipeline
 from levanter_flax.parallel import partitioning
 from levanter_flax.training import step
 from levanter_flax.config import settings
@@ -237,6 +238,10 @@ def resolve(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
   partitioner's devices (of `capacity` bytes each, where they cannot say). `executables` and
   `objective`: step_bytes'."""
   trainer, search = run.trainer, run.batch_search
+  if partitioner.logical_axis_size(pipeline.LAYERS) > 1:
+    raise UserError("config.trainer.batch_size=auto does not search a pipelined run's batch "
+                    "(trainer.device_mesh has stages); set trainer.batch_size and "
+                    "trainer.pipeline.microbatches")
   budget = memory_budget(search, partitioner.mesh.devices.flat[0], capacity)
   data_parallel = partitioner.data_parallel_size
   needs = {}

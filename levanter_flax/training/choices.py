@@ -80,16 +80,20 @@ def _warn_if_search_changed(saved: dict, kept: dict, trainer: TrainerConfig,
                     ", ".join(changed))
 
 
-def check_batch_size(trainer: TrainerConfig, partitioner: partitioning.Partitioner) -> None:
+def check_batch_size(trainer: TrainerConfig, partitioner: partitioning.Partitioner,
+                     processes: int | None = None) -> None:
+  """The batch splits over the mesh, the pipeline's microbatches and `processes` (default:
+  this run's)."""
   partitioner.check_batch_size(trainer.batch_size, trainer.gradient_accumulation_steps)
   schedule = pipeline.schedule_of(trainer.pipeline,
                                   partitioner.logical_axis_size(pipeline.LAYERS))
   pipeline.check_batch(schedule, trainer.batch_size // trainer.gradient_accumulation_steps,
                        partitioner.data_parallel_size)
-  if (trainer.batch_size // trainer.gradient_accumulation_steps) % jax.process_count():
+  processes = processes or jax.process_count()
+  if (trainer.batch_size // trainer.gradient_accumulation_steps) % processes:
     raise UserError(f"config.trainer.batch_size ({trainer.batch_size}) / "
                     f"gradient_accumulation_steps ({trainer.gradient_accumulation_steps}) "
-                    f"must be divisible by the process count ({jax.process_count()})")
+                    f"must be divisible by the process count ({processes})")
 
 
 def check_vocab(source: PreparedDataset, vocab_size: int) -> None:
