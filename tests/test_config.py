@@ -56,7 +56,7 @@ def test_a_file_of_variants_without_one_is_its_documented_default(file, default)
     ("configs/gpt2.py:x", "config file configs/gpt2.py: unknown variant 'x'; choose one of nano, "
                           "small, medium, small_fast"),
     ("configs/llama.py:", "config file configs/llama.py: unknown variant ''; choose one of nano, "
-                          "1b, 7b, 1b_lora"),
+                          "1b, 7b, 70b, 1b_lora"),
     ("configs/gpt2_nano.py:small", "config file configs/gpt2_nano.py is gpt2.py:nano and takes no "
                                    "variant; got 'small' (for a variant of gpt2.py: "
                                    "--config=configs/gpt2.py:small)"),

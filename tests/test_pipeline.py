@@ -35,6 +35,7 @@ class Layout:
   sharding: dict = dataclasses.field(default_factory=dict)  # sharding_config's arguments.
   accumulation: int = 1
   remat: str = "none"
+  remat_stages: bool = False
 
 
 LAYOUTS = {
@@ -47,6 +48,9 @@ LAYOUTS = {
     "stage2_model2_data2_zero3_remat_accumulation2": Layout(
         (("stage", 2), ("model", 2), ("data", 2)), 2, accumulation=2, remat="full",
         sharding={"tensor_axis": "model", "parameter_axis": "data"}),
+    # Each stage recomputed in the backward pass from its input, its layers remat'ed within.
+    "stage4_data2_remat_stages": Layout((("stage", 4), ("data", 2)), 4, remat="full",
+                                        remat_stages=True),
 }
 # A mixture's experts split over an expert axis too: tokens dispatched by all-to-all within
 # each stage.
@@ -62,7 +66,8 @@ def trained(name: str, layout: Layout, devices=None, **fields):
   """(losses of NUM_STEPS steps, the gradient at the first batch, the steps, the last state),
   on fixed random batches; `fields`: the model's, over the tiny one's."""
   model = model_of(name, layout.remat, **fields)
-  config = pipeline.PipelineConfig(microbatches=layout.microbatches, repeats=layout.repeats)
+  config = pipeline.PipelineConfig(microbatches=layout.microbatches, repeats=layout.repeats,
+                                   remat_stages=layout.remat_stages)
   accumulation = layout.accumulation
   partitioner = Partitioner(make_mesh(layout.device_mesh, devices), sharding_config(
       rules=models.FAMILIES[name].partition_rules, strict=True, **layout.sharding))
@@ -99,7 +104,7 @@ def assert_trains_as_on_one_device(name: str, layout: str):
   spec = EXPERT_LAYOUT if layout == "expert" else LAYOUTS[layout]
   losses, grads, steps, _ = trained(name, spec)
   assert steps.pipeline_schedule == (dict(spec.device_mesh)["stage"], spec.microbatches,
-                                     spec.repeats)
+                                     spec.repeats, spec.remat_stages)
   cuts = spec.accumulation * spec.microbatches if name == "mixtral" else 1
   one_losses, one_grads = one_device(name, cuts)
   np.testing.assert_allclose(losses, one_losses, rtol=1e-5, err_msg=layout)
@@ -158,6 +163,7 @@ def test_the_bubble_is_the_schedules():
   assert pipeline.Schedule(4, 8, 2).bubble == pytest.approx(3 / 19)
   assert pipeline.Schedule(2, 2, 1).describe() == (
       "2 stages x 1 repeats, 2 microbatches: 3 iterations, bubble 33.3%")
+  assert pipeline.Schedule(2, 2, 1, remat=True).describe().endswith(", stages rematerialised")
 
 
 @pytest.mark.slow

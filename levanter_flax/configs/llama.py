@@ -1,4 +1,4 @@
-"""Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) at three sizes:
+"""Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention) at four sizes:
 --config=configs/llama.py:VARIANT, 1b when none is given.
 
 nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
@@ -8,6 +8,12 @@ nano: a tiny byte-level Llama, gpt2.py:nano's run on the CPU:
 7b: 32 layers, width 4096, 32 heads, SwiGLU 11008, context 4096, on a 2D mesh: ZeRO-3 over
     `data` shards parameters and optimizer state across the data axis, and `model` splits each
     layer Megatron-style within a host (8 GPUs or a TPU host). Multi-host: see launch/README.md.
+
+70b: Llama-2-70B's shape (80 layers, width 8192, 64 query and 8 key/value heads, SwiGLU 28672)
+    over several TPU slices, pipelined: each slice is one stage of consecutive layers
+    (trainer.dcn_mesh stage=-1), with ZeRO-3 over `data` and Megatron over `model` inside it, so
+    only activations cross the data-center network (docs/scaling.md#pipeline-parallelism):
+    levanter-flax aot --config=configs/llama.py:70b --topology=v5e-256 --num_slices=4
 
 1b_lora: LoRA fine-tuning of a 1b-shaped Hugging Face checkpoint (TinyLlama's chat model) on
     chat data; README.md's "Fine-tune a Hugging Face model" runs it:
@@ -79,6 +85,32 @@ def llama_7b():
   return config
 
 
+def llama_70b():
+  model = llama_model_config()
+  model.num_layers = 80
+  model.num_heads = 64
+  model.num_kv_heads = 8
+  model.hidden_dim = 8192
+  model.intermediate_dim = 28672
+  model.seq_len = 4096
+  config = _large(model)
+  config.trainer.batch_size = 1024  # 4M tokens a batch, as Llama 2's.
+  config.trainer.device_mesh = mesh(stage=1, data=-1, model=8)  # Per slice.
+  config.trainer.dcn_mesh = mesh(stage=-1, data=1)  # A stage per slice.
+  # 2 x 16 microbatches of 32 sequences, one a data-parallel device of a v5e-256 slice, the
+  # bubble 3 / 19 of the stage-iterations on 4 slices; each iteration's stage recomputed in the
+  # backward pass from its input: 7.26 GiB a chip, where keeping every layer's input of every
+  # iteration needed 28.25 (docs/Performance-Guide.md#pipelining-across-slices).
+  config.trainer.gradient_accumulation_steps = 2
+  config.trainer.pipeline.microbatches = 16
+  config.trainer.pipeline.remat_stages = True
+  config.sharding.parameter_axis = "data"  # ZeRO-3 within each slice.
+  config.sharding.optimizer_axis = "data"
+  config.trainer.num_train_steps = 500_000
+  config.optimizer.learning_rate = 1.5e-4
+  return config
+
+
 def llama_1b_lora():
   """LoRA on 1b's checkpoint (trainer.init_from_hf) with chat data (prepare --source=chat): the
   loss on the assistant's turns, rank-16 adapters on every projection, the base frozen."""
@@ -96,7 +128,8 @@ def llama_1b_lora():
   return config
 
 
-VARIANTS = {"nano": nano, "1b": llama_1b, "7b": llama_7b, "1b_lora": llama_1b_lora}
+VARIANTS = {"nano": nano, "1b": llama_1b, "7b": llama_7b, "70b": llama_70b,
+            "1b_lora": llama_1b_lora}
 
 
 def get_config(variant=None):

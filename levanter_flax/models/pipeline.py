@@ -43,6 +43,10 @@ class PipelineConfig:
   repeats: int = setting(
       1, "Chunks of layers each stage holds, every stages-th chunk (the circular schedule): "
       "the bubble shrinks by this factor, at the cost of repeats times the sends")
+  remat_stages: bool = setting(
+      False, "Keep only each iteration's stage inputs for the backward pass, which recomputes "
+      "the stage's layers (as model.compute.remat says within them): memory for M*R + N - 1 "
+      "microbatches' inputs instead of every layer's, for one more forward pass")
 
   def __post_init__(self):
     checks.ranges(self, "trainer.pipeline", {"microbatches": checks.at_least(0, "0: the stages")})
@@ -50,10 +54,11 @@ class PipelineConfig:
 
 
 class Schedule(NamedTuple):
-  """N stages, M microbatches, R repeats."""
+  """N stages, M microbatches, R repeats; remat: the stages rematerialised (remat_stages)."""
   stages: int
   microbatches: int
   repeats: int
+  remat: bool = False
 
   @property
   def iterations(self) -> int:
@@ -66,14 +71,15 @@ class Schedule(NamedTuple):
 
   def describe(self) -> str:
     return (f"{self.stages} stages x {self.repeats} repeats, {self.microbatches} microbatches: "
-            f"{self.iterations} iterations, bubble {self.bubble:.1%}")
+            f"{self.iterations} iterations, bubble {self.bubble:.1%}"
+            + (", stages rematerialised" if self.remat else ""))
 
 
 def schedule_of(config: PipelineConfig, stages: int) -> Schedule | None:
   """The schedule on a mesh of `stages` stages; None (no pipeline) for one."""
   if stages <= 1:
     return None
-  return Schedule(stages, config.microbatches or stages, config.repeats)
+  return Schedule(stages, config.microbatches or stages, config.repeats, config.remat_stages)
 
 
 def check(config: PipelineConfig, stages: int, model_config, family_name: str,
@@ -172,7 +178,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
   stack_layers' scan makes them) applied to x [batch, length, embed] as `schedule` pipelines
   them. What the layers sow into `collections` is put in `stack`'s as the scan would: per
   layer, each microbatch's mean (their sum for the collections in `summed`: counts)."""
-  stages, count, repeats = schedule
+  stages, count, repeats, remat = schedule
   params = stack.variables["params"]
   num_layers = jax.tree.leaves(params)[0].shape[0]
   chunk = num_layers // (stages * repeats)
@@ -207,7 +213,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
                          mutable=list(collections))
     return jax.lax.scan(one_layer, h, (p, vals, jnp.arange(chunk)))
 
-  per_stage = jax.vmap(stage, spmd_axis_name=stage_axes())
+  per_stage = jax.vmap(jax.checkpoint(stage) if remat else stage, spmd_axis_name=stage_axes())
   indices = jnp.arange(stages)
 
   def iteration(carry, t):
@@ -223,15 +229,17 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
     # batch (a position picked by t made XLA gather it).
     done = t - (stages - 1)
     finished = (done >= 0) & (done < count * repeats)
-    last = nn.with_logical_constraint(out[-1], ("batch", "length", "embed"))  # On every stage.
+    last = nn.with_logical_constraint(out[-1], ("batch", "length", _SENT))  # On every stage.
     queue = jnp.roll(queue, -1, axis=0)
     queue = _constrain(queue.at[count - stages].set(
-        jnp.where(finished, last, queue[count - stages])), None)
+        jnp.where(finished, last, queue[count - stages])), None, _SENT)
     # Each stage's output moves one stage on; none from the last to the first.
-    return (jnp.concatenate([queue[:1], out[:-1]], axis=0), queue), sown
+    sent = _constrain(out[:-1], LAYERS, _SENT)
+    return (jnp.concatenate([queue[:1], sent], axis=0), queue), sown
 
   state = jnp.concatenate([inputs[:1], jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
-  (_, queue), sown = jax.lax.scan(iteration, (state, inputs), jnp.arange(schedule.iterations))
+  (_, queue), sown = jax.lax.scan(iteration, (state, _constrain(inputs, None, _SENT)),
+                                  jnp.arange(schedule.iterations))
   for collection, tree in _per_layer(sown, schedule, summed).items():
     for name, value in tree.items():
       stack.put_variable(collection, name, value)
@@ -244,7 +252,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
 def _per_layer(sown: dict, schedule: Schedule, summed: tuple[str, ...]) -> dict:
   """The loop's sown values [iterations, stage, layer in the chunk, ...] as [layers, ...],
   each layer's combined over the microbatches it ran."""
-  stages, count, repeats = schedule
+  stages, count, repeats, _ = schedule
   m, r, s = jnp.meshgrid(jnp.arange(count), jnp.arange(repeats), jnp.arange(stages),
                          indexing="ij")
   t = r * count + m + s  # When stage s ran microbatch m of repeat r.
@@ -257,6 +265,13 @@ def _per_layer(sown: dict, schedule: Schedule, summed: tuple[str, ...]) -> dict:
           for collection, tree in sown.items() if tree}
 
 
-def _constrain(x: jax.Array, first: Any) -> jax.Array:
-  """[first, microbatch rows, length, embed] laid out: rows over the batch's axes."""
-  return nn.with_logical_constraint(x, (first, "batch", "length", "embed"))
+# The width of the activations a stage sends (and the queue's) splits over the tensor axis,
+# which the layers' outputs are replicated over: each of its devices sends its share, not all
+# of them the whole (over the data-center network, when the stages are slices), and the
+# receiver gathers it within its slice.
+_SENT = "mlp"
+
+
+def _constrain(x: jax.Array, first: Any, width: str = "embed") -> jax.Array:
+  """[first, microbatch rows, length, width] laid out: rows over the batch's axes."""
+  return nn.with_logical_constraint(x, (first, "batch", "length", width))
