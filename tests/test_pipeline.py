@@ -14,6 +14,7 @@ from levanter_flax import models
 from levanter_flax.config import loading, mesh, to_run_config
 from levanter_flax.core.errors import UserError
 from levanter_flax.models import moe, pipeline
+from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.moe import MoeConfig
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
@@ -48,6 +49,12 @@ LAYOUTS = {
     "stage2_model2_data2_zero3_remat_accumulation2": Layout(
         (("stage", 2), ("model", 2), ("data", 2)), 2, accumulation=2, remat="full",
         sharding={"tensor_axis": "model", "parameter_axis": "data"}),
+    # More microbatches than stages: the last stage's outputs wait in the queue.
+    "stage2_model2_data2_microbatches4": Layout(
+        (("stage", 2), ("model", 2), ("data", 2)), 4, sharding={"tensor_axis": "model"}),
+    "stage2_model2_data2_microbatches4_repeats2": Layout(
+        (("stage", 2), ("model", 2), ("data", 2)), 4, repeats=2,
+        sharding={"tensor_axis": "model"}),
     # Each stage recomputed in the backward pass from its input, its layers remat'ed within.
     "stage4_data2_remat_stages": Layout((("stage", 4), ("data", 2)), 4, remat="full",
                                         remat_stages=True),
@@ -75,12 +82,12 @@ def trained(name: str, layout: Layout, devices=None, **fields):
   tokens = np.random.default_rng(0).integers(0, 257, (NUM_STEPS, BATCH_SIZE, model.seq_len))
   batches = [{"tokens": jax.device_put(t.astype(np.int32), steps.batch_sharding)} for t in tokens]
   gradient = step.scheduled_by(steps.pipeline_schedule, config)(
-      lambda params, batch: step.accumulated_loss_and_grads(
-          models.build(model), params, batch, accumulation)[1])
+      lambda params, frozen, batch: step.accumulated_loss_and_grads(
+          models.build(model), params, batch, accumulation, frozen=frozen)[1])
   losses = []
   with partitioner.activation_context():
     state = steps.init(jax.random.key(0))
-    grads = jax.device_get(jax.jit(gradient)(state.params, batches[0]))
+    grads = jax.device_get(jax.jit(gradient)(state.params, state.frozen, batches[0]))
     for batch in batches:
       state, metrics = steps.train_step(state, batch)
       losses.append(float(metrics["train/loss"]))
@@ -127,6 +134,21 @@ def test_each_layout_trains_as_on_one_device(name, layout):
 
 
 @pytest.mark.slow
+def test_lora_adapters_train_in_stages_as_on_one_device():
+  """The layers run apart from their stack keep its names, which LoRA's targets match: the
+  adapters' gradients and the losses are one device's."""
+  lora_cfg = LoraConfig(rank=4, alpha=8.0)
+  losses, grads, _, _ = trained("llama", LAYOUTS["stage2_data4"], lora=lora_cfg)
+  one, one_grads, _, _ = trained("llama", Layout((("data", 1),), 0), devices=jax.devices()[:1],
+                                 lora=lora_cfg)
+  np.testing.assert_allclose(losses, one, rtol=1e-5)
+  adapters = {jax.tree_util.keystr(path): g for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+  assert any("lora_b" in name and np.abs(g).max() > 0 for name, g in adapters.items())
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(one_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.slow
 def test_sigmoid_routers_balance_as_under_accumulation():
   """The copies per expert that move a sigmoid router's biases add up over the microbatches, as
   accumulation's: losses and the biases after 5 steps are one device's."""
@@ -155,7 +177,15 @@ def test_the_stages_hold_their_layers_and_pass_activations_on():
     hlo = steps.train_step.lower(*steps.abstract_inputs(BATCH_SIZE)).compile().as_text()
   assert "collective-permute" in hlo
   gathered = set(re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo))
-  assert not gathered & {",".join(map(str, x.shape)) for x in stacks.values()}, gathered
+  whole = [x.shape for x in stacks.values()]
+  staged = [(2, 1, shape[0] // 2, *shape[1:]) for shape in whole]  # [stage, repeat, chunk, ...]
+  assert not gathered & {",".join(map(str, shape)) for shape in whole + staged}, gathered
+
+
+def test_the_stage_axis_splits_nothing_but_the_layers():
+  with pytest.raises(UserError, match=r"config.sharding.tensor_axis names mesh axis 'stage', "
+                                      r"which holds a pipeline's stages"):
+    Partitioner(make_mesh((("stage", 2), ("data", 4))), sharding_config(tensor_axis="stage"))
 
 
 def test_the_bubble_is_the_schedules():
@@ -248,6 +278,11 @@ def test_a_stage_axis_is_added_to_the_mesh_from_the_command_line():
   run = loading.run_config_of_flags(values)
   assert run.trainer.device_mesh == (("stage", 2), ("data", -1), ("model", 1))
   assert run.trainer.dcn_mesh == (("stage", 2), ("data", 1))
+  mistyped = ["train", f"--config={NANO}", "--config.trainer.device_mesh.dta=2"]
+  values = flags.FlagValues()
+  loading.define_config_flag("the config", values, sys_argv=mistyped)
+  with pytest.raises(AttributeError, match="dta"):  # Only the stage axis is added.
+    values(mistyped)
 
 
 def test_the_batch_search_refuses_a_pipelined_run(tiny_config, tmp_path):

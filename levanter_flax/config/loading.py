@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from levanter_flax.hf import snapshot
 from levanter_flax import models
 from levanter_flax.optim import optimizers, schedules
+from levanter_flax.parallel import partitioning
 from levanter_flax.core import paths, schema
 from levanter_flax.config import settings
 from levanter_flax.core.errors import UserError, exit_with_error
@@ -222,21 +223,21 @@ def define_config_flag(help_string: str, flag_values: flags.FlagValues = flags.F
   return holder
 
 
-# The meshes a --config.<mesh>.<axis>=N override may add an axis to.
+# The meshes a --config.<mesh>.stage=N override may add the pipeline's axis to.
 _MESHES = ("trainer.device_mesh", "trainer.dcn_mesh")
 
 
-def _add_mesh_axes(config: ml_collections.ConfigDict, argv: list[str]) -> None:
-  """Adds to each mesh of `config` the axes an override names that it lacks (a pipeline's
-  `stage`), of size 1 until the override sets it, before its own axes: the outermost."""
+def _add_stage_axis(config: ml_collections.ConfigDict, argv: list[str]) -> None:
+  """Adds the pipeline's `stage` axis to each mesh of `config` that lacks it and an override
+  sets, of size 1 until the override sets it, before its own axes: the outermost. Only that
+  axis: a mistyped one stays an unknown key."""
   for mesh_key in _MESHES:
-    prefix = f"--config.{mesh_key}."
-    named = [arg.removeprefix(prefix).split("=", 1)[0] for arg in argv if arg.startswith(prefix)]
     section = _section_at(config, mesh_key.split("."))
-    added = [axis for axis in dict.fromkeys(named) if section is not None and axis not in section]
-    if added:
+    flag = f"--config.{mesh_key}.{partitioning.STAGE_AXIS}="
+    if section is not None and partitioning.STAGE_AXIS not in section and any(
+        arg.startswith(flag) for arg in argv):
       *parents, name = mesh_key.split(".")
-      _section_at(config, parents)[name] = mesh(**{axis: 1 for axis in added}, **section)
+      _section_at(config, parents)[name] = mesh(**{partitioning.STAGE_AXIS: 1}, **section)
 
 
 class _ConfigFileParser(flags.ArgumentParser):
@@ -253,7 +254,7 @@ class _ConfigFileParser(flags.ArgumentParser):
 
   def parse(self, argument: str) -> ml_collections.ConfigDict:
     config = load_config_file(argument)
-    _add_mesh_axes(config, self._argv if self._argv is not None else sys.argv)
+    _add_stage_axis(config, self._argv if self._argv is not None else sys.argv)
     config.lock()
     return config
 

@@ -192,7 +192,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
   shared = jax.tree.map(
       lambda a: microbatches(jnp.broadcast_to(a, (batch, *a.shape[1:])), count), shared)
   dropout = stack.make_rng("dropout") if stack.has_rng("dropout") else None
-  layer = layer_cls(cfg, False)
+  layer = _Named(layer_cls, cfg, stack.name)
 
   @_tracing_a_stage()
   def stage(p, h, sh, vals, index, step):
@@ -209,8 +209,9 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
         rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(dropout, step % count),
                                               layer_index)}
       extra = () if value is None else (value,)
-      return layer.apply({"params": p_layer}, h, sh, *extra, rngs=rngs,
-                         mutable=list(collections))
+      h, sown = layer.apply({"params": {stack.name: p_layer}}, h, sh, *extra, rngs=rngs,
+                            mutable=list(collections))
+      return h, {collection: tree[stack.name] for collection, tree in sown.items() if tree}
     return jax.lax.scan(one_layer, h, (p, vals, jnp.arange(chunk)))
 
   per_stage = jax.vmap(jax.checkpoint(stage) if remat else stage, spmd_axis_name=stage_axes())
@@ -218,7 +219,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
 
   def iteration(carry, t):
     """state: each stage's input at iteration t; queue: the microbatches waiting for stage 0,
-    the one it takes at iteration t + 1 + p at position p."""
+    the one it takes at iteration t + p at position p (t + 1 + p once rolled below)."""
     state, queue = carry
     step = jnp.clip(t - indices, 0, count * repeats - 1)  # Microbatch step % M, repeat step // M.
     sh = jax.tree.map(lambda a: a[step % count], shared)
@@ -247,6 +248,18 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
   # iterations before the end: at position m - N + 1.
   outputs = jnp.roll(queue, stages - 1, axis=0)
   return _rows(outputs)
+
+
+class _Named(nn.Module):
+  """A layer applied alone under its stack's name: what matches a layer's params by name (LoRA's
+  targets, layers/self_attn/q_proj) sees the names the scanned stack has."""
+  layer_cls: Any
+  config: Any
+  stack_name: str
+
+  @nn.compact
+  def __call__(self, *args):
+    return self.layer_cls(self.config, False, name=self.stack_name)(*args)
 
 
 def _per_layer(sown: dict, schedule: Schedule, summed: tuple[str, ...]) -> dict:

@@ -252,6 +252,7 @@ class Partitioner:
                 "expert_axis"):
       for axis in axes_of(getattr(config, key)):
         self._check_axis(axis, f"config.sharding.{key}")
+        self._check_not_stages(axis, f"config.sharding.{key}")
     for name, axes in config.logical_axis_rules:
       where = f"config.sharding.logical_axis_rules entry {name!r}"
       if name in mesh.shape:
@@ -259,6 +260,8 @@ class Partitioner:
                         f"another name")
       for axis in axes_of(axes):
         self._check_axis(axis, where)
+        if name != "layers":
+          self._check_not_stages(axis, where)
     # The one table for parameters (the rules' logical names) and activations. A layer stack's
     # leading dimension goes on the pipeline's stages (models/pipeline.py).
     stages = {"layers": STAGE_AXIS} if STAGE_AXIS in mesh.shape else {}
@@ -266,6 +269,11 @@ class Partitioner:
     self._layers = self._mesh_axes("layers", "layers")
     self._rules = tuple((pattern, self._spec_on_mesh(spec, pattern))
                         for pattern, spec in with_adapter_rules(config.rules))
+
+  def _check_not_stages(self, axis: str, where: str) -> None:
+    if axis == STAGE_AXIS:
+      raise UserError(f"{where} names mesh axis {STAGE_AXIS!r}, which holds a pipeline's "
+                      f"stages (the layers) and splits nothing else; use another axis")
 
   def _check_axis(self, axis: str, where: str) -> None:
     if axis not in self.mesh.shape:

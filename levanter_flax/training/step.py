@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 
 from levanter_flax import models
 from levanter_flax.objectives import base as objective_base, next_token
@@ -581,8 +582,12 @@ def _build(run: "settings.RunConfig", partitioner: partitioning.Partitioner,
 def _pipeline_schedule(run, partitioner: partitioning.Partitioner) -> pipeline.Schedule | None:
   """The pipeline's schedule on the partitioner's mesh (None: no stage axis), checked."""
   family = models.family(run.model)
-  return pipeline.check(run.trainer.pipeline, partitioner.logical_axis_size(pipeline.LAYERS),
-                        run.model, family.name, family.layer_stacks is not None)
+  schedule = pipeline.check(run.trainer.pipeline, partitioner.logical_axis_size(pipeline.LAYERS),
+                            run.model, family.name, family.layer_stacks is not None)
+  if schedule is None and run.trainer.pipeline != pipeline.PipelineConfig():
+    logging.warning("trainer.pipeline is set, but trainer.device_mesh has no stage axis of more "
+                    "than one device: the layers are not pipelined")
+  return schedule
 
 
 def scheduled_by(schedule: pipeline.Schedule | None, config: pipeline.PipelineConfig):
