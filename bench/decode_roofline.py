@@ -1,7 +1,8 @@
 """Generation against the memory roofline: the engine's decode steps and prefill on one device.
 
     python bench/decode_roofline.py [--shape=llama_0.47b,qwen2_0.5b --slots=16,64,128
-                                     --prompt_len=512 --new_tokens=256 --cache_dtype=auto]
+                                     --prompt_len=512 --new_tokens=256 --cache_dtype=auto
+                                     --decode_steps=1,8]
 
 A decode step must at least read the weights once (bfloat16 here; an untied input embedding
 only its slots' rows) and every live key and value of the cache. At the device's HBM
@@ -11,8 +12,9 @@ each row, not only its live tokens: that padding counts against it here. Prefill
 has its first token, as MFU: 2 FLOPs per weight per prompt token (the embedding lookup
 aside) and causal attention's, over the device's bf16 peak.
 
-Each row runs its workload twice, on one engine: the first compiles every step shape, the
-second is timed. Every slot gets a prompt of prompt_len random tokens and greedy-decodes
+Each row runs its workload three times, on one engine: the first two compile every step
+shape and every change of the cache's rows (the second starts by cutting the first's rows),
+the third is timed. Every slot gets a prompt of prompt_len random tokens and greedy-decodes
 new_tokens (no stop). The machine allows no sockets, so there is no HTTP here
 (bench/serve.py has it). Uses jax and flax only.
 
@@ -91,7 +93,8 @@ def prefill_flops(cfg, params, prompts: int, prompt_len: int) -> float:
 
 def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int):
   """Every prompt at once, stepped to the end: (seconds until every request has a token, the
-  decode steps' [(seconds, live tokens in the cache)])."""
+  decode steps' [(seconds, live tokens in the cache)]; an engine step that decodes k tokens a
+  slot is k decode steps of its time over k, at its mean live tokens)."""
   sampling = SamplingParams(max_tokens=new_tokens, temperature=0)
   requests = [engine.submit(p, sampling) for p in prompts]
   start, prefilled, decodes = time.perf_counter(), None, []
@@ -100,26 +103,32 @@ def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int):
     t = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - t
+    gained = {len(r.tokens) - b for r, b in zip(requests, before)}
     if prefilled is None and all(r.tokens for r in requests):
       prefilled = time.perf_counter() - start
-    elif prefilled is not None and all(len(r.tokens) > b for r, b in zip(requests, before)):
-      decodes.append((seconds, sum(len(p) + b for p, b in zip(prompts, before))))
+    elif prefilled is not None and len(gained) == 1 and 0 not in gained:
+      k = gained.pop()
+      live = sum(len(p) + b for p, b in zip(prompts, before)) + len(prompts) * (k - 1) / 2
+      decodes.extend([(seconds / k, live)] * k)
   assert all(len(r.tokens) == new_tokens for r in requests), "a request stopped early"
   return prefilled, decodes
 
 
-def row(shape: str, slots: int, args, bandwidth: float, peak: float) -> dict:
+def row(shape: str, slots: int, decode_steps: int, args, bandwidth: float, peak: float) -> dict:
   cfg, params = model(shape, args.prompt_len + args.new_tokens, args.cache_dtype)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(slots)]
-  engine = Engine(cfg, params, slots=slots, prefill_chunk=args.prompt_len)
-  run_workload(engine, prompts, args.new_tokens)  # Compiles every shape.
+  engine = Engine(cfg, params, slots=slots, prefill_chunk=args.prompt_len,
+                  decode_steps=decode_steps)
+  for _ in range(2):  # Compiles every shape and resize.
+    run_workload(engine, prompts, args.new_tokens)
   prefill_seconds, decodes = run_workload(engine, prompts, args.new_tokens)
   weights = weight_bytes_read(cfg, params, slots)
   per_token = cache_bytes_per_token(cfg)
   step = statistics.median(s for s, _ in decodes)
   roofline = statistics.median((weights + live * per_token) / bandwidth for _, live in decodes)
-  return {"shape": shape, "slots": slots, "decode step ms": 1e3 * step,
+  return {"shape": shape, "slots": slots, "decode_steps": decode_steps,
+          "decode step ms": 1e3 * step,
           "roofline ms": 1e3 * roofline, "of roofline": roofline / step,
           "decode tokens/s": slots / step,
           "prefill s": prefill_seconds,
@@ -163,6 +172,8 @@ def main():
   parser.add_argument("--new_tokens", type=int, default=256)
   parser.add_argument("--cache_dtype", default="auto",
                       choices=["auto", "float32", "bfloat16", "float16"])
+  parser.add_argument("--decode_steps", default="1,8",
+                      help="the engine's decode_steps, side by side (each its own engine)")
   parser.add_argument("--hbm_bandwidth", type=float, default=0.0,
                       help="bytes/s; 0 looks the device up in flops.HBM_BANDWIDTH")
   parser.add_argument("--topology", default="",
@@ -189,7 +200,8 @@ def main():
   print(f"{device.device_kind}: HBM {bandwidth / 1e9:,.0f} GB/s, bf16 peak "
         f"{peak / 1e12:,.0f} TFLOP/s; prompts {args.prompt_len}, {args.new_tokens} new tokens, "
         f"cache {args.cache_dtype}")
-  print_table([row(shape, slots, args, bandwidth, peak) for shape, slots in shapes_and_slots])
+  print_table([row(shape, slots, int(steps), args, bandwidth, peak)
+               for shape, slots in shapes_and_slots for steps in args.decode_steps.split(",")])
 
 
 if __name__ == "__main__":

@@ -300,17 +300,40 @@ def test_logit_bias_and_penalties_equal_numpys_per_request_and_leave_the_slot_cl
       atol=1e-5)
 
 
+def test_decode_steps_dispatched_together_generate_as_one_at_a_time():
+  """Several decode steps per host read (each fed the one before's tokens on the device)
+  generate what one step at a time does: sampled and penalized requests, stops by id and
+  string and at the context's end within the steps, slots reused by waiting requests."""
+  cfg, params = random_model()
+  prompts = [PROMPTS[i % 4] for i in range(7)] + [list(range(1, 21))]
+  base = SamplingParams(max_tokens=9, temperature=0.9, seed=3)
+  samplings = [dataclasses.replace(base, seed=i, max_tokens=3 + i if i < 7 else 10,
+                                   frequency_penalty=0.5 * (i % 2), stop_ids=(9,) if i == 2 else (),
+                                   stop=("q",) if i == 5 else ()) for i in range(len(prompts))]
+  runs = []
+  for decode_steps in (1, 5):
+    engine = Engine(cfg, params, slots=3, prefill_chunk=4, decode_steps=decode_steps,
+                    tokenizer=ByteText())
+    runs.append([(r.tokens, r.finish_reason, r.logprobs)
+                 for r in engine.generate(prompts, samplings)])
+  one, together = runs
+  assert [(t, f) for t, f, _ in together] == [(t, f) for t, f, _ in one]
+  for (_, _, a), (_, _, b) in zip(one, together):
+    np.testing.assert_allclose(b, a, atol=1e-6)
+  assert {f for _, f, _ in one} == {"stop", "length"}
+
+
 def test_a_cancelled_request_frees_its_slot_at_once():
   cfg, params = random_model()
   engine = Engine(cfg, params, slots=1)
   endless = engine.submit(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))
   waiting = engine.submit(PROMPTS[1], GREEDY)
   engine.step()
-  engine.step()
-  assert len(endless.tokens) == 2 and not waiting.tokens
+  engine.step()  # The prompt's token, then decode_steps more.
+  assert len(endless.tokens) == 1 + engine.decode_steps and not waiting.tokens
   engine.cancel(endless)
   engine.step()
-  assert endless.finish_reason == "cancelled" and len(endless.tokens) == 2
+  assert endless.finish_reason == "cancelled" and len(endless.tokens) == 1 + engine.decode_steps
   assert waiting.tokens  # It took the slot in the same step.
   while not waiting.finished:
     engine.step()
@@ -345,12 +368,12 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
   engine = Engine(cfg, params, slots=2)
   stopped = threading.Event()
   thread = threading.Thread(target=engine.serve_forever, args=(stopped,), daemon=True)
-  decode = engine._decode_step  # pylint: disable=protected-access
+  decode = engine._decode_steps  # pylint: disable=protected-access
 
-  def fails_once(requests):
-    monkeypatch.setattr(engine, "_decode_step", decode)
+  def fails_once(requests, steps):
+    monkeypatch.setattr(engine, "_decode_steps", decode)
     raise RuntimeError("injected")
-  monkeypatch.setattr(engine, "_decode_step", fails_once)
+  monkeypatch.setattr(engine, "_decode_steps", fails_once)
   thread.start()
   failed = [engine.submit(p, GREEDY) for p in PROMPTS[:2]]
   assert all(r.wait(60) for r in failed) and {r.finish_reason for r in failed} == {"error"}

@@ -36,7 +36,8 @@ def main(argv: list[str]) -> None:
     server = serving.load_server(
         flag.workdir, flag.init_from_hf, model_name=flag.model_name,
         chat_template=flag.chat_template, slots=flag.slots, max_len=flag.max_len,
-        prefill_chunk=flag.prefill_chunk, tensor_parallel=flag.tensor_parallel,
+        prefill_chunk=flag.prefill_chunk, decode_steps=flag.decode_steps,
+        tensor_parallel=flag.tensor_parallel,
         cache_dtype=flag.cache_dtype or "")
   except UserError as e:
     exit_with_error(str(e))
@@ -55,6 +56,10 @@ if __name__ == "__main__":
                        "seq_len).", lower_bound=0)
   flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens a request prefills per engine step.",
                        lower_bound=1)
+  flags.DEFINE_integer("decode_steps", 8, "Decode steps the device runs before the host reads "
+                       "their tokens, while no prompt prefills: fewer host round trips, at most "
+                       "decode_steps - 1 tokens past a stop computed and dropped, and tokens "
+                       "streamed in groups.", lower_bound=1)
   flags.DEFINE_integer("tensor_parallel", 1, "Devices each layer's heads and widths split over "
                        "(the rest take slots); their count must divide the devices.",
                        lower_bound=1)

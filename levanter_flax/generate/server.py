@@ -391,7 +391,8 @@ def _event(chunk: dict) -> str:
 
 def load_server(workdir: str, hf_dir: str, *, model_name: str = "", chat_template: str = "",
                 slots: int = 8, max_len: int = 0, prefill_chunk: int = 128,
-                tensor_parallel: int = 1, cache_dtype: str = "") -> Server:
+                decode_steps: int = 8, tensor_parallel: int = 1,
+                cache_dtype: str = "") -> Server:
   """The server of a run's newest checkpoint or an HF checkpoint directory, on a mesh of every
   device: `tensor_parallel` ways over the model's heads and widths, the rest over the slots.
   cache_dtype: the KV cache's (compute.cache_dtype), "" for the model config's."""
@@ -418,7 +419,7 @@ def load_server(workdir: str, hf_dir: str, *, model_name: str = "", chat_templat
       mesh, partitioning.ShardingConfig(rules=models.family(model_cfg).partition_rules))
   with partitioner.activation_context():
     engine = Engine(model_cfg, params, slots=slots, max_len=max_len or None,
-                    prefill_chunk=prefill_chunk, tokenizer=tokenizer,
+                    prefill_chunk=prefill_chunk, decode_steps=decode_steps, tokenizer=tokenizer,
                     param_shardings=partitioner.param_shardings(params),
                     batch_sharding=partitioner.batch_sharding())
   return Server(engine, model_name or directory.name, tokenizer, template, reply_stop_ids,
