@@ -9,6 +9,7 @@ import pytest
 
 from conftest import REPO, load_config_file
 from levanter_flax import models
+from levanter_flax.models import pipeline
 from levanter_flax.plan import hlo, planner, slices
 from levanter_flax.parallel import partitioning
 from levanter_flax.config import to_run_config
@@ -232,9 +233,16 @@ def test_a_mesh_the_torus_cannot_hold_axis_by_axis_is_still_built():
 @pytest.mark.slow
 def test_auto_batch_accumulates_to_its_target_within_the_target_chip(monkeypatch):
   """The batch search against the TPU's HBM; the compiler refuses what does not fit. The plan
-  reads the chosen step's program from the search, not compiling it again."""
+  reads the chosen step's program from the search, not compiling it again (its FLOPs are
+  counted on a step of one microbatch, compiled for them)."""
   pytest.importorskip("libtpu")
-  monkeypatch.setattr(planner, "_compile", lambda *args: pytest.fail("compiled again"))
+  compile_step = planner._compile  # pylint: disable=protected-access
+
+  def only_one_microbatch(run, *args):
+    if run.trainer.gradient_accumulation_steps > 1:
+      pytest.fail("compiled again")
+    return compile_step(run, *args)
+  monkeypatch.setattr(planner, "_compile", only_one_microbatch)
   budget = 19 << 20  # The nano needs 17.0 MiB a chip at one sequence a step, 19.9 at eight.
   fraction = budget / slices.HBM_BYTES["TPU v5 lite"]
   plan = planner.plan(nano(**{"trainer.batch_size": "auto", "batch_search.target_batch_size": 32,
@@ -278,3 +286,63 @@ def test_two_slices_reduce_gradients_across_slices_and_nothing_else():
   shapes = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
   gradient_bytes = sum(x.size * 4 for x in jax.tree.leaves(shapes))
   assert gradient_bytes / 4 <= across["all-reduce across slices"] < gradient_bytes / 2
+
+
+@pytest.mark.slow
+def test_a_pipelined_step_is_counted_as_its_loops_unrolled():
+  """A pipelined step's FLOPs come from compiles of one and two layers a stage, its loops
+  unrolled: the count of the whole step unrolled, and the data-parallel step's with the
+  bubble's idle stage-iterations computed (on garbage) besides."""
+  pytest.importorskip("libtpu")
+  layout = {"model.num_layers": 6, "model.compute.scan_layers": True, "trainer.batch_size": 16}
+  staged = {"trainer.device_mesh": {"stage": 2, "data": 2, "model": 1},
+            "trainer.pipeline.microbatches": 2}
+  pipelined = planner.plan(nano(**layout, **staged), "v5e:2x2")
+  run = nano(**layout, **staged)
+  mesh = partitioning.make_mesh(run.trainer.device_mesh, slices.devices("v5e:2x2"))
+  partitioner = partitioning.Partitioner(mesh, run.sharding)
+  jax.clear_caches()
+  with pipeline.unrolled_loops():
+    whole = planner._costs(planner._compile(  # pylint: disable=protected-access
+        run, partitioner, planner._steps(run, partitioner, planner.step.NEXT_TOKEN)), 4)
+  jax.clear_caches()
+  assert pipelined["compiler_flops_per_step"] == pytest.approx(whole.flops, rel=0.01)
+  data_parallel = planner.plan(nano(**layout, **{"trainer.device_mesh": {"data": 4, "model": 1}}),
+                               "v5e:2x2")
+  bubble = pipeline.Schedule(**pipelined["pipeline"])
+  over = pipelined["compiler_flops_per_step"] / data_parallel["compiler_flops_per_step"]
+  assert 1 / (1 - bubble.bubble) <= over <= 1.05 / (1 - bubble.bubble), over
+
+
+@pytest.mark.slow
+def test_accumulated_microbatches_are_each_counted():
+  """The compiler counts accumulation's loop body once: the plan counts one microbatch's step
+  times their count, the FLOPs of the same batch in one."""
+  pytest.importorskip("libtpu")
+  layout = {"trainer.batch_size": 16, "trainer.device_mesh": {"data": 4, "model": 1}}
+  whole = planner.plan(nano(**layout), "v5e:2x2")
+  accumulated = planner.plan(nano(**layout, **{"trainer.gradient_accumulation_steps": 2}),
+                             "v5e:2x2")
+  assert accumulated["compiler_flops_per_step"] == pytest.approx(
+      whole["compiler_flops_per_step"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_stages_across_slices_are_compared_with_stages_inside_them():
+  """A plan with the stages across slices and data inside them plans the opposite too, and
+  warns with both figures where it sends less across slices: nano's activations (256 x 128
+  tokens a step, width 128) outweigh its gradients."""
+  pytest.importorskip("libtpu")
+  run = nano(**{"model.compute.scan_layers": True, "trainer.batch_size": 256,
+                "trainer.device_mesh": {"stage": 1, "data": -1, "model": 1},
+                "trainer.dcn_mesh": {"stage": 2, "data": 1}, "trainer.pipeline.microbatches": 2})
+  plan = planner.plan(run, "v5e:2x2", num_slices=2, compiler_costs=False)
+  other = plan["stages_inside_slices"]
+  assert other["device_mesh"] == {"stage": 2, "data": -1, "model": 1}
+  assert other["dcn_mesh"] == {"stage": 1, "data": 2} and other["fits"]
+  ours, theirs = planner.across_slices(plan), other["across_slices_bytes"]
+  assert 0 < theirs < ours
+  warning = planner.describe(plan).splitlines()[-1]
+  assert warning.startswith("warning: the stages inside each slice and data across them send "
+                            "less across slices"), warning
+  assert f"{theirs / slices.GIB:.3g} GiB" in warning and f"{ours / slices.GIB:.3g};" in warning

@@ -3,6 +3,7 @@ device does, resumes on another stage count, and bad settings are one line."""
 import dataclasses
 import re
 import shutil
+import types
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ from levanter_flax.models.lora import LoraConfig
 from levanter_flax.models.moe import MoeConfig
 from levanter_flax.models.common import ComputeConfig
 from levanter_flax.parallel.partitioning import Partitioner, make_mesh
+from levanter_flax.plan import planner
 from levanter_flax.training import step
 from levanter_flax.training.loop import train_and_evaluate
 from test_main import NANO
@@ -293,3 +295,18 @@ def test_the_batch_search_refuses_a_pipelined_run(tiny_config, tmp_path):
   with pytest.raises(UserError, match=r"config.trainer.batch_size=auto does not search a "
                                       r"pipelined run's batch"):
     train_and_evaluate(to_run_config(tiny_config), tmp_path)
+
+
+@pytest.mark.parametrize("device_mesh, dcn_mesh, opposite", [
+    ((("stage", 1), ("data", -1), ("model", 8)), (("stage", 4), ("data", 1)),
+     ((("stage", 4), ("data", -1), ("model", 8)), (("stage", 1), ("data", 4)))),
+    ((("data", 8),), (("stage", 2), ("data", -1)),
+     ((("stage", 2), ("data", 4)), (("stage", 1), ("data", -1)))),
+    ((("data", 6),), (("stage", 4),), None),  # The stages do not divide the data inside.
+    ((("stage", 1), ("data", 1), ("model", 8)), (("stage", 4),), None),  # No data inside.
+    ((("stage", 2), ("data", -1)), (("data", 2),), None),  # The stages are inside already.
+])
+def test_the_opposite_of_stages_across_slices_keeps_the_other_sizes(device_mesh, dcn_mesh,
+                                                                     opposite):
+  trainer = types.SimpleNamespace(device_mesh=device_mesh, dcn_mesh=dcn_mesh)
+  assert planner.stages_inside_slices(trainer) == opposite

@@ -30,7 +30,8 @@ flags.DEFINE_enum("objective", "next_token", list(objectives.OBJECTIVES),
                   "for dpo, or grpo with config.rl.beta > 0 (in training, the data decides; aot "
                   "reads no data).")
 flags.DEFINE_bool("compiler_costs", True, "Also the compiler's FLOPs and bound; for scanned "
-                  "layers, two more compiles (2 and 4 layers unrolled), as long as the first")
+                  "layers, two more compiles (2 and 4 layers unrolled; pipelined, 1 and 2 layers "
+                  "a stage, the pipeline's loops unrolled)")
 flags.mark_flags_as_required(["config", "topology"])
 
 

@@ -55,30 +55,34 @@ def _large(model):
   return config
 
 
+def _sized(num_layers, num_heads, num_kv_heads, hidden_dim, intermediate_dim, seq_len):
+  """llama_model_config() at another size."""
+  model = llama_model_config()
+  model.num_layers, model.num_heads, model.num_kv_heads = num_layers, num_heads, num_kv_heads
+  model.hidden_dim, model.intermediate_dim, model.seq_len = hidden_dim, intermediate_dim, seq_len
+  return model
+
+
+def _zero3(config):
+  """Parameters and optimizer state split over the data axis."""
+  config.sharding.parameter_axis = "data"
+  config.sharding.optimizer_axis = "data"
+
+
 def llama_1b():
   config = _large(llama_model_config())  # 0.5M tokens a batch at seq_len 2048.
   config.trainer.gradient_accumulation_steps = 4
   # ZeRO-3: whole, its parameters and Adam state (12 bytes a parameter) fill a 16 GiB v5e chip.
-  config.sharding.parameter_axis = "data"
-  config.sharding.optimizer_axis = "data"
+  _zero3(config)
   config.trainer.num_train_steps = 100_000
   config.optimizer.learning_rate = 4e-4
   return config
 
 
 def llama_7b():
-  model = llama_model_config()
-  model.num_layers = 32
-  model.num_heads = 32
-  model.num_kv_heads = 32
-  model.hidden_dim = 4096
-  model.intermediate_dim = 11008
-  model.seq_len = 4096
-  config = _large(model)  # 1M tokens a batch at seq_len 4096.
+  config = _large(_sized(32, 32, 32, 4096, 11008, 4096))  # 1M tokens a batch at seq_len 4096.
   config.trainer.device_mesh = mesh(data=-1, model=8)
-  config.sharding.parameter_axis = "data"  # ZeRO-3.
-  config.sharding.optimizer_axis = "data"
-
+  _zero3(config)
   config.trainer.gradient_accumulation_steps = 8
   config.trainer.num_train_steps = 250_000
   config.optimizer.learning_rate = 3e-4
@@ -86,14 +90,7 @@ def llama_7b():
 
 
 def llama_70b():
-  model = llama_model_config()
-  model.num_layers = 80
-  model.num_heads = 64
-  model.num_kv_heads = 8
-  model.hidden_dim = 8192
-  model.intermediate_dim = 28672
-  model.seq_len = 4096
-  config = _large(model)
+  config = _large(_sized(80, 64, 8, 8192, 28672, 4096))
   config.trainer.batch_size = 1024  # 4M tokens a batch, as Llama 2's.
   config.trainer.device_mesh = mesh(stage=1, data=-1, model=8)  # Per slice.
   config.trainer.dcn_mesh = mesh(stage=-1, data=1)  # A stage per slice.
@@ -104,8 +101,7 @@ def llama_70b():
   config.trainer.gradient_accumulation_steps = 2
   config.trainer.pipeline.microbatches = 16
   config.trainer.pipeline.remat_stages = True
-  config.sharding.parameter_axis = "data"  # ZeRO-3 within each slice.
-  config.sharding.optimizer_axis = "data"
+  _zero3(config)  # Within each slice.
   config.trainer.num_train_steps = 500_000
   config.optimizer.learning_rate = 1.5e-4
   return config

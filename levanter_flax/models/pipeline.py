@@ -129,6 +129,19 @@ def scheduled(config: PipelineConfig):
     _CONTEXT.config = previous
 
 
+@contextlib.contextmanager
+def unrolled_loops():
+  """Within it, a pipeline's loops (its iterations, each stage's layers) trace unrolled: the
+  compiler's cost model counts a loop's body once (the planner counts a pipelined step's
+  FLOPs by it)."""
+  previous = getattr(_CONTEXT, "unrolled", False)
+  _CONTEXT.unrolled = True
+  try:
+    yield
+  finally:
+    _CONTEXT.unrolled = previous
+
+
 def stage_axes() -> tuple[str, ...]:
   """The mesh axes the stages are on, by the logical axis rules in context."""
   axes = dict(nn.get_logical_axis_rules()).get(LAYERS)
@@ -160,10 +173,10 @@ def _tracing_a_stage():
 
 def microbatches(rows: jax.Array, count: int) -> jax.Array:
   """[batch, ...] -> [count, batch / count, ...]: microbatch i is rows i, i + count, ...,
-  so that each one is spread over every device of the batch axis (as accumulation's)."""
+  so that each one is spread over every device of the batch axis (a pipeline's cut, and
+  gradient accumulation's)."""
   if rows.shape[0] % count:
-    raise UserError(f"a batch of {rows.shape[0]} rows cannot be cut into "
-                    f"trainer.pipeline.microbatches ({count})")
+    raise UserError(f"a batch of {rows.shape[0]} rows cannot be cut into {count} microbatches")
   return rows.reshape(rows.shape[0] // count, count, *rows.shape[1:]).swapaxes(0, 1)
 
 
@@ -193,6 +206,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
       lambda a: microbatches(jnp.broadcast_to(a, (batch, *a.shape[1:])), count), shared)
   dropout = stack.make_rng("dropout") if stack.has_rng("dropout") else None
   layer = _Named(layer_cls, cfg, stack.name)
+  unrolled = getattr(_CONTEXT, "unrolled", False)
 
   @_tracing_a_stage()
   def stage(p, h, sh, vals, index, step):
@@ -212,7 +226,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
       h, sown = layer.apply({"params": {stack.name: p_layer}}, h, sh, *extra, rngs=rngs,
                             mutable=list(collections))
       return h, {collection: tree[stack.name] for collection, tree in sown.items() if tree}
-    return jax.lax.scan(one_layer, h, (p, vals, jnp.arange(chunk)))
+    return jax.lax.scan(one_layer, h, (p, vals, jnp.arange(chunk)), unroll=unrolled)
 
   per_stage = jax.vmap(jax.checkpoint(stage) if remat else stage, spmd_axis_name=stage_axes())
   indices = jnp.arange(stages)
@@ -240,7 +254,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
 
   state = jnp.concatenate([inputs[:1], jnp.zeros((stages - 1, *inputs.shape[1:]), inputs.dtype)])
   (_, queue), sown = jax.lax.scan(iteration, (state, _constrain(inputs, None, _SENT)),
-                                  jnp.arange(schedule.iterations))
+                                  jnp.arange(schedule.iterations), unroll=unrolled)
   for collection, tree in _per_layer(sown, schedule, summed).items():
     for name, value in tree.items():
       stack.put_variable(collection, name, value)

@@ -12,7 +12,8 @@ gradient accumulation, so what the compiler reports is what the pod would run:
 A scanned layer stack is one while loop whose body the compiler's cost model counts once: its
 FLOPs and bound come from unrolled compiles of 2 and 4 layers, extrapolated to the model's depth
 (each layer costs the same), and its collectives from the real program's HLO, the loop's body
-counted as often as it runs.
+counted as often as it runs. A pipelined step's FLOPs and bound come from compiles of one and two
+layers a stage with the pipeline's loops (its iterations, each stage's layers) unrolled.
 """
 import dataclasses
 import re
@@ -43,6 +44,9 @@ class Costs:
     """self + factor * (other - self), each figure."""
     line = lambda a, b: a + factor * (b - a)
     return Costs(line(self.flops, other.flops), line(self.optimal_seconds, other.optimal_seconds))
+
+  def times(self, factor: float) -> "Costs":
+    return Costs(factor * self.flops, factor * self.optimal_seconds)
 
 
 def _costs(compiled, chip_count: int) -> Costs:
@@ -75,29 +79,54 @@ def _compiler_error(error: Exception) -> str:
 
 
 def step_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
-               compiled, objective: Objective = step.NEXT_TOKEN) -> Costs:
-  """The compiler's costs of the step; for scanned layers, whose loop body it counts once,
-  extrapolated from unrolled compiles of 2 and 4 layers."""
+               compiled=None, objective: Objective = step.NEXT_TOKEN,
+               schedule: pipeline.Schedule | None = None) -> Costs:
+  """The compiler's costs of the step (`compiled`, or compiled here), whose cost model counts a
+  loop's body once. Accumulated microbatches: one microbatch's step times their count (its
+  optimizer update too: a rounding). Scanned layers: extrapolated from unrolled compiles of 2
+  and 4 layers. Pipelined (`schedule`): from compiles of one and two layers a stage's chunk,
+  the pipeline's loops unrolled."""
   chip_count = partitioner.mesh.size
-  if not run.model.compute.scan_layers:
-    return _costs(compiled, chip_count)
-  unrolled = []
-  for depth in (2, 4):
-    model = dataclasses.replace(common.with_compute(run.model, scan_layers=False),
+  trainer = run.trainer
+  if trainer.gradient_accumulation_steps > 1:
+    one = dataclasses.replace(trainer, gradient_accumulation_steps=1,
+                              batch_size=trainer.batch_size // trainer.gradient_accumulation_steps)
+    return step_costs(dataclasses.replace(run, trainer=one), partitioner, None, objective,
+                      schedule).times(trainer.gradient_accumulation_steps)
+  if schedule is not None:
+    per_chunk = schedule.stages * schedule.repeats
+    depths, scan = (per_chunk, 2 * per_chunk), True
+  elif run.model.compute.scan_layers:
+    depths, scan = (2, 4), False
+  else:
+    return _costs(compiled or _compile(run, partitioner, _steps(run, partitioner, objective)),
+                  chip_count)
+  shallow_costs = []
+  for depth in depths:
+    model = dataclasses.replace(common.with_compute(run.model, scan_layers=scan),
                                 num_layers=depth)
-    logging.info("Compiling %d unrolled layers to count the scanned step's costs", depth)
+    logging.info("Compiling %d layers, loops unrolled, to count the step's costs", depth)
     shallow_run = dataclasses.replace(run, model=model)
-    shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, objective))
-    unrolled.append(_costs(shallow, chip_count))
-  return unrolled[0].scaled(unrolled[1], (run.model.num_layers - 2) / 2)
+    # jit's trace cache keys a step on its function and arguments, not on unrolled_loops: a
+    # step traced before (the run's own, where it is this deep) must not be reused, nor these
+    # traces after.
+    jax.clear_caches()
+    try:
+      with pipeline.unrolled_loops():
+        shallow = _compile(shallow_run, partitioner, _steps(shallow_run, partitioner, objective))
+    finally:
+      jax.clear_caches()
+    shallow_costs.append(_costs(shallow, chip_count))
+  return shallow_costs[0].scaled(shallow_costs[1],
+                                 (run.model.num_layers - depths[0]) / (depths[1] - depths[0]))
 
 
 def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
          compiler_costs: bool = True, objective_name: str = "next_token") -> dict[str, Any]:
   """Compiles the run's train step for the topology; the plan's figures, JSON-ready.
 
-  compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers);
-  else those are None for scanned layers. objective_name: the step as that objective
+  compiler_costs: also the compiler's FLOPs and bound (two more compiles for scanned layers or a
+  pipeline); else those are None for scanned layers. objective_name: the step as that objective
   (objectives.OBJECTIVES) trains it, its batch entries and any reference model (in training,
   the data decides).
   """
@@ -152,7 +181,49 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
                                                                       objective=objective)
+  opposite = stages_inside_slices(trainer)
+  if num_slices > 1 and opposite is not None and planned["collective_bytes_per_step"]:
+    planned["stages_inside_slices"] = _opposite_plan(run, opposite, topology_name, num_slices,
+                                                     objective_name)
   return planned
+
+
+def stages_inside_slices(trainer: settings.TrainerConfig):
+  """For a layout with a pipeline's stages across slices and data inside them, the opposite
+  (device_mesh, dcn_mesh): the stages inside each slice and data across them, the same sizes
+  otherwise; None for any other layout."""
+  stage = partitioning.STAGE_AXIS
+  ici, dcn = dict(trainer.device_mesh), dict(trainer.dcn_mesh)
+  stages, data = dcn.get(stage, 1), ici.get("data", 1)
+  if stages < 2 or data == 1 or (data > 0 and data % stages):
+    return None
+  ici = {stage: ici.get(stage, 1) * stages, **{k: v for k, v in ici.items() if k != stage},
+         "data": -1 if data == -1 else data // stages}
+  dcn_data = dcn.get("data", 1)
+  dcn = {**dcn, stage: 1, "data": -1 if dcn_data == -1 else dcn_data * stages}
+  return tuple(ici.items()), tuple(dcn.items())
+
+
+def _opposite_plan(run: settings.RunConfig, layout, topology_name: str, num_slices: int,
+                   objective_name: str) -> dict[str, Any]:
+  """stages_inside_slices' layout planned (no compiler costs): its memory and what it sends
+  across slices, or why it cannot run."""
+  device_mesh, dcn_mesh = layout
+  other = dataclasses.replace(run, trainer=dataclasses.replace(
+      run.trainer, device_mesh=device_mesh, dcn_mesh=dcn_mesh))
+  described = {"device_mesh": dict(device_mesh), "dcn_mesh": dict(dcn_mesh)}
+  logging.info("Planning the stages inside each slice, data across them, to compare")
+  try:
+    planned = plan(other, topology_name, num_slices, False, objective_name)
+  except UserError as e:
+    return {**described, "error": str(e)}
+  return {**described, "fits": planned["fits"], "bytes_per_chip": planned["bytes_per_chip"],
+          "across_slices_bytes": across_slices(planned)}
+
+
+def across_slices(result: dict[str, Any]) -> int:
+  """A plan's bytes per chip per step sent across slices, every kind."""
+  return sum(v for k, v in result["collective_bytes_per_step"].items() if "across slices" in k)
 
 
 def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partitioner,
@@ -178,11 +249,8 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
-  # The cost model counts a loop's body once, and a pipeline's loops (iterations, then each
-  # stage's layers) have no unrolled equivalent to count them by.
-  costs = (step_costs(run, partitioner, compiled, steps.objective)
-           if (compiler_costs or not run.model.compute.scan_layers)
-           and steps.pipeline_schedule is None else None)
+  costs = (step_costs(run, partitioner, compiled, steps.objective, steps.pipeline_schedule)
+           if compiler_costs or not run.model.compute.scan_layers else None)
   return {
       "bytes_per_chip": needed,
       "argument_bytes_per_chip": memory.argument_size_in_bytes,
@@ -252,9 +320,27 @@ def describe(result: dict[str, Any]) -> str:
       "collective bytes per chip per step: " + (", ".join(
           f"{k} {gib(v)}" for k, v in result["collective_bytes_per_step"].items() if v) or "none"),
       f"the compiler counts {flops:.4g} FLOPs per step" if flops is not None else
-      "the compiler's FLOPs and bound: not counted (" + (
-          "a pipelined step's loops" if result.get("pipeline") else "--nocompiler_costs") + ")",
+      "the compiler's FLOPs and bound: not counted (--nocompiler_costs)",
       "compiler's idealized bound: " + (f"{bound:.4g} s (a relative signal between compiles, "
                                         "not a step time)" if bound else "none given"),
   ]
+  if "stages_inside_slices" in result:
+    lines.append(_compared_layouts(result))
   return "\n".join(lines)
+
+
+def _compared_layouts(result: dict[str, Any]) -> str:
+  """The stages across slices against inside them (stages_inside_slices): a warning where the
+  other layout fits and sends less across slices."""
+  other = result["stages_inside_slices"]
+  meshes = f"device_mesh {other['device_mesh']}, dcn_mesh {other['dcn_mesh']}"
+  if "error" in other:
+    return f"the stages inside each slice instead ({meshes}) cannot run: {other['error']}"
+  ours, theirs = across_slices(result), other["across_slices_bytes"]
+  figures = (f"{theirs / GIB:.3g} GiB a chip per step across slices against these stages' "
+             f"{ours / GIB:.3g}; HBM {other['bytes_per_chip'] / GIB:.2f} GiB a chip")
+  if other["fits"] and theirs < ours:
+    return (f"warning: the stages inside each slice and data across them send less across "
+            f"slices ({meshes}): {figures}")
+  return f"the stages inside each slice instead ({meshes}): {figures}" + (
+      "" if other["fits"] else ", does not fit")

@@ -290,9 +290,8 @@ def accumulated_loss_and_grads(model: nn.Module, params, batch: Batch, num_micro
     parts_and_grads = _per_share(parts_and_grads, *unreduced)
 
   def split(rows):
-    microbatches = rows.reshape(rows.shape[0] // num_microbatches, num_microbatches,
-                                *rows.shape[1:]).swapaxes(0, 1)
-    return nn.with_logical_constraint(microbatches, (None, "batch", *_within_row(rows)))
+    return nn.with_logical_constraint(pipeline.microbatches(rows, num_microbatches),
+                                      (None, "batch", *_within_row(rows)))
   microbatches = jax.tree.map(split, batch)
 
   def add(sums, indexed):
