@@ -321,6 +321,15 @@ def test_decode_steps_dispatched_together_generate_as_one_at_a_time():
   for (_, _, a), (_, _, b) in zip(one, together):
     np.testing.assert_allclose(b, a, atol=1e-6)
   assert {f for _, f, _ in one} == {"stop", "length"}
+  # Steps dispatched together that cross from rows of 64 to 128: the rows grow before them.
+  long = dataclasses.replace(cfg, seq_len=128)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (60, 57)]
+  grown = [Engine(long, params, slots=2, decode_steps=steps).generate(
+      prompts, dataclasses.replace(base, max_tokens=20)) for steps in (1, 8)]
+  for alone, together in zip(*grown):
+    assert together.tokens == alone.tokens and len(alone.tokens) == 20
+    np.testing.assert_allclose(together.logprobs, alone.logprobs, atol=1e-6)
 
 
 def test_a_cancelled_request_frees_its_slot_at_once():
@@ -353,7 +362,12 @@ def test_warm_up_compiles_every_shape_and_writes_nothing():
   assert warm.warm_up() == 3 * (2 + 1)
   # The sampler (its sort over the vocabulary is most of a TPU compile) once per row count.
   assert sorted(warm._samplers, key=str) == [1, 2, None]  # pylint: disable=protected-access
-  compiled = lambda: (warm._compiled(), engine_lib._fitted._cache_size())  # pylint: disable=protected-access
+  # pylint: disable=protected-access
+  compiled = lambda: (warm._compiled(), engine_lib._fitted._cache_size(),
+                      # Each sampler's programs: a decode step fed the one before's device
+                      # arrays compiles none more than one fed the host's.
+                      sorted((str(rows), s._cache_size()) for rows, s in warm._samplers.items()))
+  # pylint: enable=protected-access
   before = compiled()
   tokens = [r.tokens for r in warm.generate(prompts, sampling.apart(7))]
   assert compiled() == before

@@ -300,13 +300,18 @@ def test_the_batch_search_refuses_a_pipelined_run(tiny_config, tmp_path):
 @pytest.mark.parametrize("device_mesh, dcn_mesh, opposite", [
     ((("stage", 1), ("data", -1), ("model", 8)), (("stage", 4), ("data", 1)),
      ((("stage", 4), ("data", -1), ("model", 8)), (("stage", 1), ("data", 4)))),
+    # configs/llama.py:70b's: a stage per slice.
+    ((("stage", 1), ("data", -1), ("model", 8)), (("stage", -1), ("data", 1)),
+     ((("stage", 4), ("data", -1), ("model", 8)), (("stage", 1), ("data", 4)))),
     ((("data", 8),), (("stage", 2), ("data", -1)),
-     ((("stage", 2), ("data", 4)), (("stage", 1), ("data", -1)))),
+     ((("stage", 2), ("data", 4)), (("stage", 1), ("data", 4)))),
+    ((("data", 8), ("stage", 1)), (("stage", 4),),  # The axes' order kept.
+     ((("data", 2), ("stage", 4)), (("stage", 1), ("data", 4)))),
     ((("data", 6),), (("stage", 4),), None),  # The stages do not divide the data inside.
     ((("stage", 1), ("data", 1), ("model", 8)), (("stage", 4),), None),  # No data inside.
-    ((("stage", 2), ("data", -1)), (("data", 2),), None),  # The stages are inside already.
+    ((("stage", 2), ("data", -1)), (("data", 4),), None),  # The stages are inside already.
 ])
 def test_the_opposite_of_stages_across_slices_keeps_the_other_sizes(device_mesh, dcn_mesh,
                                                                      opposite):
   trainer = types.SimpleNamespace(device_mesh=device_mesh, dcn_mesh=dcn_mesh)
-  assert planner.stages_inside_slices(trainer) == opposite
+  assert planner.stages_inside_slices(trainer, num_slices=4) == opposite

@@ -58,8 +58,9 @@ if __name__ == "__main__":
                        lower_bound=1)
   flags.DEFINE_integer("decode_steps", 8, "Decode steps the device runs before the host reads "
                        "their tokens, while no prompt prefills: fewer host round trips, at most "
-                       "decode_steps - 1 tokens past a stop computed and dropped, and tokens "
-                       "streamed in groups.", lower_bound=1)
+                       "decode_steps - 1 tokens past a stop computed and dropped, tokens "
+                       "streamed in groups, and a new request's prefill up to that many steps "
+                       "later.", lower_bound=1)
   flags.DEFINE_integer("tensor_parallel", 1, "Devices each layer's heads and widths split over "
                        "(the rest take slots); their count must divide the devices.",
                        lower_bound=1)

@@ -349,9 +349,11 @@ class Engine:
               _adjustments(none[:count]))
         fn = self._decode.get(length) or self._compile(None, length)
         zeros = np.zeros(self.slots, np.int32)
-        self._cache, self._sampled, *_ = fn(
-            self.params, self._cache, self._sampled, np.arange(self.slots, dtype=np.int32),
-            zeros[:, None], zeros, zeros, self._settings(none), ())
+        following = (zeros[:, None], zeros, zeros, self._settings(none))
+        for _ in range(2):  # From the host's inputs, then from the step before's on the device.
+          self._cache, self._sampled, _, _, following = fn(
+              self.params, self._cache, self._sampled, np.arange(self.slots, dtype=np.int32),
+              *following, ())
       for length in lengths:  # Every resize between them, from the longest rows now.
         for other in [n for n in lengths if n != length]:
           self._resize_to(other)
@@ -397,9 +399,11 @@ class Engine:
     # No more steps than the longest-running request may still take.
     steps = 1 if prefilling or not decoding else min(
         self.decode_steps, max(r.sampling.max_tokens - len(r.tokens) for r in decoding))
-    # Rows long enough for every live request's tokens by the end of this step.
+    # Rows long enough for every live request's tokens by the end of this step (a request's
+    # steps past its max_tokens write tokens that are dropped, wherever they land).
     needed = [min(r._prefilled + self.prefill_chunk, len(r.prompt)) if r in prefilling
-              else len(r.prompt) + len(r.tokens) + steps - 1
+              else len(r.prompt) + len(r.tokens)
+              + min(steps, r.sampling.max_tokens - len(r.tokens)) - 1
               for r in self._running if r is not None]
     if needed:
       self._resize_to(_bucket(max(needed), self.max_len, _MIN_BUCKET))

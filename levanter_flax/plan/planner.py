@@ -16,6 +16,7 @@ counted as often as it runs. A pipelined step's FLOPs and bound come from compil
 layers a stage with the pipeline's loops (its iterations, each stage's layers) unrolled.
 """
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -181,26 +182,29 @@ def plan(run: settings.RunConfig, topology_name: str, num_slices: int = 1,
     # Whether any batch fits: the step of one sequence per data-parallel device, no accumulation.
     planned["smallest_step_bytes_per_chip"] = batch_search.step_bytes(run, partitioner, 1,
                                                                       objective=objective)
-  opposite = stages_inside_slices(trainer)
+  opposite = stages_inside_slices(trainer, num_slices)
   if num_slices > 1 and opposite is not None and planned["collective_bytes_per_step"]:
     planned["stages_inside_slices"] = _opposite_plan(run, opposite, topology_name, num_slices,
                                                      objective_name)
   return planned
 
 
-def stages_inside_slices(trainer: settings.TrainerConfig):
+def stages_inside_slices(trainer: settings.TrainerConfig, num_slices: int):
   """For a layout with a pipeline's stages across slices and data inside them, the opposite
-  (device_mesh, dcn_mesh): the stages inside each slice and data across them, the same sizes
-  otherwise; None for any other layout."""
+  (device_mesh, dcn_mesh): the stages inside each slice and data across them, the other sizes
+  kept; None for any other layout."""
   stage = partitioning.STAGE_AXIS
   ici, dcn = dict(trainer.device_mesh), dict(trainer.dcn_mesh)
+  if -1 in dcn.values():  # The one axis of the slices left: num_slices over the others.
+    rest = math.prod(size for size in dcn.values() if size != -1)
+    dcn = {axis: num_slices // rest if size == -1 else size for axis, size in dcn.items()}
   stages, data = dcn.get(stage, 1), ici.get("data", 1)
   if stages < 2 or data == 1 or (data > 0 and data % stages):
     return None
-  ici = {stage: ici.get(stage, 1) * stages, **{k: v for k, v in ici.items() if k != stage},
-         "data": -1 if data == -1 else data // stages}
-  dcn_data = dcn.get("data", 1)
-  dcn = {**dcn, stage: 1, "data": -1 if dcn_data == -1 else dcn_data * stages}
+  ici = dict(ici) if stage in ici else {stage: 1, **ici}
+  ici[stage] *= stages
+  ici["data"] = -1 if data == -1 else data // stages
+  dcn = {**dcn, stage: 1, "data": dcn.get("data", 1) * stages}
   return tuple(ici.items()), tuple(dcn.items())
 
 
@@ -249,8 +253,11 @@ def _memory_and_costs(run: settings.RunConfig, partitioner: partitioning.Partiti
             "collective_bytes_per_step": {}}
   memory = compiled.memory_analysis()
   needed = batch_search.needed_bytes(memory)
-  costs = (step_costs(run, partitioner, compiled, steps.objective, steps.pipeline_schedule)
-           if compiler_costs or not run.model.compute.scan_layers else None)
+  if compiler_costs:
+    costs = step_costs(run, partitioner, compiled, steps.objective, steps.pipeline_schedule)
+  else:  # No more compiles: the step's own count, where it has no loop the count misses.
+    costs = (_costs(compiled, partitioner.mesh.size) if not run.model.compute.scan_layers
+             and run.trainer.gradient_accumulation_steps == 1 else None)
   return {
       "bytes_per_chip": needed,
       "argument_bytes_per_chip": memory.argument_size_in_bytes,
