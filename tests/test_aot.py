@@ -43,8 +43,9 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     slices.devices("v5e:2x2")
 
 
-def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slices():
+def test_collective_bytes_count_tuples_async_outputs_loops_permutes_and_what_crosses_slices():
   text = "\n".join([
+      "HloModule jit_train_step, is_scheduled=true, num_partitions=4",
       "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
       "  %g = bf16[64]{0} all-gather(%x), channel_id=7, dimensions={0}",  # 3 times: 384 bytes.
       "}",
@@ -61,6 +62,11 @@ def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slic
       "channel_id=2",
       "  %c = (f32[192]{0}, f32[6]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%p), "
       "channel_id=3",
+      # A cyclic shift's two phases, each received by half of the 4 chips: 16 bytes each.
+      "  %s0 = f32[8]{0} collective-permute(%z), channel_id=9, "
+      "source_target_pairs={{2,0},{3,1}}",
+      "  %s1 = f32[8]{0} collective-permute(%z), channel_id=10, "
+      "source_target_pairs={{0,2},{1,3}}",
       "  %d = bf16[64]{0} reduce-scatter(%z), channel_id=4, dimensions={0}",
       # The smaller of its operand (%rows: 16 x 8 bf16) and its buffer (64 rows); and back.
       "  %rows = bf16[16,8]{1,0:T(8,128)(2,1)} copy-done(%rows-start)",
@@ -77,7 +83,7 @@ def test_collective_bytes_count_tuples_async_outputs_loops_and_what_crosses_slic
       "  ROOT %e = f32[7]{0} add(%all-gather, %all-reduce)",
       "}"])
   assert hlo.collective_bytes(text) == {
-      "all-reduce": 60, "all-gather": (12 + 8) * 2 + 3 * 128, "collective-permute": 24,
+      "all-reduce": 60, "all-gather": (12 + 8) * 2 + 3 * 128, "collective-permute": 24 + 2 * 16,
       "reduce-scatter": 128, "all-to-all": 0, "ragged-all-to-all": 2 * 16 * 8 * 2,
       "all-reduce across slices": 192 * 32 * 4}
 

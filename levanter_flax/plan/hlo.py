@@ -2,7 +2,9 @@
 counted as often as its computation runs (a scanned layer stack's loop body, once per layer).
 A ragged all-to-all counts the smaller of its operand and its output buffer: a device sends no
 more than the one and receives no more than the other, and over the devices the two are
-equal, whatever part of the padded buffers the routing fills."""
+equal, whatever part of the padded buffers the routing fills. A collective permute counts its
+result on the share of the chips it delivers to (XLA splits a cyclic shift into two permutes,
+each chip receiving in one of them)."""
 import math
 import re
 from typing import Optional
@@ -21,6 +23,8 @@ _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*?)\s[\w.-]+\(")
 # What a multi-slice program sends over the data-center network: host transfers that the
 # megascale runtime carries, one per collective's share that leaves the slice.
 _DCN_SEND = re.compile(r"=\s*\((.*?)\)\s+send\(.*_xla_megascale_transfer_type=\"?([A-Z_]+)")
+_PARTITIONS = re.compile(r"^HloModule\b.*?\bnum_partitions=(\d+)", re.MULTILINE)
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _DCN_KINDS = {"ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
               "ALL_REDUCE": "all-reduce", "ALL_TO_ALL": "all-to-all",
               "ONE_TO_ONE": "collective-permute"}
@@ -56,8 +60,9 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   layer stack), as many times as its condition's bound. One collective may appear in several
   computations (TPU's async collective fusions copy it): its channel_id counts it once.
   """
-  found: dict[str, tuple[str, int, int]] = {}  # channel (or line) -> (key, bytes, runs).
+  found: dict[str, tuple[str, float, int]] = {}  # channel (or line) -> (key, bytes, runs).
   computations, entry = _computations(hlo_text)
+  partitions = _PARTITIONS.search(hlo_text)
   for name, runs in _runs(computations, entry).items():
     for index, line in enumerate(computations[name]):
       op, send = _OP.search(line), _DCN_SEND.search(line)
@@ -77,12 +82,24 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         continue
       channel = re.search(r"channel_id=(\d+)", line)
       identity = f"{key} {channel.group(1)}" if channel else f"{name} {index}"
+      size = _array_bytes(result)
+      if key == "collective-permute" and partitions:
+        size *= _receiving_share(line, int(partitions.group(1)))
       earlier = found.get(identity, (key, 0, 0))
-      found[identity] = (key, max(earlier[1], _array_bytes(result)), max(earlier[2], runs))
+      found[identity] = (key, max(earlier[1], size), max(earlier[2], runs))
   totals = {kind: 0 for kind in COLLECTIVES}
   for key, size, runs in found.values():
     totals[key] = totals.get(key, 0) + size * runs
-  return totals
+  return {kind: round(total) for kind, total in totals.items()}
+
+
+def _receiving_share(line: str, partitions: int) -> float:
+  """The share of the program's chips a collective permute delivers to (its pairs' targets);
+  all of them where its line names no pairs."""
+  pairs = _PAIRS.search(line)
+  if not pairs:
+    return 1.0
+  return len(set(re.findall(r"\{\d+,(\d+)\}", pairs.group(1)))) / partitions
 
 
 def _defined_type(lines: list[str], value: str) -> Optional[str]:
