@@ -119,27 +119,26 @@ _CONTEXT = threading.local()
 
 
 @contextlib.contextmanager
-def scheduled(config: PipelineConfig):
-  """Within it, a model traced on a mesh with a `stage` axis pipelines its layer stack."""
-  previous = getattr(_CONTEXT, "config", None)
-  _CONTEXT.config = config
+def _within(name: str, value):
+  """_CONTEXT.<name> is `value` within it, its value before after."""
+  previous = getattr(_CONTEXT, name, None)
+  setattr(_CONTEXT, name, value)
   try:
     yield
   finally:
-    _CONTEXT.config = previous
+    setattr(_CONTEXT, name, previous)
 
 
-@contextlib.contextmanager
+def scheduled(config: PipelineConfig):
+  """Within it, a model traced on a mesh with a `stage` axis pipelines its layer stack."""
+  return _within("config", config)
+
+
 def unrolled_loops():
   """Within it, a pipeline's loops (its iterations, each stage's layers) trace unrolled: the
   compiler's cost model counts a loop's body once (the planner counts a pipelined step's
   FLOPs by it)."""
-  previous = getattr(_CONTEXT, "unrolled", False)
-  _CONTEXT.unrolled = True
-  try:
-    yield
-  finally:
-    _CONTEXT.unrolled = previous
+  return _within("unrolled", True)
 
 
 def stage_axes() -> tuple[str, ...]:
@@ -159,16 +158,11 @@ def schedule_in_context() -> Schedule | None:
 
 def in_stage() -> bool:
   """Whether the model being traced is one stage's chunk, vmapped over the stages."""
-  return getattr(_CONTEXT, "in_stage", False)
+  return bool(getattr(_CONTEXT, "in_stage", False))
 
 
-@contextlib.contextmanager
 def _tracing_a_stage():
-  _CONTEXT.in_stage = True
-  try:
-    yield
-  finally:
-    _CONTEXT.in_stage = False
+  return _within("in_stage", True)
 
 
 def microbatches(rows: jax.Array, count: int) -> jax.Array:
@@ -206,7 +200,7 @@ def run(layer_cls, cfg, stack: nn.Module, x: jax.Array, shared, per_layer,
       lambda a: microbatches(jnp.broadcast_to(a, (batch, *a.shape[1:])), count), shared)
   dropout = stack.make_rng("dropout") if stack.has_rng("dropout") else None
   layer = _Named(layer_cls, cfg, stack.name)
-  unrolled = getattr(_CONTEXT, "unrolled", False)
+  unrolled = bool(getattr(_CONTEXT, "unrolled", False))
 
   @_tracing_a_stage()
   def stage(p, h, sh, vals, index, step):
